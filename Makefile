@@ -1,0 +1,88 @@
+# restps - distributed neural-network training in C, parameter-server style.
+#   make            build bin/psd, bin/workerd, build/libps.a
+#   make asan       the same with AddressSanitizer + UBSan, into build/asan/
+#   make test       install what is missing, build both, run every test
+#   make bench      benchmarks against nginx, printing ratios
+#   make deps       apt-get what is missing (quiet, idempotent)
+#   make demo       train on Fashion-MNIST and show where to look
+
+CC      ?= cc
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -Icommon -Iserver -Iclient
+LDLIBS_SERVER = -lmicrohttpd -ljansson -lpthread -lm
+LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
+
+BUILD ?= build
+BIN   ?= bin
+
+COMMON_SRC = common/cluster.c common/flags.c common/log.c common/safetensors.c common/tensor.c
+SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
+             server/status.c server/store.c server/vars.c
+CLIENT_SRC = client/libps.c
+
+COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
+SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o)
+CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
+
+ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+
+.PHONY: all asan test test-unit test-system deps bench demo clean help
+all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c -o $@ $<
+
+$(BUILD)/libps.a: $(CLIENT_OBJ) $(COMMON_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
+
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
+
+# A libps client that pushes and pulls concurrently (the consistency test).
+$(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
+
+# Unit tests (cmocka), one binary per module.
+UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_flags
+$(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
+
+bench-bins: $(BIN)/bench_pull
+
+$(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
+
+asan:
+	$(MAKE) BUILD=build/asan BIN=build/asan/bin CFLAGS="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
+
+unit-bins: $(UNIT_TESTS:%=$(BIN)/%)
+
+deps:
+	@sh scripts/deps.sh
+	@sh scripts/npm-deps.sh
+
+test: deps
+	$(MAKE) all unit-bins
+	$(MAKE) asan
+	sh tests/run.sh
+
+bench: deps all bench-bins
+	sh bench/run.sh
+
+demo: deps all
+	sh deploy/local/demo.sh
+
+clean:
+	rm -rf build bin
+
+-include $(shell find build -name '*.d' 2>/dev/null)

@@ -1,0 +1,574 @@
+/* libps.c - psd's HTTP contract over libcurl: one keep-alive easy handle per
+ * shard, bodies read straight into the caller's buffers and sent straight from
+ * them, retries with backoff where a retry cannot apply anything twice. */
+#include "libps.h"
+
+#include <curl/curl.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cluster.h"
+
+#define JSON_LIMIT ((size_t)256 << 20)
+
+struct ps_client {
+    int n;
+    CURL **h;
+    char (*base)[CLUSTER_HOST_MAX + 32]; /* "http://host:port" */
+    char (*label)[CLUSTER_HOST_MAX + 32]; /* "ps 0 (host:port)" */
+    ps_options opt;
+    char *auth;  /* "Authorization: Bearer ..." or NULL */
+    char err[1024];
+    long status;
+};
+
+/* Where an answer goes. */
+typedef struct sink {
+    CURL *h;
+    unsigned char *buf;
+    size_t cap, len;
+    int growable;  /* buf is ours, grow up to JSON_LIMIT */
+    int overflow;
+    char errbody[1024];
+    size_t errlen;
+    /* headers we read */
+    char shape[256];
+    int has_shape;
+    uint64_t version;
+    int64_t global_step;
+    int has_step;
+} sink;
+
+/* What a request sends. */
+typedef struct source {
+    const unsigned char *part[2];
+    size_t len[2];
+    size_t idx, pos;
+} source;
+
+enum retry_mode { RETRY_ANY, RETRY_CONNECT_ONLY };
+
+static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
+static CURLcode curl_init_rc;
+static void curl_init(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+
+static void set_err(ps_client *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_err(ps_client *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof(c->err), fmt, ap);
+    va_end(ap);
+}
+
+const char *ps_error(const ps_client *c) { return c->err; }
+long ps_http_status(const ps_client *c) { return c->status; }
+int ps_shards(const ps_client *c) { return c->n; }
+
+ps_client *ps_client_new(const char *const *hosts, int n, const ps_options *opt, char *err,
+                         size_t errlen)
+{
+    pthread_once(&curl_once, curl_init);
+    if (curl_init_rc != CURLE_OK) {
+        snprintf(err, errlen, "libcurl init failed: %s", curl_easy_strerror(curl_init_rc));
+        return NULL;
+    }
+    if (n < 1) {
+        snprintf(err, errlen, "no ps hosts given");
+        return NULL;
+    }
+    ps_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        goto oom;
+    c->n = n;
+    c->h = calloc((size_t)n, sizeof(*c->h));
+    c->base = calloc((size_t)n, sizeof(*c->base));
+    c->label = calloc((size_t)n, sizeof(*c->label));
+    if (!c->h || !c->base || !c->label)
+        goto oom;
+    c->opt.timeout_ms = 30000;
+    c->opt.connect_timeout_ms = 3000;
+    c->opt.retries = 3;
+    c->opt.backoff_ms = 100;
+    if (opt) {
+        if (opt->timeout_ms > 0)
+            c->opt.timeout_ms = opt->timeout_ms;
+        if (opt->connect_timeout_ms > 0)
+            c->opt.connect_timeout_ms = opt->connect_timeout_ms;
+        if (opt->retries >= 0)
+            c->opt.retries = opt->retries;
+        if (opt->backoff_ms > 0)
+            c->opt.backoff_ms = opt->backoff_ms;
+        if (opt->token && asprintf(&c->auth, "Authorization: Bearer %s", opt->token) < 0)
+            goto oom;
+    }
+    for (int i = 0; i < n; i++) {
+        cluster_addr a;
+        if (cluster_parse_addr(hosts[i], &a, err, errlen) != 0) {
+            ps_client_free(c);
+            return NULL;
+        }
+        const char *fmt = strchr(a.host, ':') ? "http://[%s]:%d" : "http://%s:%d";
+        snprintf(c->base[i], sizeof(c->base[i]), fmt, a.host, a.port);
+        snprintf(c->label[i], sizeof(c->label[i]), "ps %d (%s)", i, c->base[i] + 7);
+        if (!(c->h[i] = curl_easy_init()))
+            goto oom;
+    }
+    return c;
+oom:
+    snprintf(err, errlen, "out of memory");
+    ps_client_free(c);
+    return NULL;
+}
+
+void ps_client_free(ps_client *c)
+{
+    if (!c)
+        return;
+    for (int i = 0; c->h && i < c->n; i++)
+        if (c->h[i])
+            curl_easy_cleanup(c->h[i]);
+    free(c->h);
+    free(c->base);
+    free(c->label);
+    free(c->auth);
+    free(c);
+}
+
+static size_t on_write(char *p, size_t size, size_t nmemb, void *ud)
+{
+    sink *s = ud;
+    size_t n = size * nmemb;
+    long code = 0;
+    curl_easy_getinfo(s->h, CURLINFO_RESPONSE_CODE, &code);
+    if (code >= 300) {
+        size_t room = sizeof(s->errbody) - 1 - s->errlen;
+        size_t k = n < room ? n : room;
+        memcpy(s->errbody + s->errlen, p, k);
+        s->errlen += k;
+        s->errbody[s->errlen] = '\0';
+        return n;
+    }
+    if (s->len + n > s->cap) {
+        if (!s->growable || s->len + n > JSON_LIMIT) {
+            s->overflow = 1;
+            return 0;
+        }
+        size_t nc = s->cap ? s->cap : 4096;
+        while (nc < s->len + n)
+            nc *= 2;
+        unsigned char *nb = realloc(s->buf, nc);
+        if (!nb) {
+            s->overflow = 1;
+            return 0;
+        }
+        s->buf = nb;
+        s->cap = nc;
+    }
+    memcpy(s->buf + s->len, p, n);
+    s->len += n;
+    return n;
+}
+
+/* Case-insensitive "Name:" match; returns the trimmed value or NULL. */
+static const char *header_value(const char *line, size_t n, const char *name, char *out,
+                                size_t outcap)
+{
+    size_t nl = strlen(name);
+    if (n <= nl || strncasecmp(line, name, nl) != 0 || line[nl] != ':')
+        return NULL;
+    const char *v = line + nl + 1, *e = line + n;
+    while (v < e && (*v == ' ' || *v == '\t'))
+        v++;
+    while (e > v && (e[-1] == '\r' || e[-1] == '\n' || e[-1] == ' '))
+        e--;
+    size_t l = (size_t)(e - v);
+    if (l >= outcap)
+        l = outcap - 1;
+    memcpy(out, v, l);
+    out[l] = '\0';
+    return out;
+}
+
+static size_t on_header(char *p, size_t size, size_t nmemb, void *ud)
+{
+    sink *s = ud;
+    size_t n = size * nmemb;
+    char v[256];
+    if (n >= 5 && strncmp(p, "HTTP/", 5) == 0) { /* a new response: forget the last one's */
+        s->has_shape = s->has_step = 0;
+        s->version = 0;
+    } else if (header_value(p, n, "X-Shape", v, sizeof(v))) {
+        snprintf(s->shape, sizeof(s->shape), "%s", v);
+        s->has_shape = 1;
+    } else if (header_value(p, n, "X-Version", v, sizeof(v))) {
+        s->version = strtoull(v, NULL, 10);
+    } else if (header_value(p, n, "X-Global-Step", v, sizeof(v))) {
+        s->global_step = strtoll(v, NULL, 10);
+        s->has_step = 1;
+    } else if (!s->growable && header_value(p, n, "Content-Length", v, sizeof(v))) {
+        long code = 0;
+        curl_easy_getinfo(s->h, CURLINFO_RESPONSE_CODE, &code);
+        if (code < 300 && strtoull(v, NULL, 10) > s->cap) {
+            s->overflow = 1;
+            return 0; /* stop before reading a body that cannot fit */
+        }
+    }
+    return n;
+}
+
+static size_t on_read(char *p, size_t size, size_t nmemb, void *ud)
+{
+    source *src = ud;
+    size_t room = size * nmemb, done = 0;
+    while (done < room && src->idx < 2) {
+        size_t left = src->len[src->idx] - src->pos;
+        if (left == 0) {
+            src->idx++;
+            src->pos = 0;
+            continue;
+        }
+        size_t k = left < room - done ? left : room - done;
+        memcpy(p + done, src->part[src->idx] + src->pos, k);
+        src->pos += k;
+        done += k;
+    }
+    return done;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+    }
+}
+
+/* One request with retries. method: "GET", "PUT", "POST". extra: NULL-ended
+ * header lines. src may be NULL. The answer lands in s. */
+static int do_request(ps_client *c, int shard, const char *method, const char *path,
+                      const char *const *extra, source *src, sink *s, enum retry_mode mode)
+{
+    if (shard < 0 || shard >= c->n) {
+        set_err(c, "shard %d out of range (the cluster has %d ps tasks)", shard, c->n);
+        return PS_EINVAL;
+    }
+    CURL *h = c->h[shard];
+    char url[CLUSTER_HOST_MAX + 32 + 512];
+    if ((size_t)snprintf(url, sizeof(url), "%s%s", c->base[shard], path) >= sizeof(url)) {
+        set_err(c, "path too long: %.100s", path);
+        return PS_EINVAL;
+    }
+    struct curl_slist *hdrs = NULL, *t;
+#define ADD_HEADER(x)                                                                              \
+    do {                                                                                           \
+        if (!(t = curl_slist_append(hdrs, (x)))) {                                                 \
+            curl_slist_free_all(hdrs);                                                             \
+            set_err(c, "out of memory");                                                           \
+            return PS_ENOMEM;                                                                      \
+        }                                                                                          \
+        hdrs = t;                                                                                  \
+    } while (0)
+    ADD_HEADER("Expect:");
+    if (c->auth)
+        ADD_HEADER(c->auth);
+    for (int i = 0; extra && extra[i]; i++)
+        ADD_HEADER(extra[i]);
+#undef ADD_HEADER
+
+    long wait = c->opt.backoff_ms;
+    int rc = PS_ENET;
+    size_t start_len = s->len;
+    for (int attempt = 0;; attempt++) {
+        curl_easy_reset(h);
+        s->h = h;
+        s->len = start_len;
+        s->overflow = 0;
+        s->errlen = 0;
+        s->errbody[0] = '\0';
+        c->status = 0;
+        curl_easy_setopt(h, CURLOPT_URL, url);
+        curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
+        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_write);
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, s);
+        curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, on_header);
+        curl_easy_setopt(h, CURLOPT_HEADERDATA, s);
+        curl_easy_setopt(h, CURLOPT_BUFFERSIZE, 1L << 20);
+        curl_easy_setopt(h, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
+        curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, c->opt.timeout_ms);
+        curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, c->opt.connect_timeout_ms);
+        curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h, CURLOPT_PROXY, ""); /* a cluster is never behind http_proxy */
+        if (src) {
+            src->idx = 0;
+            src->pos = 0;
+            curl_off_t total = (curl_off_t)(src->len[0] + src->len[1]);
+            curl_easy_setopt(h, CURLOPT_READFUNCTION, on_read);
+            curl_easy_setopt(h, CURLOPT_READDATA, src);
+            if (strcmp(method, "PUT") == 0) {
+                curl_easy_setopt(h, CURLOPT_UPLOAD, 1L);
+                curl_easy_setopt(h, CURLOPT_INFILESIZE_LARGE, total);
+            } else {
+                curl_easy_setopt(h, CURLOPT_POST, 1L);
+                curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, total);
+            }
+        } else if (strcmp(method, "GET") != 0) {
+            curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, method);
+        }
+        CURLcode cr = curl_easy_perform(h);
+        long code = 0;
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+        c->status = code;
+        if (cr == CURLE_OK && code < 300) {
+            rc = PS_OK;
+            break;
+        }
+        if (s->overflow) {
+            set_err(c, "%s: %s %s: the answer does not fit the buffer of %zu bytes", c->label[shard],
+                    method, path, s->cap);
+            rc = PS_ETOOBIG;
+            break;
+        }
+        int retryable;
+        if (cr == CURLE_OK) {
+            /* the server answered with an error: quote its message */
+            const char *msg = s->errbody;
+            json_t *j = json_loads(s->errbody, 0, NULL);
+            if (j && json_is_string(json_object_get(j, "error")))
+                msg = json_string_value(json_object_get(j, "error"));
+            set_err(c, "%s: %s %s: HTTP %ld: %s", c->label[shard], method, path, code, msg);
+            json_decref(j);
+            rc = PS_EHTTP;
+            retryable = code == 503 && mode == RETRY_ANY;
+        } else {
+            set_err(c, "%s: %s %s: %s", c->label[shard], method, path, curl_easy_strerror(cr));
+            rc = PS_ENET;
+            retryable = mode == RETRY_ANY || cr == CURLE_COULDNT_CONNECT;
+        }
+        if (!retryable || attempt >= c->opt.retries)
+            break;
+        sleep_ms(wait);
+        wait *= 2;
+    }
+    curl_slist_free_all(hdrs);
+    return rc;
+}
+
+static int get_json(ps_client *c, int shard, const char *method, const char *path,
+                    const char *const *extra, source *src, enum retry_mode mode, json_t **out)
+{
+    sink s = {.growable = 1};
+    int rc = do_request(c, shard, method, path, extra, src, &s, mode);
+    if (rc == PS_OK) {
+        json_error_t je;
+        *out = json_loadb((const char *)s.buf, s.len, 0, &je);
+        if (!*out) {
+            set_err(c, "%s: %s %s: answer is not JSON: %s", c->label[shard], method, path, je.text);
+            rc = PS_EPROTO;
+        }
+    }
+    free(s.buf);
+    return rc;
+}
+
+static int check_name(ps_client *c, const char *name)
+{
+    char e[256];
+    if (!name || tensor_name_check(name, e, sizeof(e)) != 0) {
+        set_err(c, "bad variable name: %s", name ? e : "NULL");
+        return PS_EINVAL;
+    }
+    return PS_OK;
+}
+
+static int shape_from_json(json_t *a, tensor_shape *out)
+{
+    if (!json_is_array(a) || json_array_size(a) > TENSOR_MAX_DIMS)
+        return -1;
+    out->ndim = (int)json_array_size(a);
+    for (int i = 0; i < out->ndim; i++) {
+        json_t *d = json_array_get(a, (size_t)i);
+        if (!json_is_integer(d) || json_integer_value(d) < 0)
+            return -1;
+        out->dims[i] = json_integer_value(d);
+    }
+    return 0;
+}
+
+int ps_list(ps_client *c, int shard, ps_var_info **vars, int *n, int64_t *global_step)
+{
+    json_t *j;
+    int rc = get_json(c, shard, "GET", "/v1/vars", NULL, NULL, RETRY_ANY, &j);
+    if (rc)
+        return rc;
+    json_t *arr = json_object_get(j, "vars"), *gs = json_object_get(j, "global_step");
+    if (!json_is_array(arr) || !json_is_integer(gs)) {
+        json_decref(j);
+        set_err(c, "%s: GET /v1/vars: answer lacks vars or global_step", c->label[shard]);
+        return PS_EPROTO;
+    }
+    size_t k = json_array_size(arr);
+    ps_var_info *v = calloc(k ? k : 1, sizeof(*v));
+    if (!v) {
+        json_decref(j);
+        set_err(c, "out of memory");
+        return PS_ENOMEM;
+    }
+    for (size_t i = 0; i < k; i++) {
+        json_t *e = json_array_get(arr, i);
+        const char *name = json_string_value(json_object_get(e, "name"));
+        if (!name || strlen(name) > TENSOR_NAME_MAX ||
+            shape_from_json(json_object_get(e, "shape"), &v[i].shape) != 0) {
+            free(v);
+            json_decref(j);
+            set_err(c, "%s: GET /v1/vars: malformed entry %zu", c->label[shard], i);
+            return PS_EPROTO;
+        }
+        strcpy(v[i].name, name);
+        v[i].version = (uint64_t)json_integer_value(json_object_get(e, "version"));
+        v[i].bytes = (uint64_t)json_integer_value(json_object_get(e, "bytes"));
+    }
+    if (global_step)
+        *global_step = json_integer_value(gs);
+    *vars = v;
+    *n = (int)k;
+    json_decref(j);
+    return PS_OK;
+}
+
+int ps_pull(ps_client *c, int shard, const char *name, float *dst, size_t cap, ps_var_info *info)
+{
+    int rc = check_name(c, name);
+    if (rc)
+        return rc;
+    char path[TENSOR_NAME_MAX + 32];
+    snprintf(path, sizeof(path), "/v1/vars/%s", name);
+    sink s = {.buf = (unsigned char *)dst, .cap = cap * sizeof(float)};
+    const char *extra[] = {"Accept: application/octet-stream", NULL};
+    rc = do_request(c, shard, "GET", path, extra, NULL, &s, RETRY_ANY);
+    if (rc)
+        return rc;
+    tensor_shape shape;
+    char e[256];
+    if (!s.has_shape || tensor_shape_parse(s.shape, &shape, e, sizeof(e)) != 0 ||
+        (size_t)tensor_shape_numel(&shape) * sizeof(float) != s.len) {
+        set_err(c, "%s: GET %s: X-Shape '%s' does not match the %zu bytes received",
+                c->label[shard], path, s.has_shape ? s.shape : "(none)", s.len);
+        return PS_EPROTO;
+    }
+    if (info) {
+        snprintf(info->name, sizeof(info->name), "%s", name);
+        info->shape = shape;
+        info->version = s.version;
+        info->bytes = s.len;
+    }
+    return PS_OK;
+}
+
+int ps_put(ps_client *c, int shard, const char *name, const tensor_shape *shape,
+           const float *data, int only_create, int *created)
+{
+    int rc = check_name(c, name);
+    if (rc)
+        return rc;
+    int64_t numel = tensor_shape_numel(shape);
+    char path[TENSOR_NAME_MAX + 32], xs[256] = "X-Shape: ";
+    snprintf(path, sizeof(path), "/v1/vars/%s", name);
+    tensor_shape_format(shape, xs + 9, sizeof(xs) - 9);
+    const char *extra[] = {xs, "Content-Type: application/octet-stream", "X-Dtype: float32",
+                           only_create ? "If-None-Match: *" : NULL, NULL};
+    source src = {.part = {(const unsigned char *)data, NULL},
+                  .len = {(size_t)numel * sizeof(float), 0}};
+    sink s = {.growable = 1};
+    rc = do_request(c, shard, "PUT", path, extra, &src, &s, RETRY_ANY);
+    free(s.buf);
+    if (rc == PS_OK && created)
+        *created = c->status == 201;
+    return rc;
+}
+
+static int step_from(ps_client *c, int shard, json_t *j, const char *what, int64_t *global_step)
+{
+    json_t *gs = json_object_get(j, "global_step");
+    if (!json_is_integer(gs)) {
+        set_err(c, "%s: %s: answer lacks global_step", c->label[shard], what);
+        return PS_EPROTO;
+    }
+    if (global_step)
+        *global_step = json_integer_value(gs);
+    return PS_OK;
+}
+
+int ps_push_grad(ps_client *c, int shard, const char *name, const float *grad, size_t numel,
+                 int64_t *global_step)
+{
+    int rc = check_name(c, name);
+    if (rc)
+        return rc;
+    char path[TENSOR_NAME_MAX + 32];
+    snprintf(path, sizeof(path), "/v1/vars/%s/grad", name);
+    const char *extra[] = {"Content-Type: application/octet-stream", NULL};
+    source src = {.part = {(const unsigned char *)grad, NULL}, .len = {numel * sizeof(float), 0}};
+    json_t *j;
+    /* not idempotent: retried only when the connection was never made */
+    rc = get_json(c, shard, "POST", path, extra, &src, RETRY_CONNECT_ONLY, &j);
+    if (rc)
+        return rc;
+    rc = step_from(c, shard, j, path, global_step);
+    json_decref(j);
+    return rc;
+}
+
+int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
+                   int64_t *global_step)
+{
+    sink s = {.buf = buf, .cap = cap};
+    int rc = do_request(c, shard, "GET", "/v1/params", NULL, NULL, &s, RETRY_ANY);
+    if (rc)
+        return rc;
+    *len = s.len;
+    if (global_step) {
+        if (!s.has_step) {
+            set_err(c, "%s: GET /v1/params: no X-Global-Step header", c->label[shard]);
+            return PS_EPROTO;
+        }
+        *global_step = s.global_step;
+    }
+    return PS_OK;
+}
+
+int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
+                  size_t data_len, const char *push_id, int64_t *global_step, int *duplicate)
+{
+    char idh[128];
+    const char *extra[] = {"Content-Type: application/octet-stream", NULL, NULL};
+    if (push_id) {
+        if (strlen(push_id) > 64) {
+            set_err(c, "push id longer than 64 characters");
+            return PS_EINVAL;
+        }
+        snprintf(idh, sizeof(idh), "X-Push-Id: %s", push_id);
+        extra[1] = idh;
+    }
+    source src = {.part = {head, data}, .len = {head_len, data_len}};
+    json_t *j;
+    int rc = get_json(c, shard, "POST", "/v1/grads", extra, &src,
+                      push_id ? RETRY_ANY : RETRY_CONNECT_ONLY, &j);
+    if (rc)
+        return rc;
+    rc = step_from(c, shard, j, "POST /v1/grads", global_step);
+    if (duplicate)
+        *duplicate = json_is_true(json_object_get(j, "duplicate"));
+    json_decref(j);
+    return rc;
+}
+
+int ps_status(ps_client *c, int shard, json_t **out)
+{
+    return get_json(c, shard, "GET", "/v1/status", NULL, NULL, RETRY_ANY, out);
+}

@@ -1,0 +1,88 @@
+/* libps.h - the client library of psd's HTTP contract (openapi/openapi.yaml),
+ * over libcurl. One ps_client talks to every ps shard of a cluster through
+ * one keep-alive handle per shard.
+ *
+ * Every call returns 0 or a negative PS_E* code; ps_error() then holds a
+ * one-line message naming the shard and, when the server answered, its
+ * status and its own error text. A client is used by one thread at a time;
+ * use one client per thread. No global state beyond libcurl's own
+ * (curl_global_init runs once, thread-safely, in ps_client_new). */
+#ifndef RESTPS_LIBPS_H
+#define RESTPS_LIBPS_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tensor.h"
+
+enum {
+    PS_OK = 0,
+    PS_EINVAL = -1,    /* bad argument (message says which) */
+    PS_ENET = -2,      /* no answer: connect failure, timeout, reset (after retries) */
+    PS_EHTTP = -3,     /* the server refused: ps_http_status() says how */
+    PS_ETOOBIG = -4,   /* the answer does not fit the caller's buffer */
+    PS_EPROTO = -5,    /* the answer is not what the contract says */
+    PS_ENOMEM = -6,
+};
+
+typedef struct ps_options {
+    long timeout_ms;     /* whole-request limit; default 30000 */
+    long connect_timeout_ms; /* default 3000 */
+    int retries;         /* extra tries on network errors and 503; default 3 */
+    long backoff_ms;     /* first wait between tries, doubled each time; default 100 */
+    const char *token;   /* bearer token for writes (and reads), or NULL */
+} ps_options;
+
+typedef struct ps_client ps_client;
+
+/* hosts: n "host:port" strings (the ps job). opt may be NULL for defaults.
+ * NULL with err on failure. */
+ps_client *ps_client_new(const char *const *hosts, int n, const ps_options *opt, char *err,
+                         size_t errlen);
+void ps_client_free(ps_client *c);
+int ps_shards(const ps_client *c);
+
+/* The last error's message, and the HTTP status of the last answer (0 if none). */
+const char *ps_error(const ps_client *c);
+long ps_http_status(const ps_client *c);
+
+typedef struct ps_var_info {
+    char name[TENSOR_NAME_MAX + 1];
+    tensor_shape shape;
+    uint64_t version;
+    uint64_t bytes;
+} ps_var_info;
+
+/* GET /v1/vars. *vars is malloc'd (free it), *n entries. */
+int ps_list(ps_client *c, int shard, ps_var_info **vars, int *n, int64_t *global_step);
+
+/* GET /v1/vars/{name}: the raw float32 tensor into dst (cap floats). The
+ * shape and version it had come back in info (may be NULL). */
+int ps_pull(ps_client *c, int shard, const char *name, float *dst, size_t cap,
+            ps_var_info *info);
+
+/* PUT /v1/vars/{name}. only_create sends If-None-Match: * (then PS_EHTTP with
+ * status 412 when it exists). *created (may be NULL) says 201 vs 200. */
+int ps_put(ps_client *c, int shard, const char *name, const tensor_shape *shape,
+           const float *data, int only_create, int *created);
+
+/* POST /v1/vars/{name}/grad. */
+int ps_push_grad(ps_client *c, int shard, const char *name, const float *grad, size_t numel,
+                 int64_t *global_step);
+
+/* GET /v1/params: the shard's whole safetensors body, straight into buf (cap
+ * bytes). *len is its length; *global_step from the X-Global-Step header. */
+int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
+                   int64_t *global_step);
+
+/* POST /v1/grads: a safetensors body sent as head (prefix + JSON header, from
+ * st_header_build) followed by data, without joining them. push_id (may be
+ * NULL) makes the push idempotent, and lets it be retried safely. */
+int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
+                  size_t data_len, const char *push_id, int64_t *global_step, int *duplicate);
+
+/* GET /v1/status as parsed JSON (json_decref it). */
+int ps_status(ps_client *c, int shard, json_t **out);
+
+#endif

@@ -1,0 +1,33 @@
+#!/bin/sh
+# Install the Debian packages restps needs to build, test and benchmark.
+# Idempotent and quiet: asks apt only for what is missing.
+set -eu
+PKGS="gcc make pkg-config ca-certificates curl \
+libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
+libcmocka-dev python3 python3-pytest python3-numpy python3-yaml nginx-light \
+dataset-fashion-mnist"
+missing=""
+# Node.js and npm (for the OpenAPI validator): any install will do; Debian's when none
+command -v npm >/dev/null 2>&1 || missing="nodejs npm"
+for p in $PKGS; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing="$missing $p"
+  fi
+done
+if [ -z "$missing" ]; then
+  exit 0
+fi
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then SUDO=sudo; else
+    echo "deps: missing packages:$missing (run as root or install them)" >&2; exit 1
+  fi
+fi
+echo "deps: installing$missing"
+export DEBIAN_FRONTEND=noninteractive
+# apt-get update only when the package lists are empty or an install fails
+if ! $SUDO apt-get install -y -qq --no-install-recommends $missing >/tmp/restps-deps.log 2>&1; then
+  $SUDO apt-get update -qq >>/tmp/restps-deps.log 2>&1
+  $SUDO apt-get install -y -qq --no-install-recommends $missing >>/tmp/restps-deps.log 2>&1 || {
+    echo "deps: apt-get install failed, see /tmp/restps-deps.log" >&2; tail -20 /tmp/restps-deps.log >&2; exit 1; }
+fi

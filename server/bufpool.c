@@ -1,0 +1,143 @@
+/* bufpool.c - reference-counted blobs and the idle pool behind them. */
+#include "bufpool.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define HUGE_ALIGN ((size_t)2 << 20)
+
+struct bufpool {
+    pthread_mutex_t mu;
+    size_t keep_bytes, idle_bytes;
+    blob *idle; /* singly linked, most recently returned first */
+};
+
+bufpool *bufpool_new(size_t keep_bytes)
+{
+    bufpool *p = calloc(1, sizeof(*p));
+    if (!p)
+        return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    p->keep_bytes = keep_bytes;
+    return p;
+}
+
+static void blob_destroy(blob *b)
+{
+    free(b->data);
+    free(b);
+}
+
+void bufpool_free(bufpool *p)
+{
+    if (!p)
+        return;
+    while (p->idle) {
+        blob *b = p->idle;
+        p->idle = b->next_idle;
+        blob_destroy(b);
+    }
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+static blob *blob_alloc(bufpool *p, size_t len)
+{
+    blob *b = calloc(1, sizeof(*b));
+    if (!b)
+        return NULL;
+    size_t cap = len < 64 ? 64 : (len + 63) & ~(size_t)63;
+    size_t align = cap >= 2 * HUGE_ALIGN ? HUGE_ALIGN : 64;
+    if (align == HUGE_ALIGN)
+        cap = (cap + HUGE_ALIGN - 1) & ~(HUGE_ALIGN - 1);
+    void *d = NULL;
+    if (posix_memalign(&d, align, cap) != 0) {
+        free(b);
+        return NULL;
+    }
+    if (align == HUGE_ALIGN)
+        madvise(d, cap, MADV_HUGEPAGE); /* large tensors fault in 2 MiB at a time */
+    b->data = d;
+    b->cap = cap;
+    b->pool = p;
+    return b;
+}
+
+blob *blob_new(bufpool *p, size_t len)
+{
+    blob *b = NULL;
+    if (p) {
+        pthread_mutex_lock(&p->mu);
+        /* best fit among idle blobs no more than 2x too large */
+        blob **best = NULL;
+        for (blob **pp = &p->idle; *pp; pp = &(*pp)->next_idle) {
+            size_t c = (*pp)->cap;
+            if (c >= len && c / 2 <= (len < 64 ? 64 : len) && (!best || c < (*best)->cap))
+                best = pp;
+        }
+        if (best) {
+            b = *best;
+            *best = b->next_idle;
+            p->idle_bytes -= b->cap;
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    if (!b)
+        b = blob_alloc(p, len);
+    if (!b)
+        return NULL;
+    atomic_store(&b->refs, 1);
+    b->len = len;
+    b->next_idle = NULL;
+    return b;
+}
+
+blob *blob_ref(blob *b)
+{
+    atomic_fetch_add(&b->refs, 1);
+    return b;
+}
+
+void blob_unref(blob *b)
+{
+    if (!b || atomic_fetch_sub(&b->refs, 1) != 1)
+        return;
+    bufpool *p = b->pool;
+    if (p) {
+        pthread_mutex_lock(&p->mu);
+        if (p->idle_bytes + b->cap <= p->keep_bytes) {
+            b->next_idle = p->idle;
+            p->idle = b;
+            p->idle_bytes += b->cap;
+            b = NULL;
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    if (b)
+        blob_destroy(b);
+}
+
+blob *blob_grow(blob *b, size_t len)
+{
+    if (len <= b->cap) {
+        b->len = len;
+        return b;
+    }
+    size_t want = b->cap * 2 > len ? b->cap * 2 : len;
+    blob *n = blob_new(b->pool, want);
+    if (!n)
+        return NULL;
+    memcpy(n->data, b->data, b->len);
+    n->len = len;
+    blob_unref(b);
+    return n;
+}
+
+size_t bufpool_idle_bytes(bufpool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    size_t n = p->idle_bytes;
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}

@@ -1,0 +1,156 @@
+/* bulk.c - the worker's path: every variable of the shard in one safetensors
+ * body (GET /v1/params), and one safetensors body of gradients applied as one
+ * update (POST /v1/grads). */
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "routes.h"
+
+enum MHD_Result h_params_get(request *r)
+{
+    server *srv = r->srv;
+    store_snap *v;
+    int n;
+    int64_t step;
+    if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
+    struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));
+    blob **hold = malloc(sizeof(blob *) * (size_t)(n ? n : 1));
+    enum MHD_Result rc;
+    if (!d || !parts || !hold) {
+        rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        goto out;
+    }
+    for (int i = 0; i < n; i++) {
+        d[i] = (st_desc){v[i].name, "F32", &v[i].shape};
+        parts[i] = (struct http_part){v[i].data->data, (size_t)v[i].numel * 4};
+        hold[i] = v[i].data;
+    }
+    char step_s[32], task_s[48];
+    snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
+    snprintf(task_s, sizeof(task_s), "%s:%d", cluster_job_name(srv->cfg.cluster.job),
+             srv->cfg.cluster.task_index);
+    const char *meta[] = {"global_step", step_s, "task", task_s};
+    char *head, err[256];
+    size_t head_len;
+    if (st_header_build(d, n, meta, 2, &head, &head_len, err, sizeof(err)) != 0) {
+        rc = http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "%s", err);
+        goto out;
+    }
+    const char *headers[] = {"X-Global-Step", step_s, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store",
+                             NULL};
+    /* zero-copy: the stored versions go out as they are */
+    rc = http_reply_parts(r, MHD_HTTP_OK, "application/octet-stream", head, head_len, parts, n,
+                          hold, n, headers);
+out:
+    free(d);
+    free(parts);
+    free(hold);
+    store_snaps_release(v, n);
+    return rc;
+}
+
+/* A metadata value that must be an integer >= 0; 0 absent, 1 ok, -1 bad. */
+static int meta_int(const st_file *f, const char *key, long long *out)
+{
+    const char *s = st_meta_get(f, key);
+    if (!s)
+        return 0;
+    if (*s < '0' || *s > '9')
+        return -1;
+    errno = 0;
+    char *end;
+    *out = strtoll(s, &end, 10);
+    return (*end || errno) ? -1 : 1;
+}
+
+static int push_id_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > STORE_PUSH_ID_MAX)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '-' || c == '_' || c == '.' || c == ':'))
+            return 0;
+    }
+    return 1;
+}
+
+enum MHD_Result h_grads_post(request *r)
+{
+    char err[256];
+    blob *b = r->body;
+    uint64_t hl;
+    if (st_read_prefix(b->data, b->len, &hl, err, sizeof(err)) != 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    st_file f;
+    uint64_t data_len = b->len - 8 - hl;
+    if (st_parse_header(b->data + 8, hl, data_len, &f, err, sizeof(err)) != 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    enum MHD_Result rc;
+    unsigned char *data = b->data + 8 + hl;
+    size_t mis = (uintptr_t)data % 4;
+    if (mis) { /* another writer's unpadded header: align the floats in place */
+        memmove(data - mis, data, data_len);
+        data -= mis;
+    }
+    long long worker = -1, step = -1, batch = -1;
+    if (meta_int(&f, "worker", &worker) < 0 || meta_int(&f, "step", &step) < 0 ||
+        meta_int(&f, "batch_size", &batch) < 0) {
+        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                              "metadata worker, step and batch_size must be non-negative integers");
+        goto out;
+    }
+    store_push_meta meta = {0};
+    const char *loss = st_meta_get(&f, "loss");
+    if (loss) {
+        char *end;
+        errno = 0;
+        meta.loss = strtod(loss, &end);
+        if (!*loss || *end || errno || !isfinite(meta.loss)) {
+            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "metadata loss '%.32s' is not a finite number",
+                                  loss);
+            goto out;
+        }
+        meta.has_loss = 1;
+    }
+    meta.push_id = http_header(r, "X-Push-Id");
+    if (meta.push_id && !push_id_ok(meta.push_id)) {
+        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                              "X-Push-Id must be 1 to %d characters of [A-Za-z0-9._:-]",
+                              STORE_PUSH_ID_MAX);
+        goto out;
+    }
+    for (int k = 0; k < f.n_tensors; k++) {
+        const st_tensor *t = &f.tensors[k];
+        if (strcmp(t->dtype, "F32") != 0)
+            continue; /* refused by the store with its name */
+        const float *g = (const float *)(data + t->begin);
+        int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));
+        if (bad >= 0) {
+            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "gradient '%s' has %s at element %lld",
+                                  t->name, isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
+            goto out;
+        }
+    }
+    int64_t gstep;
+    int dup;
+    int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &dup, err, sizeof(err));
+    if (src == STORE_ENOMEM)
+        rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
+    else if (src != STORE_OK)
+        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    else
+        rc = http_reply_json(r, MHD_HTTP_OK,
+                             json_pack("{s:I,s:b}", "global_step", (json_int_t)gstep, "duplicate", dup));
+out:
+    st_file_free(&f);
+    return rc;
+}

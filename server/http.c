@@ -1,0 +1,128 @@
+/* http.c - response helpers over libmicrohttpd. */
+#include "http.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+const char *http_header(request *r, const char *name)
+{
+    return MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, name);
+}
+
+const char *http_query(request *r, const char *name)
+{
+    return MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, name);
+}
+
+static enum MHD_Result queue(request *r, unsigned status, struct MHD_Response *resp)
+{
+    if (!resp) {
+        log_error("psd: cannot build a response for %s %s", r->method, r->name);
+        return MHD_NO;
+    }
+    if (status == MHD_HTTP_UNAUTHORIZED)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    enum MHD_Result rc = MHD_queue_response(r->conn, status, resp);
+    MHD_destroy_response(resp);
+    r->answered = 1;
+    return rc;
+}
+
+enum MHD_Result http_reply_text(request *r, unsigned status, const char *content_type,
+                                char *body, size_t len)
+{
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
+    if (!resp) {
+        free(body);
+        return queue(r, status, NULL);
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+    return queue(r, status, resp);
+}
+
+enum MHD_Result http_reply_json(request *r, unsigned status, json_t *body)
+{
+    char *s = body ? json_dumps(body, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
+    json_decref(body);
+    if (!s)
+        return queue(r, status, NULL);
+    size_t n = strlen(s);
+    /* a trailing newline keeps curl output readable */
+    char *t = realloc(s, n + 2);
+    if (t) {
+        s = t;
+        s[n++] = '\n';
+        s[n] = '\0';
+    }
+    return http_reply_text(r, status, "application/json", s, n);
+}
+
+enum MHD_Result http_reply_error(request *r, unsigned status, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    return http_reply_json(r, status, json_pack("{s:s}", "error", msg));
+}
+
+typedef struct parts_ctx {
+    char *head;
+    int n_hold;
+    blob *hold[];
+} parts_ctx;
+
+static void parts_free(void *cls)
+{
+    parts_ctx *c = cls;
+    for (int i = 0; i < c->n_hold; i++)
+        blob_unref(c->hold[i]);
+    free(c->head);
+    free(c);
+}
+
+enum MHD_Result http_reply_parts(request *r, unsigned status, const char *content_type,
+                                 char *head, size_t head_len, const struct http_part *parts,
+                                 int n_parts, blob **hold, int n_hold,
+                                 const char *const *headers)
+{
+    parts_ctx *c = malloc(sizeof(*c) + sizeof(blob *) * (size_t)n_hold);
+    struct MHD_IoVec *iov = malloc(sizeof(*iov) * (size_t)(n_parts + 1));
+    if (!c || !iov) {
+        free(c);
+        free(iov);
+        free(head);
+        return http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "out of memory");
+    }
+    c->head = head;
+    c->n_hold = n_hold;
+    for (int i = 0; i < n_hold; i++)
+        c->hold[i] = blob_ref(hold[i]);
+    int k = 0;
+    if (head && head_len) {
+        iov[k].iov_base = head;
+        iov[k++].iov_len = head_len;
+    }
+    for (int i = 0; i < n_parts; i++)
+        if (parts[i].len) {
+            iov[k].iov_base = parts[i].base;
+            iov[k++].iov_len = parts[i].len;
+        }
+    struct MHD_Response *resp = MHD_create_response_from_iovec(iov, (unsigned)k, parts_free, c);
+    free(iov);
+    if (!resp) {
+        parts_free(c);
+        return queue(r, status, NULL);
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+    for (int i = 0; headers && headers[i]; i += 2)
+        MHD_add_response_header(resp, headers[i], headers[i + 1]);
+    return queue(r, status, resp);
+}

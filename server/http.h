@@ -1,0 +1,51 @@
+/* http.h - one request's state, and the helpers every handler answers with
+ * (JSON, errors, blobs). The helpers never exit: a failure to build a
+ * response is logged and the connection is closed by libmicrohttpd. */
+#ifndef RESTPS_HTTP_H
+#define RESTPS_HTTP_H
+
+#include <jansson.h>
+#include <microhttpd.h>
+#include <stdint.h>
+
+#include "bufpool.h"
+#include "server.h"
+
+struct route;
+
+typedef struct request {
+    server *srv;
+    struct MHD_Connection *conn;
+    const struct route *route;
+    const char *method;
+    char name[TENSOR_NAME_MAX + 1]; /* {name} in the path, when the route has one */
+    blob *body;                     /* the upload, read straight into one buffer */
+    uint64_t expect_len;            /* from Content-Length; UINT64_MAX when absent */
+    int answered;                   /* a response is queued */
+    int discard;                    /* swallow the rest of the upload */
+} request;
+
+/* Request header or query argument, or NULL. */
+const char *http_header(request *r, const char *name);
+const char *http_query(request *r, const char *name);
+
+enum MHD_Result http_reply_json(request *r, unsigned status, json_t *body_new);
+enum MHD_Result http_reply_text(request *r, unsigned status, const char *content_type,
+                                char *body_malloced, size_t len);
+/* {"error": msg} with status. */
+enum MHD_Result http_reply_error(request *r, unsigned status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Answer with the concatenation of parts; takes one reference to each blob in
+ * `hold` (released when the response is destroyed) and ownership of `head`
+ * (malloc'd, may be NULL). Extra headers: pairs in `headers`, NULL-terminated. */
+struct http_part {
+    const void *base;
+    size_t len;
+};
+enum MHD_Result http_reply_parts(request *r, unsigned status, const char *content_type,
+                                 char *head, size_t head_len, const struct http_part *parts,
+                                 int n_parts, blob **hold, int n_hold,
+                                 const char *const *headers);
+
+#endif

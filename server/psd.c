@@ -1,0 +1,286 @@
+/* psd.c - the parameter-server daemon: flags, cluster, listening socket,
+ * libmicrohttpd, clean stop on SIGTERM/SIGINT. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "auth.h"
+#include "flags.h"
+#include "log.h"
+#include "routes.h"
+#include "server.h"
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    stop_requested = 1;
+}
+
+/* A host name that means this machine only. */
+static int is_loopback(const char *host)
+{
+    return !strcmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1");
+}
+
+/* Open the listening socket ourselves so --port=0 and --bind work the same
+ * on every libmicrohttpd version. -1 with err on failure. */
+static int listen_on(const char *host, int port, int *bound_port, char *err, size_t errlen)
+{
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    char portstr[16];
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    int rc = getaddrinfo(host[0] ? host : NULL, portstr, &hints, &res);
+    if (rc != 0) {
+        snprintf(err, errlen, "unable to resolve bind address '%s': %s", host, gai_strerror(rc));
+        return -1;
+    }
+    int fd = -1, last_errno = 0;
+    for (struct addrinfo *a = res; a; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) {
+            last_errno = errno;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
+            struct sockaddr_storage ss;
+            socklen_t sl = sizeof(ss);
+            getsockname(fd, (struct sockaddr *)&ss, &sl);
+            *bound_port = ntohs(ss.ss_family == AF_INET6
+                                    ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                    : ((struct sockaddr_in *)&ss)->sin_port);
+            break;
+        }
+        last_errno = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0)
+        snprintf(err, errlen, "unable to listen on %s:%d: %s", host[0] ? host : "*", port,
+                 strerror(last_errno));
+    return fd;
+}
+
+static void random_instance(char out[17])
+{
+    unsigned char b[8];
+    if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        uint64_t x = (uint64_t)t.tv_nsec ^ ((uint64_t)t.tv_sec << 20) ^ (uint64_t)getpid();
+        memcpy(b, &x, 8);
+    }
+    for (int i = 0; i < 8; i++)
+        sprintf(out + 2 * i, "%02x", b[i]);
+}
+
+static void mhd_panic(void *cls, const char *file, unsigned int line, const char *reason)
+{
+    (void)cls;
+    log_error("libmicrohttpd: fatal error at %s:%u: %s", file, line, reason ? reason : "");
+    abort();
+}
+
+int main(int argc, char **argv)
+{
+    const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
+    const char *bind_host = NULL, *auth_file = NULL;
+    int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
+    int auth_reads = 0, print_routes = 0;
+    float lr = 0.01f;
+    uint64_t max_body = 1ULL << 30, pool_mib = 256;
+    flag flags[] = {
+        {"job_name", FLAG_STRING, &job_name, "this task's job: ps (default) or another job in the cluster", 0},
+        {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
+        {"ps_hosts", FLAG_STRING, &ps_hosts, "comma-separated host:port of the ps tasks (default localhost:2222)", 0},
+        {"worker_hosts", FLAG_STRING, &worker_hosts, "comma-separated host:port of the worker tasks", 0},
+        {"chief_hosts", FLAG_STRING, &chief_hosts, "host:port of the chief task, if the cluster has one", 0},
+        {"port", FLAG_INT, &port, "listen on this port instead of the one in this task's entry; 0 = any free port", 0},
+        {"bind", FLAG_STRING, &bind_host, "address to listen on (default: loopback when this task's host is localhost/127.x, else all)", 0},
+        {"learning_rate", FLAG_FLOAT, &lr, "SGD learning rate for pushed gradients (default 0.01)", 0},
+        {"max_body_bytes", FLAG_U64, &max_body, "largest request body accepted, in bytes (default 1073741824); larger is refused with 413 before it is read", 0},
+        {"http_threads", FLAG_INT, &http_threads, "HTTP threads polling with epoll (default 2); 0 = one thread per connection", 0},
+        {"connection_timeout", FLAG_INT, &conn_timeout, "close a connection idle for this many seconds (default 60)", 0},
+        {"max_connections", FLAG_INT, &max_conns, "most connections served at once (default 1024)", 0},
+        {"auth_token_file", FLAG_STRING, &auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
+        {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
+        {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
+        {"routes", FLAG_BOOL, &print_routes, "print the HTTP route table and exit", 0},
+    };
+    int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
+    char err[512];
+    int fr = flags_parse(flags, nflags, argc, argv, err, sizeof(err));
+    if (fr == 1) {
+        flags_help(stdout,
+                   "usage: psd [flags]\n"
+                   "The restps parameter server: holds a shard of the model's variables and serves\n"
+                   "them over HTTP. The cluster comes from the flags or the TF_CONFIG environment\n"
+                   "variable (TensorFlow's JSON); flags win.",
+                   flags, nflags);
+        return 0;
+    }
+    if (fr < 0) {
+        fprintf(stderr, "psd: %s (see psd --help)\n", err);
+        return 2;
+    }
+    if (print_routes) {
+        routes_print(stdout);
+        return 0;
+    }
+
+    server *srv = calloc(1, sizeof(*srv));
+    if (!srv) {
+        fprintf(stderr, "psd: out of memory\n");
+        return 1;
+    }
+    cluster_input in = {.job_name = job_name,
+                        .task_index = task_index,
+                        .ps_hosts = ps_hosts,
+                        .worker_hosts = worker_hosts,
+                        .chief_hosts = chief_hosts,
+                        .tf_config = getenv("TF_CONFIG"),
+                        .default_job = "ps"};
+    if (cluster_spec_build(&in, &srv->cfg.cluster, err, sizeof(err)) != 0) {
+        fprintf(stderr, "psd: %s\n", err);
+        return 2;
+    }
+    if (srv->cfg.cluster.job != JOB_PS) {
+        fprintf(stderr, "psd: this task is %s %d, but psd serves ps tasks only\n",
+                cluster_job_name(srv->cfg.cluster.job), srv->cfg.cluster.task_index);
+        return 2;
+    }
+    const cluster_addr *self = cluster_self(&srv->cfg.cluster);
+    if (port < -1 || port > 65535) {
+        fprintf(stderr, "psd: --port=%d is out of range 0..65535\n", port);
+        return 2;
+    }
+    if (!(lr > 0)) {
+        fprintf(stderr, "psd: --learning_rate must be positive, got %g\n", (double)lr);
+        return 2;
+    }
+    if (http_threads < 0 || http_threads > 256) {
+        fprintf(stderr, "psd: --http_threads must be 0..256, got %d\n", http_threads);
+        return 2;
+    }
+    if (conn_timeout < 1 || max_conns < 1 || max_body < 1) {
+        fprintf(stderr, "psd: --connection_timeout, --max_connections and --max_body_bytes must be positive\n");
+        return 2;
+    }
+    if (auth_reads && !auth_file) {
+        fprintf(stderr, "psd: --auth_reads needs --auth_token_file\n");
+        return 2;
+    }
+    server_config *cfg = &srv->cfg;
+    if (auth_file && !(cfg->auth_token = auth_token_load(auth_file, err, sizeof(err)))) {
+        fprintf(stderr, "psd: %s\n", err);
+        return 2;
+    }
+    cfg->auth_reads = auth_reads;
+    cfg->port = port >= 0 ? port : self->port;
+    if (bind_host)
+        snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s", bind_host);
+    else if (is_loopback(self->host))
+        snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s",
+                 strchr(self->host, ':') ? "::1" : "127.0.0.1");
+    else
+        cfg->bind_host[0] = '\0'; /* every address */
+    cfg->learning_rate = lr;
+    cfg->max_body_bytes = max_body;
+    cfg->http_threads = http_threads;
+    cfg->conn_timeout_secs = conn_timeout;
+    cfg->max_connections = max_conns;
+    cfg->pool_bytes = (size_t)pool_mib << 20;
+
+    srv->pool = bufpool_new(cfg->pool_bytes);
+    if (!srv->pool || store_init(&srv->store, lr, srv->pool) != 0) {
+        fprintf(stderr, "psd: out of memory\n");
+        return 1;
+    }
+    random_instance(srv->instance);
+    clock_gettime(CLOCK_MONOTONIC, &srv->started);
+
+    int bound = 0;
+    int fd = listen_on(cfg->bind_host, cfg->port, &bound, err, sizeof(err));
+    if (fd < 0) {
+        fprintf(stderr, "psd: %s\n", err);
+        return 1;
+    }
+
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    /* Block the stop signals in every thread; main waits for them in sigsuspend. */
+    sigset_t stopset, waitmask;
+    sigemptyset(&stopset);
+    sigaddset(&stopset, SIGTERM);
+    sigaddset(&stopset, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stopset, &waitmask);
+    sigdelset(&waitmask, SIGTERM);
+    sigdelset(&waitmask, SIGINT);
+
+    MHD_set_panic_func(mhd_panic, NULL);
+    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    if (http_threads == 0)
+        mflags |= MHD_USE_THREAD_PER_CONNECTION;
+    else
+        mflags |= MHD_USE_EPOLL;
+    struct MHD_OptionItem opts[] = {
+        {MHD_OPTION_LISTEN_SOCKET, fd, NULL},
+        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)routes_completed, srv},
+        {MHD_OPTION_CONNECTION_MEMORY_LIMIT, 128 * 1024, NULL},
+        {MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, NULL},
+        {MHD_OPTION_CONNECTION_LIMIT, max_conns, NULL},
+        {http_threads > 1 ? MHD_OPTION_THREAD_POOL_SIZE : MHD_OPTION_END, http_threads, NULL},
+        {MHD_OPTION_END, 0, NULL},
+    };
+    struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, NULL, NULL, routes_access, srv,
+                                            MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
+    if (!d) {
+        fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
+        return 1;
+    }
+    const char *shown = cfg->bind_host[0] ? cfg->bind_host : self->host;
+    if (strchr(shown, ':'))
+        printf("psd: listening on http://[%s]:%d\n", shown, bound);
+    else
+        printf("psd: listening on http://%s:%d\n", shown, bound);
+    fflush(stdout);
+    log_info("psd: ps task %d of %d, learning_rate %g, %s, max body %llu bytes%s",
+             cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n, (double)lr,
+             http_threads ? "epoll thread pool" : "thread per connection",
+             (unsigned long long)max_body, cfg->auth_token ? ", writes need a token" : "");
+
+    while (!stop_requested)
+        sigsuspend(&waitmask);
+
+    log_info("psd: stopping (%llu requests served)",
+             (unsigned long long)atomic_load(&srv->requests));
+    MHD_stop_daemon(d);
+    close(fd);
+    store_destroy(&srv->store);
+    bufpool_free(srv->pool);
+    cluster_spec_free(&cfg->cluster);
+    free(cfg->auth_token);
+    free(srv);
+    return 0;
+}

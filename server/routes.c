@@ -1,0 +1,224 @@
+/* routes.c - the route table and the checks every request passes first. */
+#include "routes.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "auth.h"
+#include "log.h"
+
+static const route routes[] = {
+    {"GET", "/healthz", ROUTE_OPEN, NULL, h_healthz, "liveness"},
+    {"GET", "/v1/status", 0, NULL, h_status, "task status"},
+    {"GET", "/v1/vars", 0, NULL, h_vars_list, "list variables"},
+    {"GET", "/v1/vars/{name}", 0, NULL, h_var_get, "read a variable"},
+    {"PUT", "/v1/vars/{name}", ROUTE_WRITE | ROUTE_BODY, h_var_put_check, h_var_put,
+     "create or replace a variable"},
+    {"GET", "/v1/vars/{name}/stats", 0, NULL, h_var_stats, "summary statistics"},
+    {"POST", "/v1/vars/{name}/grad", ROUTE_WRITE | ROUTE_BODY, h_var_grad_check, h_var_grad,
+     "apply a gradient to one variable"},
+    {"GET", "/v1/params", 0, NULL, h_params_get, "every variable, one safetensors body"},
+    {"POST", "/v1/grads", ROUTE_WRITE | ROUTE_BODY, NULL, h_grads_post,
+     "apply gradients from one safetensors body"},
+};
+#define N_ROUTES (sizeof(routes) / sizeof(routes[0]))
+
+void routes_print(FILE *out)
+{
+    for (size_t i = 0; i < N_ROUTES; i++)
+        fprintf(out, "%s %s%s%s\n", routes[i].method, routes[i].path,
+                routes[i].flags & ROUTE_WRITE ? " write" : "",
+                routes[i].flags & ROUTE_OPEN ? " open" : "");
+}
+
+/* Turn a URL path into its table pattern; {name} goes to name_out (raw, may
+ * be invalid or too long: name_ok says). NULL when nothing matches. */
+static const char *pattern_of(const char *url, char *name_out, size_t name_cap, int *name_ok)
+{
+    static const char prefix[] = "/v1/vars/";
+    *name_ok = 1;
+    if (strncmp(url, prefix, sizeof(prefix) - 1) != 0)
+        return url;
+    const char *rest = url + sizeof(prefix) - 1;
+    size_t n = strlen(rest);
+    const char *pattern = "/v1/vars/{name}";
+    static const struct {
+        const char *suffix, *pattern;
+    } subs[] = {{"/stats", "/v1/vars/{name}/stats"}, {"/grad", "/v1/vars/{name}/grad"}};
+    for (size_t i = 0; i < 2; i++) {
+        size_t sl = strlen(subs[i].suffix);
+        if (n > sl && strcmp(rest + n - sl, subs[i].suffix) == 0) {
+            n -= sl;
+            pattern = subs[i].pattern;
+            break;
+        }
+    }
+    if (n == 0 || n >= name_cap) {
+        *name_ok = 0;
+        n = n >= name_cap ? name_cap - 1 : n;
+    }
+    memcpy(name_out, rest, n);
+    name_out[n] = '\0';
+    return pattern;
+}
+
+static enum MHD_Result refuse_method(request *r, const char *pattern)
+{
+    char allow[64] = "";
+    for (size_t i = 0; i < N_ROUTES; i++)
+        if (strcmp(routes[i].path, pattern) == 0) {
+            size_t l = strlen(allow);
+            snprintf(allow + l, sizeof(allow) - l, "%s%s%s", l ? ", " : "", routes[i].method,
+                     strcmp(routes[i].method, "GET") == 0 ? ", HEAD" : "");
+        }
+    char *msg = NULL;
+    if (asprintf(&msg, "{\"error\":\"method %s not allowed on %s (allowed: %s)\"}\n", r->method,
+                 pattern, allow) < 0)
+        return MHD_NO;
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(strlen(msg), msg, MHD_RESPMEM_MUST_FREE);
+    if (!resp) {
+        free(msg);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    enum MHD_Result rc = MHD_queue_response(r->conn, MHD_HTTP_METHOD_NOT_ALLOWED, resp);
+    MHD_destroy_response(resp);
+    r->answered = 1;
+    return rc;
+}
+
+/* Checks that need only the request line and headers. */
+static enum MHD_Result on_headers(request *r, const char *url)
+{
+    server *srv = r->srv;
+    int name_ok;
+    const char *pattern = pattern_of(url, r->name, sizeof(r->name), &name_ok);
+    int known = 0;
+    const char *m = strcmp(r->method, "HEAD") == 0 ? "GET" : r->method;
+    for (size_t i = 0; i < N_ROUTES; i++) {
+        if (strcmp(routes[i].path, pattern) != 0)
+            continue;
+        known = 1;
+        if (strcmp(routes[i].method, m) == 0)
+            r->route = &routes[i];
+    }
+    if (!known)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no such path '%.200s'", url);
+    if (!r->route)
+        return refuse_method(r, pattern);
+    const route *rt = r->route;
+
+    /* The token first: no one learns anything else without it. */
+    int needs_token = srv->cfg.auth_token && !(rt->flags & ROUTE_OPEN) &&
+                      ((rt->flags & ROUTE_WRITE) || srv->cfg.auth_reads);
+    if (needs_token && !auth_check(srv->cfg.auth_token, http_header(r, "Authorization")))
+        return http_reply_error(r, MHD_HTTP_UNAUTHORIZED,
+                                "missing or wrong bearer token for %s %s", r->method, rt->path);
+    if (strstr(rt->path, "{name}")) {
+        char err[256];
+        if (!name_ok)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "variable name must be 1 to %d characters",
+                                    TENSOR_NAME_MAX);
+        if (tensor_name_check(r->name, err, sizeof(err)) != 0)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    }
+    r->expect_len = UINT64_MAX;
+    if (rt->flags & ROUTE_BODY) {
+        const char *cl = http_header(r, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl) {
+            char *end;
+            errno = 0;
+            unsigned long long v = strtoull(cl, &end, 10);
+            if (*cl < '0' || *cl > '9' || *end != '\0' || errno)
+                return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "bad Content-Length '%.40s'", cl);
+            if (v > srv->cfg.max_body_bytes)
+                return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
+                                        "body of %llu bytes is over the limit of %llu (--max_body_bytes)",
+                                        v, (unsigned long long)srv->cfg.max_body_bytes);
+            r->expect_len = v;
+        }
+        if (rt->before_body) {
+            enum MHD_Result rc = rt->before_body(r);
+            if (rc != MHD_YES || r->answered)
+                return rc;
+        }
+        size_t first = r->expect_len != UINT64_MAX ? (size_t)r->expect_len : 64 * 1024;
+        if (first > srv->cfg.max_body_bytes)
+            first = (size_t)srv->cfg.max_body_bytes;
+        r->body = blob_new(srv->pool, first);
+        if (!r->body)
+            return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE,
+                                    "out of memory for a body of %zu bytes", first);
+        r->body->len = 0;
+    }
+    return MHD_YES;
+}
+
+static enum MHD_Result on_upload(request *r, const char *data, size_t size)
+{
+    if (r->answered || !r->body)
+        return MHD_YES; /* discard what follows a refusal */
+    uint64_t have = r->body->len;
+    if (have + size > r->srv->cfg.max_body_bytes)
+        return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
+                                "body is over the limit of %llu bytes (--max_body_bytes)",
+                                (unsigned long long)r->srv->cfg.max_body_bytes);
+    if (r->expect_len != UINT64_MAX && have + size > r->expect_len)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body longer than its Content-Length");
+    if (have + size > r->body->cap) {
+        blob *g = blob_grow(r->body, have + size);
+        if (!g)
+            return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory for the body");
+        r->body = g;
+    }
+    memcpy(r->body->data + have, data, size);
+    r->body->len = have + size;
+    return MHD_YES;
+}
+
+enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char *url,
+                              const char *method, const char *version, const char *upload_data,
+                              size_t *upload_data_size, void **req_cls)
+{
+    (void)version;
+    request *r = *req_cls;
+    if (!r) {
+        r = calloc(1, sizeof(*r));
+        if (!r)
+            return MHD_NO;
+        r->srv = cls;
+        r->conn = conn;
+        r->method = method;
+        *req_cls = r;
+        /* Refusals go out at once, before any body is read; an accepted
+         * request is answered on a later call (libmicrohttpd 0.9.75 closes
+         * the connection when a success is queued on the first call). */
+        return on_headers(r, url);
+    }
+    if (*upload_data_size) {
+        size_t n = *upload_data_size;
+        *upload_data_size = 0;
+        return on_upload(r, upload_data, n);
+    }
+    if (r->answered)
+        return MHD_YES;
+    return r->route->handle(r);
+}
+
+void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
+                      enum MHD_RequestTerminationCode toe)
+{
+    (void)conn;
+    (void)toe;
+    server *srv = cls;
+    request *r = *req_cls;
+    if (!r)
+        return;
+    blob_unref(r->body);
+    free(r);
+    *req_cls = NULL;
+    atomic_fetch_add(&srv->requests, 1);
+}

@@ -1,0 +1,52 @@
+/* routes.h - the route table (method, path as in openapi.yaml, flags, handler)
+ * and the libmicrohttpd callbacks that check a request against it before any
+ * handler runs: unknown path 404, wrong method 405, bad name 400, missing
+ * token 401, body over --max_body_bytes 413 (before it is read). */
+#ifndef RESTPS_ROUTES_H
+#define RESTPS_ROUTES_H
+
+#include <microhttpd.h>
+#include <stdio.h>
+
+#include "http.h"
+
+enum {
+    ROUTE_WRITE = 1, /* needs the token when --auth_token_file is set */
+    ROUTE_OPEN = 2,  /* never needs a token (health checks) */
+    ROUTE_BODY = 4,  /* takes a request body */
+};
+
+typedef struct route {
+    const char *method; /* GET routes also answer HEAD */
+    const char *path;   /* "/v1/vars/{name}" */
+    int flags;
+    /* Optional: runs when the headers are in, before the body is read; may
+     * answer (then the body is never read). Returns MHD_NO to drop. */
+    enum MHD_Result (*before_body)(request *r);
+    enum MHD_Result (*handle)(request *r);
+    const char *summary;
+} route;
+
+enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char *url,
+                              const char *method, const char *version, const char *upload_data,
+                              size_t *upload_data_size, void **req_cls);
+void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
+                      enum MHD_RequestTerminationCode toe);
+
+/* Print the table, one "METHOD PATH flags" line each (psd --routes). */
+void routes_print(FILE *out);
+
+/* Handlers (vars.c, bulk.c, status.c). */
+enum MHD_Result h_healthz(request *r);
+enum MHD_Result h_status(request *r);
+enum MHD_Result h_vars_list(request *r);
+enum MHD_Result h_var_get(request *r);
+enum MHD_Result h_var_put_check(request *r);
+enum MHD_Result h_var_put(request *r);
+enum MHD_Result h_var_stats(request *r);
+enum MHD_Result h_var_grad_check(request *r);
+enum MHD_Result h_var_grad(request *r);
+enum MHD_Result h_params_get(request *r);
+enum MHD_Result h_grads_post(request *r);
+
+#endif

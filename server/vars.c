@@ -1,0 +1,374 @@
+/* vars.c - one variable at a time: list, read (raw, JSON, slices, ETag),
+ * statistics, create/replace, and a gradient for one variable. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "routes.h"
+
+static unsigned status_of(int rc)
+{
+    switch (rc) {
+    case STORE_ENOENT: return MHD_HTTP_NOT_FOUND;
+    case STORE_EEXIST: return MHD_HTTP_PRECONDITION_FAILED;
+    case STORE_ESHAPE:
+    case STORE_EINVAL: return MHD_HTTP_BAD_REQUEST;
+    default: return MHD_HTTP_SERVICE_UNAVAILABLE;
+    }
+}
+
+static json_t *shape_json(const tensor_shape *s)
+{
+    json_t *a = json_array();
+    for (int i = 0; i < s->ndim; i++)
+        json_array_append_new(a, json_integer(s->dims[i]));
+    return a;
+}
+
+enum MHD_Result h_vars_list(request *r)
+{
+    store_snap *v;
+    int n;
+    int64_t step;
+    if (store_get_all(&r->srv->store, &v, &n, &step) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    json_t *arr = json_array();
+    for (int i = 0; i < n; i++)
+        json_array_append_new(arr, json_pack("{s:s,s:s,s:o,s:I,s:I}", "name", v[i].name, "dtype",
+                                             "float32", "shape", shape_json(&v[i].shape), "version",
+                                             (json_int_t)v[i].version, "bytes",
+                                             (json_int_t)(v[i].numel * 4)));
+    store_snaps_release(v, n);
+    return http_reply_json(r, MHD_HTTP_OK,
+                           json_pack("{s:I,s:o}", "global_step", (json_int_t)step, "vars", arr));
+}
+
+/* Parse a non-negative integer query argument; -1 when absent, -2 when bad. */
+static int64_t query_count(request *r, const char *key)
+{
+    const char *s = http_query(r, key);
+    if (!s)
+        return -1;
+    if (*s < '0' || *s > '9')
+        return -2;
+    errno = 0;
+    char *end;
+    long long v = strtoll(s, &end, 10);
+    if (*end || errno || v < 0)
+        return -2;
+    return v;
+}
+
+/* Does If-None-Match (a list of ETags, or *) match etag? */
+static int etag_matches(const char *inm, const char *etag)
+{
+    if (!inm)
+        return 0;
+    size_t el = strlen(etag);
+    for (const char *p = inm; *p;) {
+        while (*p == ' ' || *p == ',')
+            p++;
+        if (p[0] == 'W' && p[1] == '/')
+            p += 2;
+        const char *e = p;
+        while (*e && *e != ',')
+            e++;
+        size_t l = (size_t)(e - p);
+        while (l && p[l - 1] == ' ')
+            l--;
+        if ((l == 1 && *p == '*') || (l == el && memcmp(p, etag, el) == 0))
+            return 1;
+        p = e;
+    }
+    return 0;
+}
+
+static int wants_json(request *r, int *bad)
+{
+    const char *f = http_query(r, "format");
+    *bad = 0;
+    if (f) {
+        if (strcmp(f, "json") == 0)
+            return 1;
+        if (strcmp(f, "raw") == 0 || strcmp(f, "binary") == 0)
+            return 0;
+        *bad = 1;
+        return 0;
+    }
+    const char *acc = http_header(r, MHD_HTTP_HEADER_ACCEPT);
+    return acc && strstr(acc, "application/json") && !strstr(acc, "application/octet-stream");
+}
+
+/* values[] as JSON text: %.9g round-trips a float32; NaN and Inf become null. */
+static char *values_json(const float *x, int64_t n, size_t *len)
+{
+    size_t cap = (size_t)n * 16 + 16, at = 0;
+    char *s = malloc(cap);
+    if (!s)
+        return NULL;
+    s[at++] = '[';
+    for (int64_t i = 0; i < n; i++) {
+        if (i)
+            s[at++] = ',';
+        if (isfinite(x[i]))
+            at += (size_t)snprintf(s + at, cap - at, "%.9g", (double)x[i]);
+        else {
+            memcpy(s + at, "null", 4);
+            at += 4;
+        }
+    }
+    s[at++] = ']';
+    s[at] = '\0';
+    *len = at;
+    return s;
+}
+
+enum MHD_Result h_var_get(request *r)
+{
+    server *srv = r->srv;
+    int bad_format;
+    int json = wants_json(r, &bad_format);
+    if (bad_format)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "format must be json or raw");
+    int64_t off = query_count(r, "offset"), cnt = query_count(r, "count");
+    if (off == -2 || cnt == -2)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "offset and count must be non-negative integers");
+    store_snap v;
+    if (store_get(&srv->store, r->name, &v) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
+    int sliced = off >= 0 || cnt >= 0;
+    if (off < 0)
+        off = 0;
+    if (off > v.numel) {
+        store_snap_release(&v);
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "offset %lld is past the %lld elements of '%s'",
+                                (long long)off, (long long)v.numel, r->name);
+    }
+    if (cnt < 0)
+        cnt = v.numel - off;
+    if (cnt > v.numel - off) {
+        store_snap_release(&v);
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "offset %lld + count %lld is past the %lld elements of '%s'",
+                                (long long)off, (long long)cnt, (long long)v.numel, r->name);
+    }
+    char etag[96], shape[160], version[32];
+    int el = snprintf(etag, sizeof(etag), "\"%s-%llu", srv->instance, (unsigned long long)v.version);
+    if (json)
+        el += snprintf(etag + el, sizeof(etag) - (size_t)el, "-json");
+    if (sliced)
+        el += snprintf(etag + el, sizeof(etag) - (size_t)el, "-%lld-%lld", (long long)off,
+                       (long long)cnt);
+    snprintf(etag + el, sizeof(etag) - (size_t)el, "\"");
+    snprintf(version, sizeof(version), "%llu", (unsigned long long)v.version);
+    if (sliced)
+        snprintf(shape, sizeof(shape), "%lld", (long long)cnt);
+    else
+        tensor_shape_format(&v.shape, shape, sizeof(shape));
+    const char *headers[] = {MHD_HTTP_HEADER_ETAG, etag, "X-Shape", shape, "X-Dtype", "float32",
+                             "X-Version", version, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache",
+                             NULL};
+
+    if (etag_matches(http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH), etag)) {
+        store_snap_release(&v);
+        return http_reply_parts(r, MHD_HTTP_NOT_MODIFIED, "application/octet-stream", NULL, 0,
+                                NULL, 0, NULL, 0, headers);
+    }
+    const float *x = (const float *)v.data->data + off;
+    enum MHD_Result rc;
+    if (json) {
+        size_t vl = 0;
+        char *vals = values_json(x, cnt, &vl);
+        json_t *meta = json_pack("{s:s,s:s,s:o,s:I}", "name", v.name, "dtype", "float32", "shape",
+                                 shape_json(&v.shape), "version", (json_int_t)v.version);
+        if (sliced) {
+            json_object_set_new(meta, "offset", json_integer(off));
+            json_object_set_new(meta, "count", json_integer(cnt));
+        }
+        char *head = json_dumps(meta, JSON_COMPACT);
+        json_decref(meta);
+        char *body = NULL;
+        if (vals && head) {
+            size_t hl = strlen(head);
+            body = malloc(hl + vl + 16);
+            if (body) { /* head is {...}: splice ,"values":[...] before its } */
+                memcpy(body, head, hl - 1);
+                int w = sprintf(body + hl - 1, ",\"values\":");
+                memcpy(body + hl - 1 + w, vals, vl);
+                memcpy(body + hl - 1 + w + vl, "}\n", 3);
+                vl = hl - 1 + (size_t)w + vl + 2;
+            }
+        }
+        free(vals);
+        free(head);
+        if (!body) {
+            store_snap_release(&v);
+            return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        }
+        rc = http_reply_parts(r, MHD_HTTP_OK, "application/json", body, vl, NULL, 0, NULL, 0,
+                              headers);
+    } else {
+        /* zero-copy: the response reads the stored version directly */
+        struct http_part part = {x, (size_t)cnt * 4};
+        rc = http_reply_parts(r, MHD_HTTP_OK, "application/octet-stream", NULL, 0, &part, 1,
+                              &v.data, 1, headers);
+    }
+    store_snap_release(&v);
+    return rc;
+}
+
+enum MHD_Result h_var_stats(request *r)
+{
+    store_snap v;
+    if (store_get(&r->srv->store, r->name, &v) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
+    const float *x = (const float *)v.data->data;
+    double sum = 0, sq = 0, mn = INFINITY, mx = -INFINITY;
+    int64_t nan = 0, inf = 0, fin = 0;
+    for (int64_t i = 0; i < v.numel; i++) {
+        float f = x[i];
+        if (isnan(f)) {
+            nan++;
+        } else if (isinf(f)) {
+            inf++;
+        } else {
+            fin++;
+            sum += f;
+            sq += (double)f * f;
+            if (f < mn)
+                mn = f;
+            if (f > mx)
+                mx = f;
+        }
+    }
+    json_t *o = json_pack("{s:s,s:o,s:I,s:I,s:I,s:I}", "name", v.name, "shape",
+                          shape_json(&v.shape), "version", (json_int_t)v.version, "count",
+                          (json_int_t)v.numel, "nan_count", (json_int_t)nan, "inf_count",
+                          (json_int_t)inf);
+    json_object_set_new(o, "min", fin ? json_real(mn) : json_null());
+    json_object_set_new(o, "max", fin ? json_real(mx) : json_null());
+    json_object_set_new(o, "mean", fin ? json_real(sum / (double)fin) : json_null());
+    json_object_set_new(o, "l2_norm", json_real(sqrt(sq)));
+    store_snap_release(&v);
+    return http_reply_json(r, MHD_HTTP_OK, o);
+}
+
+/* PUT: shape, dtype and length are known before the body; check them first. */
+enum MHD_Result h_var_put_check(request *r)
+{
+    char err[256];
+    tensor_shape shape;
+    const char *xs = http_header(r, "X-Shape");
+    if (!xs)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "PUT needs an X-Shape header, e.g. 'X-Shape: 784,100'");
+    if (tensor_shape_parse(xs, &shape, err, sizeof(err)) != 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "X-Shape: %s", err);
+    const char *dt = http_header(r, "X-Dtype");
+    if (dt && strcmp(dt, "float32") != 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "X-Dtype '%.32s' is not supported, only float32", dt);
+    uint64_t need = (uint64_t)tensor_shape_numel(&shape) * 4;
+    if (need > r->srv->cfg.max_body_bytes)
+        return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
+                                "shape [%s] needs %llu bytes, over the limit of %llu (--max_body_bytes)",
+                                xs, (unsigned long long)need,
+                                (unsigned long long)r->srv->cfg.max_body_bytes);
+    if (r->expect_len != UINT64_MAX && r->expect_len != need)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "body of %llu bytes does not match shape [%s] (%llu bytes of float32)",
+                                (unsigned long long)r->expect_len, xs, (unsigned long long)need);
+    const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
+    if (inm && strcmp(inm, "*") == 0 && store_peek(&r->srv->store, r->name, NULL) == STORE_OK)
+        return http_reply_error(r, MHD_HTTP_PRECONDITION_FAILED, "variable '%s' exists", r->name);
+    if (r->expect_len == UINT64_MAX)
+        r->expect_len = need; /* chunked: still allocate once */
+    return MHD_YES;
+}
+
+enum MHD_Result h_var_put(request *r)
+{
+    char err[256], shape_s[160];
+    tensor_shape shape;
+    if (tensor_shape_parse(http_header(r, "X-Shape"), &shape, err, sizeof(err)) != 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "X-Shape: %s", err);
+    tensor_shape_format(&shape, shape_s, sizeof(shape_s));
+    uint64_t need = (uint64_t)tensor_shape_numel(&shape) * 4;
+    if (r->body->len != need)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "body of %zu bytes does not match shape [%s] (%llu bytes of float32)",
+                                r->body->len, shape_s, (unsigned long long)need);
+    const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
+    int only_create = inm && strcmp(inm, "*") == 0, created = 0;
+    uint64_t version = 0;
+    blob *data = r->body;
+    r->body = NULL;
+    int rc = store_put(&r->srv->store, r->name, &shape, data, only_create, &created, &version);
+    if (rc != STORE_OK) {
+        blob_unref(data);
+        if (rc == STORE_EEXIST)
+            return http_reply_error(r, MHD_HTTP_PRECONDITION_FAILED, "variable '%s' exists", r->name);
+        return http_reply_error(r, status_of(rc), "cannot store '%s'", r->name);
+    }
+    return http_reply_json(r, created ? MHD_HTTP_CREATED : MHD_HTTP_OK,
+                           json_pack("{s:s,s:o,s:I,s:b}", "name", r->name, "shape", shape_json(&shape),
+                                     "version", (json_int_t)version, "created", created));
+}
+
+enum MHD_Result h_var_grad_check(request *r)
+{
+    tensor_shape have, given;
+    char err[256], a[160], b[160];
+    if (store_peek(&r->srv->store, r->name, &have) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
+    tensor_shape_format(&have, b, sizeof(b));
+    const char *xs = http_header(r, "X-Shape");
+    if (xs) {
+        if (tensor_shape_parse(xs, &given, err, sizeof(err)) != 0)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "X-Shape: %s", err);
+        if (!tensor_shape_equal(&given, &have)) {
+            tensor_shape_format(&given, a, sizeof(a));
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                    "gradient shape [%s] does not match variable '%s' of shape [%s]",
+                                    a, r->name, b);
+        }
+    }
+    uint64_t need = (uint64_t)tensor_shape_numel(&have) * 4;
+    if (r->expect_len != UINT64_MAX && r->expect_len != need)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "gradient of %llu bytes does not match variable '%s' of shape [%s] (%llu bytes)",
+                                (unsigned long long)r->expect_len, r->name, b,
+                                (unsigned long long)need);
+    if (r->expect_len == UINT64_MAX)
+        r->expect_len = need;
+    return MHD_YES;
+}
+
+enum MHD_Result h_var_grad(request *r)
+{
+    tensor_shape have;
+    if (store_peek(&r->srv->store, r->name, &have) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
+    int64_t numel = tensor_shape_numel(&have);
+    if (r->body->len != (size_t)numel * 4)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "gradient of %zu bytes does not match variable '%s' (%lld bytes)",
+                                r->body->len, r->name, (long long)numel * 4);
+    const float *g = (const float *)r->body->data;
+    int64_t bad = tensor_find_nonfinite(g, (size_t)numel);
+    if (bad >= 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "gradient for '%s' has %s at element %lld",
+                                r->name, isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
+    int64_t step;
+    uint64_t version;
+    int rc = store_apply_grad(&r->srv->store, r->name, g, numel, &step, &version);
+    if (rc != STORE_OK)
+        return http_reply_error(r, status_of(rc), rc == STORE_ESHAPE
+                                                      ? "variable '%s' changed shape during the push"
+                                                      : "cannot apply the gradient to '%s'",
+                                r->name);
+    return http_reply_json(r, MHD_HTTP_OK,
+                           json_pack("{s:I,s:I}", "global_step", (json_int_t)step, "version",
+                                     (json_int_t)version));
+}
