@@ -7,8 +7,9 @@
 #   make demo       train on Fashion-MNIST and show where to look
 
 CC      ?= cc
-CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -Icommon -Iserver -Iclient
+OPT     ?= -O2 -g
+CFLAGS  ?=
+CFLAGS  += $(OPT) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -Icommon -Iserver -Iclient
 LDLIBS_SERVER = -lmicrohttpd -ljansson -lpthread -lm
 LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 
@@ -63,7 +64,7 @@ $(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 asan:
-	$(MAKE) BUILD=build/asan BIN=build/asan/bin CFLAGS="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
+	$(MAKE) BUILD=build/asan BIN=build/asan/bin OPT="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
 
 unit-bins: $(UNIT_TESTS:%=$(BIN)/%)
 
