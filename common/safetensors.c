@@ -287,6 +287,13 @@ int st_header_build(const st_desc *t, int n, const char *const *meta_kv, int n_m
     uint64_t at = 0;
     for (int i = 0; i < n; i++) {
         const char *dt = t[i].dtype ? t[i].dtype : "F32";
+        if (!t[i].name || !*t[i].name || strcmp(t[i].name, "__metadata__") == 0 ||
+            json_object_get(root, t[i].name)) {
+            snprintf(err, errlen, "safetensors: tensor name '%s' is empty, reserved or repeated",
+                     t[i].name ? t[i].name : "");
+            json_decref(root);
+            return -1;
+        }
         size_t es = st_dtype_size(dt);
         if (es == 0) {
             snprintf(err, errlen, "safetensors: unknown dtype '%s'", dt);
