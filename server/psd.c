@@ -150,6 +150,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
+    if (flags_get(flags, nflags, "task_index")->given && task_index < 0) {
+        fprintf(stderr, "psd: --task_index=%d is negative\n", task_index);
+        return 2;
+    }
     cluster_input in = {.job_name = job_name,
                         .task_index = task_index,
                         .ps_hosts = ps_hosts,
