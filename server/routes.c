@@ -48,7 +48,7 @@ static const char *pattern_of(const char *url, char *name_out, size_t name_cap, 
     } subs[] = {{"/stats", "/v1/vars/{name}/stats"}, {"/grad", "/v1/vars/{name}/grad"}};
     for (size_t i = 0; i < 2; i++) {
         size_t sl = strlen(subs[i].suffix);
-        if (n > sl && strcmp(rest + n - sl, subs[i].suffix) == 0) {
+        if (n >= sl && strcmp(rest + n - sl, subs[i].suffix) == 0) {
             n -= sl;
             pattern = subs[i].pattern;
             break;
@@ -247,4 +247,35 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     free(r);
     *req_cls = NULL;
     atomic_fetch_add(&srv->requests, 1);
+}
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s)
+{
+    (void)cls;
+    (void)conn;
+    /* %XX decoding, except %00: a NUL would cut the string short (and a name
+     * "w%00zz" would reach "w"); left as it is, the '%' makes it invalid. */
+    char *w = s;
+    for (const char *r = s; *r;) {
+        int hi, lo;
+        if (r[0] == '%' && (hi = hexval(r[1])) >= 0 && (lo = hexval(r[2])) >= 0 && (hi | lo)) {
+            *w++ = (char)(hi * 16 + lo);
+            r += 3;
+        } else {
+            *w++ = *r++;
+        }
+    }
+    *w = '\0';
+    return (size_t)(w - s);
 }
