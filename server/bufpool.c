@@ -10,6 +10,7 @@
 struct bufpool {
     pthread_mutex_t mu;
     size_t keep_bytes, idle_bytes;
+    size_t limit_bytes; /* the store's share: keep at most min(keep, limit) */
     blob *idle; /* singly linked, most recently returned first */
 };
 
@@ -20,6 +21,7 @@ bufpool *bufpool_new(size_t keep_bytes)
         return NULL;
     pthread_mutex_init(&p->mu, NULL);
     p->keep_bytes = keep_bytes;
+    p->limit_bytes = keep_bytes;
     return p;
 }
 
@@ -106,7 +108,8 @@ void blob_unref(blob *b)
     bufpool *p = b->pool;
     if (p) {
         pthread_mutex_lock(&p->mu);
-        if (p->idle_bytes + b->cap <= p->keep_bytes) {
+        size_t keep = p->keep_bytes < p->limit_bytes ? p->keep_bytes : p->limit_bytes;
+        if (p->idle_bytes + b->cap <= keep) {
             b->next_idle = p->idle;
             p->idle = b;
             p->idle_bytes += b->cap;
@@ -132,6 +135,27 @@ blob *blob_grow(blob *b, size_t len)
     n->len = len;
     blob_unref(b);
     return n;
+}
+
+void bufpool_set_limit(bufpool *p, size_t limit)
+{
+    blob *drop = NULL;
+    pthread_mutex_lock(&p->mu);
+    p->limit_bytes = limit;
+    size_t keep = p->keep_bytes < limit ? p->keep_bytes : limit;
+    while (p->idle && p->idle_bytes > keep) { /* oldest are last: drop from the front is fine */
+        blob *b = p->idle;
+        p->idle = b->next_idle;
+        p->idle_bytes -= b->cap;
+        b->next_idle = drop;
+        drop = b;
+    }
+    pthread_mutex_unlock(&p->mu);
+    while (drop) {
+        blob *b = drop;
+        drop = b->next_idle;
+        blob_destroy(b);
+    }
 }
 
 size_t bufpool_idle_bytes(bufpool *p)

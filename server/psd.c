@@ -36,7 +36,8 @@ static int is_loopback(const char *host)
 
 /* Open the listening socket ourselves so --port=0 and --bind work the same
  * on every libmicrohttpd version. -1 with err on failure. */
-static int listen_on(const char *host, int port, int *bound_port, char *err, size_t errlen)
+static int listen_on(const char *host, int port, int sndbuf, int *bound_port, char *err,
+                     size_t errlen)
 {
     struct addrinfo hints = {0}, *res = NULL;
     hints.ai_family = AF_UNSPEC;
@@ -58,6 +59,9 @@ static int listen_on(const char *host, int port, int *bound_port, char *err, siz
         }
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        /* accepted connections inherit it */
+        if (sndbuf > 0)
+            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
         if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 1024) == 0) {
             struct sockaddr_storage ss;
             socklen_t sl = sizeof(ss);
@@ -113,7 +117,7 @@ int main(int argc, char **argv)
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
     const char *bind_host = NULL, *auth_file = NULL;
     int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
-    int auth_reads = 0, print_routes = 0;
+    int auth_reads = 0, print_routes = 0, sndbuf_kib = -1;
     float lr = 0.01f;
     uint64_t max_body = 1ULL << 30, pool_mib = 256;
     flag flags[] = {
@@ -132,6 +136,7 @@ int main(int argc, char **argv)
         {"auth_token_file", FLAG_STRING, &auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
         {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
         {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
+        {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when listening on loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
         {"routes", FLAG_BOOL, &print_routes, "print the HTTP route table and exit", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
@@ -193,6 +198,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --http_threads must be 0..256, got %d\n", http_threads);
         return fail(srv, 2);
     }
+    if (sndbuf_kib < -1 || sndbuf_kib > 1024 * 1024) {
+        fprintf(stderr, "psd: --sndbuf_kib must be 0..1048576, got %d\n", sndbuf_kib);
+        return fail(srv, 2);
+    }
     if (conn_timeout < 1 || max_conns < 1 || max_body < 1) {
         fprintf(stderr, "psd: --connection_timeout, --max_connections and --max_body_bytes must be positive\n");
         return fail(srv, 2);
@@ -231,7 +240,9 @@ int main(int argc, char **argv)
     clock_gettime(CLOCK_MONOTONIC, &srv->started);
 
     int bound = 0;
-    int fd = listen_on(cfg->bind_host, cfg->port, &bound, err, sizeof(err));
+    if (sndbuf_kib < 0)
+        sndbuf_kib = cfg->bind_host[0] && is_loopback(cfg->bind_host) ? 256 : 0;
+    int fd = listen_on(cfg->bind_host, cfg->port, sndbuf_kib * 1024, &bound, err, sizeof(err));
     if (fd < 0) {
         fprintf(stderr, "psd: %s\n", err);
         return 1;

@@ -105,6 +105,13 @@ void store_snaps_release(store_snap *snaps, int n)
     free(snaps);
 }
 
+/* Idle buffers kept for reuse: at most half the stored bytes plus 16 MiB. */
+static void pool_follow(store *s, uint64_t bytes)
+{
+    if (s->pool)
+        bufpool_set_limit(s->pool, (size_t)(bytes / 2) + ((size_t)16 << 20));
+}
+
 int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
               int only_create, int *created, uint64_t *version)
 {
@@ -127,8 +134,10 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
         v->version++;
         *version = v->version;
         *created = 0;
+        uint64_t bytes = s->bytes;
         pthread_rwlock_unlock(&s->lock);
         blob_unref(old);
+        pool_follow(s, bytes);
         return STORE_OK;
     }
     if (s->n == s->cap) {
@@ -154,7 +163,9 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
     s->bytes += (uint64_t)numel * 4;
     *version = 1;
     *created = 1;
+    uint64_t bytes = s->bytes;
     pthread_rwlock_unlock(&s->lock);
+    pool_follow(s, bytes);
     return STORE_OK;
 }
 
