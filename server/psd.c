@@ -136,7 +136,7 @@ int main(int argc, char **argv)
         {"auth_token_file", FLAG_STRING, &auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
         {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
         {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
-        {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when listening on loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
+        {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
         {"routes", FLAG_BOOL, &print_routes, "print the HTTP route table and exit", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
