@@ -18,7 +18,8 @@ BIN   ?= bin
 
 COMMON_SRC = common/cluster.c common/flags.c common/log.c common/safetensors.c common/tensor.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
-             server/status.c server/store.c server/vars.c
+             server/status.c server/store.c server/vars.c \
+             server/optim.c server/training.c server/waiters.c
 CLIENT_SRC = client/libps.c
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)

@@ -23,6 +23,8 @@ typedef struct request {
     uint64_t expect_len;            /* from Content-Length; UINT64_MAX when absent */
     int answered;                   /* a response is queued */
     int discard;                    /* swallow the rest of the upload */
+    int parked;                     /* suspended in a long poll */
+    int resumed;                    /* set by the waiters when it is resumed */
 } request;
 
 /* Request header or query argument, or NULL. */
