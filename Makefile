@@ -16,15 +16,18 @@ LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/flags.c common/log.c common/safetensors.c common/tensor.c
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
-             server/optim.c server/training.c server/waiters.c
+             server/training.c server/waiters.c
 CLIENT_SRC = client/libps.c
+WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
+WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o)
+LDLIBS_WORKER = -lopenblas -lz $(LDLIBS_CLIENT)
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
@@ -43,9 +46,9 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
 # A libps client that pushes and pulls concurrently (the consistency test).
 $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a

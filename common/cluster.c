@@ -259,6 +259,10 @@ int cluster_spec_build(const cluster_input *in, cluster_spec *out, char *err, si
                  job ? job : "");
         goto fail;
     }
+    if (in->task_index < -1) {
+        snprintf(err, errlen, "task index %d is negative", in->task_index);
+        goto fail;
+    }
     out->task_index = in->task_index >= 0 ? in->task_index : tf_index >= 0 ? tf_index : 0;
 
     /* The single-machine default, as the original example: one ps on localhost. */

@@ -10,7 +10,13 @@ static void pending_clear(store *s);
 int store_init(store *s, float learning_rate, bufpool *pool)
 {
     memset(s, 0, sizeof(*s));
-    if (pthread_rwlock_init(&s->lock, NULL) != 0)
+    /* writers first: a stream of pulls must not hold off the pushes */
+    pthread_rwlockattr_t a;
+    pthread_rwlockattr_init(&a);
+    pthread_rwlockattr_setkind_np(&a, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    int bad = pthread_rwlock_init(&s->lock, &a) != 0;
+    pthread_rwlockattr_destroy(&a);
+    if (bad)
         return STORE_ENOMEM;
     s->learning_rate = learning_rate;
     s->pool = pool;

@@ -1,0 +1,118 @@
+/* mlp.h - the worker's model: a multi-layer perceptron (ReLU hidden layers, a
+ * softmax output, cross-entropy averaged over the batch), as in TensorFlow's
+ * distributed MNIST example, with any number of hidden layers.
+ *
+ * Two parts:
+ *  - the layout (mlp.c): which tensors the model has, their names, shapes and
+ *    offsets in ONE contiguous float buffer; gradients use a second buffer with
+ *    the same layout. Pull and push are one copy of that buffer. Plus the
+ *    example's initialization.
+ *  - the compute backends: a table of functions that each backend implements
+ *    function for function (mlp_cpu.c: OpenBLAS; later mlp_cuda.cu: cuBLAS).
+ *    The CPU backend is the reference the others are tested against; both can
+ *    be linked into one program and chosen at run time.
+ *
+ * Tensors, layer l = 0 .. n_layers-1 (dims[0] = n_in, dims[n_layers] = n_out):
+ *   W_l [dims[l], dims[l+1]] row-major (x @ W, TensorFlow's convention), b_l [dims[l+1]].
+ * Names: one hidden layer: hid_w, hid_b, sm_w, sm_b (the example's);
+ *        more: hid0_w, hid0_b, hid1_w, hid1_b, ..., sm_w, sm_b;
+ *        none (softmax regression): sm_w, sm_b.
+ * Buffer order: W_0, b_0, W_1, b_1, ..., packed with no padding.
+ *
+ * Forward:  a_0 = x [B, n_in]; a_{l+1} = relu(a_l @ W_l + b_l) for hidden layers;
+ *           logits = a_L-1 @ W_L-1 + b_L-1; loss = mean_i -log softmax(logits_i)[label_i]. */
+#ifndef RESTPS_MLP_H
+#define RESTPS_MLP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tensor.h"
+
+#define MLP_MAX_HIDDEN 8
+#define MLP_MAX_LAYERS (MLP_MAX_HIDDEN + 1)
+#define MLP_MAX_TENSORS (2 * MLP_MAX_LAYERS)
+#define MLP_MAX_DIM (1 << 20)          /* units per layer */
+#define MLP_MAX_PARAMS ((size_t)1 << 31) /* floats in the parameter buffer */
+#define MLP_NAME_MAX 16
+
+typedef struct mlp_tensor {
+    char name[MLP_NAME_MAX]; /* "hid_w", "hid0_b", "sm_w", ... */
+    tensor_shape shape;      /* [fan_in, fan_out] for a weight, [fan_out] for a bias */
+    size_t offset;           /* in floats, from the start of the buffer */
+    size_t numel;
+} mlp_tensor;
+
+typedef struct mlp_layout {
+    int n_layers;                    /* linear layers: hidden layers + 1 */
+    int dims[MLP_MAX_LAYERS + 1];    /* dims[0] = n_in, ..., dims[n_layers] = n_out */
+    int n_tensors;                   /* 2 * n_layers: tensors[2l] = W_l, tensors[2l+1] = b_l */
+    mlp_tensor tensors[MLP_MAX_TENSORS];
+    size_t n_params;                 /* floats in the whole buffer */
+} mlp_layout;
+
+/* Describe an n_in - hidden[0] - ... - hidden[n_hidden-1] - n_out model.
+ * 0, or -1 with err (a size <= 0 or > MLP_MAX_DIM, n_out < 2, n_hidden outside
+ * [0, MLP_MAX_HIDDEN], more than MLP_MAX_PARAMS parameters). */
+int mlp_layout_init(mlp_layout *layout, int n_in, const int *hidden, int n_hidden, int n_out,
+                    char *err, size_t errlen);
+
+/* Parse a hidden-layer list "100" or "256,128" ("" = none) into hidden[]
+ * (MLP_MAX_HIDDEN entries). 0 or -1 with err. */
+int mlp_parse_hidden(const char *s, int *hidden, int *n_hidden, char *err, size_t errlen);
+
+/* Index of the tensor called name, or -1. */
+int mlp_layout_find(const mlp_layout *layout, const char *name);
+
+/* The example's initialization, deterministic from seed: every weight from a
+ * normal with stddev 1/sqrt(fan_in) truncated at 2 stddev (redrawn beyond, like
+ * tf.truncated_normal), biases 0. Each tensor has its own stream,
+ * rng_stream(seed, tensor index) (rng.h), filled in row-major order. */
+void mlp_init_params(const mlp_layout *layout, float *params, uint64_t seed);
+
+/* A model instance on some backend: the layout plus that backend's workspace,
+ * allocated once by new() for batches up to max_batch. Backends embed this as
+ * the first member of their own struct. */
+typedef struct mlp_backend mlp_backend;
+typedef struct mlp {
+    const mlp_backend *backend;
+    mlp_layout layout;
+    int max_batch;
+} mlp;
+
+/* The functions every backend implements. All pointers passed in are host
+ * memory (a device backend copies what it needs); params and grads are buffers
+ * of layout.n_params floats; x is [batch, n_in] row-major; labels are in
+ * [0, n_out). Return 0, or a negative value on bad arguments (batch outside
+ * [1, max_batch], a label >= n_out) or a backend failure. */
+struct mlp_backend {
+    const char *name; /* "cpu", "cuda" */
+    mlp *(*create)(const mlp_layout *layout, int max_batch, char *err, size_t errlen);
+    void (*destroy)(mlp *m);
+    /* Mean softmax cross-entropy over the batch into *loss, and its gradient
+     * with respect to every parameter into grads (overwritten, not added to). */
+    int (*forward_backward)(mlp *m, const float *params, const float *x, const uint8_t *labels,
+                            int batch, float *grads, double *loss);
+    /* Mean loss and the fraction of argmax(logits) == label (the first maximum
+     * wins a tie) over n >= 1 examples, in batches of max_batch. */
+    int (*evaluate)(mlp *m, const float *params, const float *x, const uint8_t *labels,
+                    int64_t n, double *loss, double *accuracy);
+};
+
+/* The OpenBLAS backend (mlp_cpu.c). */
+extern const mlp_backend mlp_backend_cpu;
+
+/* Front door (mlp.c): dispatch to the instance's backend. */
+mlp *mlp_new(const mlp_backend *backend, const mlp_layout *layout, int max_batch, char *err,
+             size_t errlen);
+void mlp_free(mlp *m);
+int mlp_forward_backward(mlp *m, const float *params, const float *x, const uint8_t *labels,
+                         int batch, float *grads, double *loss);
+int mlp_evaluate(mlp *m, const float *params, const float *x, const uint8_t *labels, int64_t n,
+                 double *loss, double *accuracy);
+
+/* CPU backend only: OpenBLAS threads for this process (process-wide; 1 is the
+ * safe default beside other busy processes, see PERF-NOTES). */
+void mlp_cpu_set_threads(int n);
+
+#endif
