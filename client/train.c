@@ -41,10 +41,16 @@ static void sleep_secs(double s)
 
 /* ---- data ---- */
 
+/* Each epoch is one permutation of the training set, the same on every task
+ * (idx_epoch_order from --seed and the epoch). The tasks take turns along it
+ * in blocks of one batch: task i's k-th batch is positions
+ * [(k*N + i)*b, (k*N + i + 1)*b). So the N tasks together see every example
+ * once per epoch, and N sync tasks with batch b compute exactly the step one
+ * task with batch N*b would. */
 typedef struct batcher {
     const idx_split *split;
     uint32_t *order;
-    int64_t count, pos;
+    int64_t count, k;
     uint64_t epoch, seed;
     int trainer, n_trainers;
 } batcher;
@@ -60,26 +66,27 @@ static int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int t
     b->order = malloc(sizeof(uint32_t) * (size_t)(split->n ? split->n : 1));
     if (!b->order)
         return -1;
-    return idx_epoch_order(split->n, seed, 0, trainer, n_trainers, b->order, &b->count);
+    return idx_epoch_order(split->n, seed, 0, 0, 1, b->order, &b->count);
 }
 
-/* The next batch of this task's slice of the epoch; a new epoch (a new
- * shuffle) when fewer than `batch` remain. */
+/* The next batch; a new epoch (a new shuffle) when the round of N blocks
+ * would run past its end (the remainder is left out, as drop_remainder). */
 static void batcher_next(batcher *b, int batch, int n_features, float *x, uint8_t *y)
 {
-    if (b->pos + batch > b->count) {
+    int64_t round = (int64_t)b->n_trainers * batch;
+    if ((b->k + 1) * round > b->count) {
         b->epoch++;
-        idx_epoch_order(b->split->n, b->seed, b->epoch, b->trainer, b->n_trainers, b->order,
-                        &b->count);
-        b->pos = 0;
+        idx_epoch_order(b->split->n, b->seed, b->epoch, 0, 1, b->order, &b->count);
+        b->k = 0;
     }
+    int64_t at = b->k * round + (int64_t)b->trainer * batch;
     for (int i = 0; i < batch; i++) {
-        uint32_t e = b->order[b->pos + i];
+        uint32_t e = b->order[at + i];
         memcpy(x + (size_t)i * n_features, b->split->images + (size_t)e * n_features,
                sizeof(float) * (size_t)n_features);
         y[i] = b->split->labels[e];
     }
-    b->pos += batch;
+    b->k++;
 }
 
 static int load(const train_config *c, idx_dataset *ds)
