@@ -73,7 +73,10 @@ static int read_exact(gzFile f, void *buf, size_t len, size_t *got, int *zerrnum
             return -1;
         }
         if (r == 0) {
+            /* The end of a plain file, or of a gzip stream cut short (zlib then
+             * records Z_BUF_ERROR "unexpected end of file" and returns 0). */
             *got = done;
+            *zmsg = gzerror(f, zerrnum);
             return 1;
         }
         done += (size_t)r;
@@ -82,13 +85,27 @@ static int read_exact(gzFile f, void *buf, size_t len, size_t *got, int *zerrnum
     return 0;
 }
 
+/* zlib's message without the "path: " it puts in front. */
+static const char *zlib_msg(const char *path, const char *zmsg)
+{
+    size_t n = strlen(path);
+    if (!zmsg)
+        return "unknown zlib error";
+    if (strncmp(zmsg, path, n) == 0 && zmsg[n] == ':' && zmsg[n + 1] == ' ')
+        return zmsg + n + 2;
+    return zmsg;
+}
+
 static int read_fail(const char *path, int rc, size_t got, size_t want, const char *what,
                      int zerrnum, const char *zmsg, char *err, size_t errlen)
 {
-    if (rc == 1 || (rc < 0 && zerrnum == Z_BUF_ERROR))
-        return fail(err, errlen, "idx: %s: truncated: %s needs %zu bytes, the file ends after %zu",
-                    path, what, want, got);
-    return fail(err, errlen, "idx: %s: corrupt (%s) reading %s", path, zmsg ? zmsg : "?", what);
+    if (rc == 1 || zerrnum == Z_BUF_ERROR) {
+        if (zerrnum == Z_BUF_ERROR) /* zlib reads ahead: where it ended is not known */
+            return fail(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
+        return fail(err, errlen, "idx: %s: truncated: expected %zu bytes (%s), the file ends after %zu",
+                    path, want, what, got);
+    }
+    return fail(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
 }
 
 /* Open, check the magic, read ndim dims. */
@@ -107,7 +124,7 @@ static int open_header(const char *path, uint32_t magic, int ndim, gzFile *out, 
     /* The magic first, so a file that is not IDX at all says "bad magic". */
     int rc = read_exact(f, h, 4, &got, &zerrnum, &zmsg);
     if (rc != 0) {
-        read_fail(path, rc, got, hlen, "the header", zerrnum, zmsg, err, errlen);
+        read_fail(path, rc, got, hlen, "header", zerrnum, zmsg, err, errlen);
         gzclose(f);
         return -1;
     }
@@ -119,7 +136,7 @@ static int open_header(const char *path, uint32_t magic, int ndim, gzFile *out, 
     }
     rc = read_exact(f, h + 4, hlen - 4, &got, &zerrnum, &zmsg);
     if (rc != 0) {
-        read_fail(path, rc, got + 4, hlen, "the header", zerrnum, zmsg, err, errlen);
+        read_fail(path, rc, got + 4, hlen, "header", zerrnum, zmsg, err, errlen);
         gzclose(f);
         return -1;
     }
@@ -143,13 +160,12 @@ static int check_end(gzFile f, const char *path, uint64_t declared, char *err, s
     if (r > 0)
         return fail(err, errlen, "idx: %s: trailing bytes after the %llu bytes of data the header declares",
                     path, (unsigned long long)declared);
-    if (r < 0) {
-        int zerrnum = 0;
-        const char *zmsg = gzerror(f, &zerrnum);
-        if (zerrnum == Z_BUF_ERROR)
-            return fail(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
-        return fail(err, errlen, "idx: %s: corrupt (%s)", path, zmsg ? zmsg : "?");
-    }
+    int zerrnum = Z_OK;
+    const char *zmsg = gzerror(f, &zerrnum);
+    if (zerrnum == Z_BUF_ERROR) /* returned 0 or -1: the gzip trailer is cut */
+        return fail(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
+    if (r < 0 || zerrnum != Z_OK)
+        return fail(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
     return 0;
 }
 
@@ -192,7 +208,7 @@ int idx_read_images(const char *path, float **images, int64_t *n, int *rows, int
         int rc = read_exact(f, buf, want, &got, &zerrnum, &zmsg);
         if (rc != 0) {
             char what[96];
-            snprintf(what, sizeof(what), "%ux%ux%u images", dims[0], dims[1], dims[2]);
+            snprintf(what, sizeof(what), "header + %ux%ux%u pixels", dims[0], dims[1], dims[2]);
             read_fail(path, rc, 16 + done + got, 16 + total, what, zerrnum, zmsg, err, errlen);
             goto fail;
         }
@@ -235,7 +251,7 @@ int idx_read_labels(const char *path, int n_classes, uint8_t **labels, int64_t *
     int rc = read_exact(f, out, dims[0], &got, &zerrnum, &zmsg);
     if (rc != 0) {
         char what[64];
-        snprintf(what, sizeof(what), "%u labels", dims[0]);
+        snprintf(what, sizeof(what), "header + %u labels", dims[0]);
         read_fail(path, rc, 8 + got, 8 + (size_t)dims[0], what, zerrnum, zmsg, err, errlen);
         goto fail;
     }

@@ -481,7 +481,7 @@ int ps_put(ps_client *c, int shard, const char *name, const tensor_shape *shape,
     int64_t numel = tensor_shape_numel(shape);
     char path[TENSOR_NAME_MAX + 32], xs[256] = "X-Shape: ";
     snprintf(path, sizeof(path), "/v1/vars/%s", name);
-    tensor_shape_format(shape, xs + 9, sizeof(xs) - 9);
+    tensor_shape_header(shape, xs + 9, sizeof(xs) - 9);
     const char *extra[] = {xs, "Content-Type: application/octet-stream", "X-Dtype: float32",
                            only_create ? "If-None-Match: *" : NULL, NULL};
     source src = {.part = {(const unsigned char *)data, NULL},

@@ -53,8 +53,8 @@ int tensor_shape_parse(const char *s, tensor_shape *out, char *err, size_t errle
     }
     while (*s == ' ')
         s++;
-    if (*s == '\0')
-        return 0; /* scalar */
+    if (*s == '\0' || strcmp(s, "scalar") == 0)
+        return 0; /* scalar: HTTP headers cannot be empty, so "scalar" says it */
     int64_t numel = 1;
     const char *p = s;
     for (;;) {
@@ -147,4 +147,11 @@ int64_t tensor_find_nonfinite(const float *x, size_t n)
         if (!isfinite(x[i]))
             return (int64_t)i;
     return -1;
+}
+
+int tensor_shape_header(const tensor_shape *shape, char *buf, size_t buflen)
+{
+    if (shape->ndim == 0)
+        return snprintf(buf, buflen, "scalar");
+    return tensor_shape_format(shape, buf, buflen);
 }

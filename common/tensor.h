@@ -22,11 +22,14 @@ typedef struct tensor_shape {
 int tensor_name_check(const char *name, char *err, size_t errlen);
 
 /* Parse "784,100" (dimensions > 0, at most TENSOR_MAX_DIMS, product within
- * TENSOR_MAX_ELEMS). An empty string is a scalar. 0 or -1 with err. */
+ * TENSOR_MAX_ELEMS). An empty string or "scalar" is a scalar. 0 or -1 with err. */
 int tensor_shape_parse(const char *s, tensor_shape *out, char *err, size_t errlen);
 
 /* Write "784,100" into buf; returns the length written (truncated safely). */
 int tensor_shape_format(const tensor_shape *shape, char *buf, size_t buflen);
+/* The X-Shape header value: as tensor_shape_format, but "scalar" for a scalar
+ * (a header value cannot be empty). tensor_shape_parse reads both. */
+int tensor_shape_header(const tensor_shape *shape, char *buf, size_t buflen);
 
 /* Number of elements: product of dims (1 for a scalar). */
 int64_t tensor_shape_numel(const tensor_shape *shape);

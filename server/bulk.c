@@ -160,10 +160,15 @@ enum MHD_Result h_grads_post(request *r)
                               STORE_PUSH_ID_MAX);
         goto out;
     }
+    for (int k = 0; k < f.n_tensors; k++)
+        if (strcmp(f.tensors[k].dtype, "F32") != 0) {
+            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                  "gradient '%s' has dtype %s, only F32 is accepted",
+                                  f.tensors[k].name, f.tensors[k].dtype);
+            goto out;
+        }
     for (int k = 0; k < f.n_tensors; k++) {
         const st_tensor *t = &f.tensors[k];
-        if (strcmp(t->dtype, "F32") != 0)
-            continue; /* refused by the store with its name */
         const float *g = (const float *)(data + t->begin);
         int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));
         if (bad >= 0) {

@@ -70,6 +70,10 @@ enum MHD_Result http_reply_error(request *r, unsigned status, const char *fmt, .
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    /* messages quote client input: keep them printable ASCII so the JSON is valid */
+    for (char *p = msg; *p; p++)
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
+            *p = '?';
     return http_reply_json(r, status, json_pack("{s:s}", "error", msg));
 }
 

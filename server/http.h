@@ -22,7 +22,10 @@ typedef struct request {
     blob *body;                     /* the upload, read straight into one buffer */
     uint64_t expect_len;            /* from Content-Length; UINT64_MAX when absent */
     int answered;                   /* a response is queued */
-    int discard;                    /* swallow the rest of the upload */
+    int discard;                    /* swallow the rest of the upload, then answer with: */
+    unsigned discard_status;
+    char discard_msg[200];
+    uint64_t discarded;
     int parked;                     /* suspended in a long poll */
     int resumed;                    /* set by the waiters when it is resumed */
 } request;

@@ -100,6 +100,16 @@ static void mhd_panic(void *cls, const char *file, unsigned int line, const char
     abort();
 }
 
+/* Leave before the server starts: free what was built (a clean exit under
+ * the leak checker too). */
+static int fail(server *srv, int status)
+{
+    cluster_spec_free(&srv->cfg.cluster);
+    free(srv->cfg.auth_token);
+    free(srv);
+    return status;
+}
+
 int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
@@ -152,6 +162,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
+    if (flags_get(flags, nflags, "task_index")->given && task_index < 0) {
+        fprintf(stderr, "psd: --task_index=%d is negative\n", task_index);
+        return fail(srv, 2);
+    }
     cluster_input in = {.job_name = job_name,
                         .task_index = task_index,
                         .ps_hosts = ps_hosts,
@@ -161,38 +175,38 @@ int main(int argc, char **argv)
                         .default_job = "ps"};
     if (cluster_spec_build(&in, &srv->cfg.cluster, err, sizeof(err)) != 0) {
         fprintf(stderr, "psd: %s\n", err);
-        return 2;
+        return fail(srv, 2);
     }
     if (srv->cfg.cluster.job != JOB_PS) {
         fprintf(stderr, "psd: this task is %s %d, but psd serves ps tasks only\n",
                 cluster_job_name(srv->cfg.cluster.job), srv->cfg.cluster.task_index);
-        return 2;
+        return fail(srv, 2);
     }
     const cluster_addr *self = cluster_self(&srv->cfg.cluster);
     if (port < -1 || port > 65535) {
         fprintf(stderr, "psd: --port=%d is out of range 0..65535\n", port);
-        return 2;
+        return fail(srv, 2);
     }
     if (!(lr > 0)) {
         fprintf(stderr, "psd: --learning_rate must be positive, got %g\n", (double)lr);
-        return 2;
+        return fail(srv, 2);
     }
     if (http_threads < 0 || http_threads > 256) {
         fprintf(stderr, "psd: --http_threads must be 0..256, got %d\n", http_threads);
-        return 2;
+        return fail(srv, 2);
     }
     if (conn_timeout < 1 || max_conns < 1 || max_body < 1) {
         fprintf(stderr, "psd: --connection_timeout, --max_connections and --max_body_bytes must be positive\n");
-        return 2;
+        return fail(srv, 2);
     }
     if (auth_reads && !auth_file) {
         fprintf(stderr, "psd: --auth_reads needs --auth_token_file\n");
-        return 2;
+        return fail(srv, 2);
     }
     server_config *cfg = &srv->cfg;
     if (auth_file && !(cfg->auth_token = auth_token_load(auth_file, err, sizeof(err)))) {
         fprintf(stderr, "psd: %s\n", err);
-        return 2;
+        return fail(srv, 2);
     }
     cfg->auth_reads = auth_reads;
     cfg->port = port >= 0 ? port : self->port;
@@ -257,6 +271,7 @@ int main(int argc, char **argv)
     struct MHD_OptionItem opts[] = {
         {MHD_OPTION_LISTEN_SOCKET, fd, NULL},
         {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)routes_completed, srv},
+        {MHD_OPTION_UNESCAPE_CALLBACK, (intptr_t)routes_unescape, NULL},
         {MHD_OPTION_CONNECTION_MEMORY_LIMIT, 128 * 1024, NULL},
         {MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, NULL},
         {MHD_OPTION_CONNECTION_LIMIT, max_conns, NULL},

@@ -55,7 +55,7 @@ static const char *pattern_of(const char *url, char *name_out, size_t name_cap, 
     } subs[] = {{"/stats", "/v1/vars/{name}/stats"}, {"/grad", "/v1/vars/{name}/grad"}};
     for (size_t i = 0; i < 2; i++) {
         size_t sl = strlen(subs[i].suffix);
-        if (n > sl && strcmp(rest + n - sl, subs[i].suffix) == 0) {
+        if (n >= sl && strcmp(rest + n - sl, subs[i].suffix) == 0) {
             n -= sl;
             pattern = subs[i].pattern;
             break;
@@ -164,21 +164,45 @@ static enum MHD_Result on_headers(request *r, const char *url)
     return MHD_YES;
 }
 
+/* A refusal found mid-upload cannot be queued before the upload ends
+ * (libmicrohttpd refuses a response then): drop the body, swallow the rest,
+ * answer at the end. A client that keeps sending past DISCARD_MAX is cut off. */
+#define DISCARD_MAX ((uint64_t)16 << 20)
+static enum MHD_Result refuse_later(request *r, unsigned status, const char *msg)
+{
+    r->discard = 1;
+    r->discard_status = status;
+    snprintf(r->discard_msg, sizeof(r->discard_msg), "%s", msg);
+    blob_unref(r->body);
+    r->body = NULL;
+    return MHD_YES;
+}
+
 static enum MHD_Result on_upload(request *r, const char *data, size_t size)
 {
+    if (r->discard) {
+        r->discarded += size;
+        return r->discarded > DISCARD_MAX ? MHD_NO : MHD_YES;
+    }
     if (r->answered || !r->body)
         return MHD_YES; /* discard what follows a refusal */
     uint64_t have = r->body->len;
-    if (have + size > r->srv->cfg.max_body_bytes)
-        return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
-                                "body is over the limit of %llu bytes (--max_body_bytes)",
-                                (unsigned long long)r->srv->cfg.max_body_bytes);
-    if (r->expect_len != UINT64_MAX && have + size > r->expect_len)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body longer than its Content-Length");
+    if (have + size > r->srv->cfg.max_body_bytes) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "body is over the limit of %llu bytes (--max_body_bytes)",
+                 (unsigned long long)r->srv->cfg.max_body_bytes);
+        return refuse_later(r, MHD_HTTP_CONTENT_TOO_LARGE, msg);
+    }
+    if (r->expect_len != UINT64_MAX && have + size > r->expect_len) {
+        char msg[160];
+        snprintf(msg, sizeof(msg), "body is longer than the %llu bytes expected (Content-Length or X-Shape)",
+                 (unsigned long long)r->expect_len);
+        return refuse_later(r, MHD_HTTP_BAD_REQUEST, msg);
+    }
     if (have + size > r->body->cap) {
         blob *g = blob_grow(r->body, have + size);
         if (!g)
-            return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory for the body");
+            return refuse_later(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory for the body");
         r->body = g;
     }
     memcpy(r->body->data + have, data, size);
@@ -212,6 +236,8 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
     }
     if (r->answered)
         return MHD_YES;
+    if (r->discard)
+        return http_reply_error(r, r->discard_status, "%s", r->discard_msg);
     return r->route->handle(r);
 }
 
@@ -230,4 +256,35 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     free(r);
     *req_cls = NULL;
     atomic_fetch_add(&srv->requests, 1);
+}
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s)
+{
+    (void)cls;
+    (void)conn;
+    /* %XX decoding, except %00: a NUL would cut the string short (and a name
+     * "w%00zz" would reach "w"); left as it is, the '%' makes it invalid. */
+    char *w = s;
+    for (const char *r = s; *r;) {
+        int hi, lo;
+        if (r[0] == '%' && (hi = hexval(r[1])) >= 0 && (lo = hexval(r[2])) >= 0 && (hi | lo)) {
+            *w++ = (char)(hi * 16 + lo);
+            r += 3;
+        } else {
+            *w++ = *r++;
+        }
+    }
+    *w = '\0';
+    return (size_t)(w - s);
 }

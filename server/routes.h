@@ -33,6 +33,9 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
 void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
                       enum MHD_RequestTerminationCode toe);
 
+/* MHD_OPTION_UNESCAPE_CALLBACK: %XX decoding that leaves %00 alone. */
+size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s);
+
 /* Print the table, one "METHOD PATH flags" line each (psd --routes). */
 void routes_print(FILE *out);
 

@@ -167,7 +167,7 @@ enum MHD_Result h_var_get(request *r)
     if (sliced)
         snprintf(shape, sizeof(shape), "%lld", (long long)cnt);
     else
-        tensor_shape_format(&v.shape, shape, sizeof(shape));
+        tensor_shape_header(&v.shape, shape, sizeof(shape));
     const char *headers[] = {MHD_HTTP_HEADER_ETAG, etag, "X-Shape", shape, "X-Dtype", "float32",
                              "X-Version", version, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache",
                              NULL};

@@ -1,0 +1,268 @@
+"""--auth_token_file: every write route of the table `psd --routes` prints
+refuses a missing or wrong token with 401 + WWW-Authenticate and changes
+nothing; the right token works. Reads are open unless --auth_reads, which
+closes every route not marked open. A bad token file stops psd with exit 2."""
+import base64
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import binary, http
+from syshelp import (assert_error, connect, curl_req, read_response,
+                     request_head, snapshot, st_grads)
+
+TOKEN = "s3cr3t-Token_0123456789abcdef"
+W = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+
+def route_table():
+    out = subprocess.run([binary("psd"), "--routes"], capture_output=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    routes = []
+    for line in out.stdout.decode().splitlines():
+        parts = line.split()
+        assert len(parts) >= 2 and set(parts[2:]) <= {"write", "open"}, line
+        routes.append((parts[0], parts[1], "write" in parts[2:], "open" in parts[2:]))
+    assert routes, "psd --routes printed nothing"
+    return routes
+
+
+ROUTES = route_table()
+WRITES = [r for r in ROUTES if r[2]]
+READS = [r for r in ROUTES if not r[2]]
+
+
+def test_route_table_has_the_contract():
+    """The table holds at least the routes of the contract, with these flags."""
+    want = {("GET", "/healthz", False, True), ("PUT", "/v1/vars/{name}", True, False),
+            ("POST", "/v1/vars/{name}/grad", True, False), ("POST", "/v1/grads", True, False),
+            ("GET", "/v1/vars/{name}", False, False), ("GET", "/v1/status", False, False),
+            ("GET", "/v1/vars", False, False), ("GET", "/v1/params", False, False),
+            ("GET", "/v1/vars/{name}/stats", False, False)}
+    assert want <= set(ROUTES)
+
+
+def recipe(method, path):
+    """A valid request for a route of the table: (path, headers, body, want status,
+    how the state must differ afterwards: a function of (before, after))."""
+    p = path.replace("{name}", "w")
+    if (method, path) == ("PUT", "/v1/vars/{name}"):
+        new = np.full((3, 4), 2.0, np.float32)
+        return p, ["X-Shape: 3,4"], new.tobytes(), 200, \
+            lambda b, a: a["vars"]["w"][3] == new.tobytes() and a["vars"]["w"][1] == b["vars"]["w"][1] + 1
+    if (method, path) == ("POST", "/v1/vars/{name}/grad"):
+        g = np.ones(12, np.float32)
+        return p, [], g.tobytes(), 200, \
+            lambda b, a: a["global_step"] == b["global_step"] + 1 and \
+            a["vars"]["w"][3] == (W.reshape(-1) - np.float32(0.5) * g).astype(np.float32).tobytes()
+    if (method, path) == ("POST", "/v1/grads"):
+        g = np.ones((3, 4), np.float32)
+        return p, [], st_grads([("w", g)], meta={"loss": "1.5"}), 200, \
+            lambda b, a: a["global_step"] == b["global_step"] + 1 and a["last_loss"] == 1.5 and \
+            a["vars"]["w"][3] == (W - np.float32(0.5) * g).astype(np.float32).tobytes()
+    if method == "GET":
+        return p, [], None, 200, lambda b, a: a == b
+    raise AssertionError(f"no request recipe for route {method} {path}: add one to test_auth.py")
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    f = tmp_path / "token"
+    f.write_text(TOKEN + "\n")  # a trailing newline is not part of the token
+    return str(f)
+
+
+def seeded(start_psd, token_file, *extra):
+    p = start_psd(f"--auth_token_file={token_file}", "--learning_rate=0.5", *extra)
+    st, _, body = http("PUT", p.url + "/v1/vars/w", W.tobytes(),
+                       {"X-Shape": "3,4", "Authorization": "Bearer " + TOKEN})
+    assert st == 201, body
+    return p, snapshot_auth(p)
+
+
+def snapshot_auth(p):
+    """snapshot() for a server that may need the token for reads too."""
+    return snapshot(p.url, {"Authorization": "Bearer " + TOKEN})
+
+
+BAD_AUTH = {
+    "none": None,
+    "wrong_same_length": "Bearer " + "x" * len(TOKEN),
+    "wrong_last_char": "Bearer " + TOKEN[:-1] + ("g" if TOKEN[-1] != "g" else "h"),
+    "shorter": "Bearer " + TOKEN[:-1],
+    "longer": "Bearer " + TOKEN + "0",
+    "prefix_only": "Bearer " + TOKEN[:4],
+    "doubled": "Bearer " + TOKEN + TOKEN,
+    "empty_bearer": "Bearer ",
+    "scheme_only": "Bearer",
+    "no_scheme": TOKEN,
+    "basic": "Basic " + base64.b64encode(b"user:" + TOKEN.encode()).decode(),
+    "basic_raw_token": "Basic " + TOKEN,
+    "two_spaces": "Bearer  " + TOKEN,
+    "empty_header": "",
+}
+
+
+def assert_401(r):
+    status, headers, body = r
+    assert_error(status, headers, body, 401, "token")
+    assert headers.get("www-authenticate", "").lower().startswith("bearer"), headers
+
+
+@pytest.mark.parametrize("auth", sorted(BAD_AUTH))
+@pytest.mark.parametrize("route", WRITES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_write_without_the_right_token_is_401(start_psd, token_file, route, auth):
+    p, before = seeded(start_psd, token_file)
+    path, hdrs, body, _, _ = recipe(route[0], route[1])
+    value = BAD_AUTH[auth]
+    if value is None:
+        h = hdrs
+    elif value == "":
+        h = hdrs + ["Authorization;"]  # curl: send the header with an empty value
+    else:
+        h = hdrs + [f"Authorization: {value}"]
+    assert_401(curl_req(route[0], p.url + path, h, body))
+    assert_unchanged_auth(p, before)
+
+
+def assert_unchanged_auth(p, before):
+    assert p.alive()
+    st, _, body = http("GET", p.url + "/healthz")
+    assert st == 200 and json.loads(body) == {"status": "ok"}
+    assert snapshot_auth(p) == before, "a refused write changed the state"
+
+
+@pytest.mark.parametrize("route", WRITES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_write_with_the_right_token_works(start_psd, token_file, route):
+    p, before = seeded(start_psd, token_file)
+    path, hdrs, body, want, changed = recipe(route[0], route[1])
+    st, _, out = curl_req(route[0], p.url + path, hdrs + [f"Authorization: Bearer {TOKEN}"],
+                          body)
+    assert st == want, out
+    after = snapshot_auth(p)
+    assert changed(before, after), (before, after)
+
+
+@pytest.mark.parametrize("route", WRITES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_401_comes_before_the_body(start_psd, token_file, route):
+    """Without a token the refusal comes from the headers alone."""
+    p, before = seeded(start_psd, token_file)
+    path, hdrs, body, _, _ = recipe(route[0], route[1])
+    with connect(p.port, timeout=5) as s:
+        s.sendall(request_head(route[0], path, hdrs, content_length=len(body)))
+        assert_401(read_response(s, timeout=5))
+    assert_unchanged_auth(p, before)
+
+
+def test_token_checked_before_name_and_existence(start_psd, token_file):
+    """No one learns whether a variable exists, or what names are valid, without it."""
+    p, before = seeded(start_psd, token_file)
+    for path in ("/v1/vars/nope/grad", "/v1/vars/a..b/grad"):
+        assert_401(curl_req("POST", p.url + path, [], b"\0" * 48))
+    assert_401(curl_req("PUT", p.url + "/v1/vars/a..b", ["X-Shape: 3,4"], b"\0" * 48))
+    assert_unchanged_auth(p, before)
+
+
+@pytest.mark.parametrize("route", READS, ids=lambda r: f"{r[0]} {r[1]}")
+def test_reads_open_without_auth_reads(start_psd, token_file, route):
+    p, before = seeded(start_psd, token_file)
+    path, hdrs, body, want, _ = recipe(route[0], route[1])
+    st, _, out = curl_req(route[0], p.url + path, hdrs, body)
+    assert st == want, out
+    st, _, out = http("HEAD", p.url + path)
+    assert st == want
+
+
+@pytest.mark.parametrize("auth", ["none", "wrong_same_length", "shorter", "basic",
+                                  "empty_header"])
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_auth_reads_closes_every_route_not_open(start_psd, token_file, route, auth):
+    p, before = seeded(start_psd, token_file, "--auth_reads")
+    method, tpath, _, is_open = route
+    path, hdrs, body, want, _ = recipe(method, tpath)
+    value = BAD_AUTH[auth]
+    h = list(hdrs)
+    if value == "":
+        h.append("Authorization;")
+    elif value is not None:
+        h.append(f"Authorization: {value}")
+    r = curl_req(method, p.url + path, h, body)
+    if is_open:
+        assert r[0] == want, r
+    else:
+        assert_401(r)
+        if method == "GET":
+            st, hd, _ = http("HEAD", p.url + path,
+                             headers={"Authorization": value} if value else None)
+            assert st == 401 and "www-authenticate" in hd
+    assert_unchanged_auth(p, before)
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: f"{r[0]} {r[1]}")
+def test_auth_reads_right_token_works(start_psd, token_file, route):
+    p, before = seeded(start_psd, token_file, "--auth_reads")
+    path, hdrs, body, want, changed = recipe(route[0], route[1])
+    st, _, out = curl_req(route[0], p.url + path, hdrs + [f"Authorization: Bearer {TOKEN}"],
+                          body)
+    assert st == want, out
+    assert changed(before, snapshot_auth(p))
+
+
+def test_no_token_file_means_open_writes(start_psd):
+    p = start_psd()
+    st, _, body = http("PUT", p.url + "/v1/vars/w", W.tobytes(), {"X-Shape": "3,4"})
+    assert st == 201, body
+
+
+# ------------------------------------------------------------ bad token files
+
+def run_psd(*args, timeout=20):
+    e = dict(os.environ)
+    e.pop("TF_CONFIG", None)
+    proc = subprocess.Popen([binary("psd"), "--port=0", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=e)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"psd {args} kept running instead of exiting 2")
+    return proc.returncode, out.decode(), err.decode()
+
+
+def assert_refused(rc, out, err, *words):
+    assert rc == 2, (rc, out, err)
+    assert "listening" not in out
+    lines = err.strip("\n").split("\n")
+    assert len(lines) == 1 and lines[0], f"want one line on stderr, got {err!r}"
+    for w in words:
+        assert w in lines[0], f"{lines[0]!r} does not mention {w!r}"
+
+
+def test_missing_token_file(tmp_path):
+    path = str(tmp_path / "no-such-token")
+    assert_refused(*run_psd(f"--auth_token_file={path}"), path)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"  \n\t\n"])
+def test_empty_token_file(tmp_path, content):
+    f = tmp_path / "token"
+    f.write_bytes(content)
+    assert_refused(*run_psd(f"--auth_token_file={f}"), str(f), "empty")
+
+
+def test_token_file_is_a_directory(tmp_path):
+    assert_refused(*run_psd(f"--auth_token_file={tmp_path}"), str(tmp_path))
+
+
+def test_token_with_inner_space(tmp_path):
+    f = tmp_path / "token"
+    f.write_text("two words\n")
+    assert_refused(*run_psd(f"--auth_token_file={f}"), str(f))
+
+
+def test_auth_reads_without_token_file():
+    assert_refused(*run_psd("--auth_reads"), "--auth_token_file")

@@ -1,0 +1,549 @@
+"""openapi/openapi.yaml against the real psd.
+
+- the spec is valid OpenAPI (swagger-parser, plus Ajv strict compilation of
+  every schema), and a broken copy is refused;
+- every route, in every outcome that can be produced on demand (successes and
+  each kind of error, with and without a bearer token), is recorded against
+  live psd processes and every exchange is checked against the spec by
+  tests/contract/openapi_check.mjs; every documented (operation, status) pair
+  must have been seen, and deliberately wrong copies of the exchanges must be
+  caught;
+- `psd --routes` and the spec list the same paths and methods, and the write
+  routes are the ones whose security requires the bearer token.
+
+Needs the Node packages of tests/contract (`make deps`); skips without them.
+"""
+import copy
+import http.client
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+import urllib.parse
+
+import pytest
+import yaml
+
+from conftest import ROOT, binary
+
+SPEC = os.path.join(ROOT, "openapi", "openapi.yaml")
+CONTRACT = os.path.join(ROOT, "tests", "contract")
+CHECKER = os.path.join(CONTRACT, "openapi_check.mjs")
+TOKEN = "s3cret-Token_42"
+HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+# Statuses the spec documents that no request can produce on demand (out of
+# memory, a response that cannot be built).
+NOT_PRODUCIBLE = {"500", "503"}
+
+
+def node_checker():
+    node = shutil.which("node")
+    if not node:
+        pytest.skip("node is not installed: run make deps")
+    if not os.path.isdir(os.path.join(CONTRACT, "node_modules")):
+        pytest.skip("tests/contract/node_modules is missing: run make deps")
+    return node
+
+
+def run_checker(*args):
+    node = node_checker()
+    return subprocess.run([node, CHECKER] + list(args), cwd=CONTRACT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def load_spec():
+    with open(SPEC) as f:
+        return yaml.safe_load(f)
+
+
+def f32(*values):
+    return struct.pack("<%df" % len(values), *values)
+
+
+def safetensors(tensors, metadata=None):
+    """tensors: {name: (dtype, shape, raw bytes)} -> one safetensors body."""
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def read_safetensors(body):
+    (n,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8:8 + n])
+    data = body[8 + n:]
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, t in header.items():
+        b, e = t["data_offsets"]
+        out[name] = (t["dtype"], t["shape"], struct.unpack("<%df" % ((e - b) // 4), data[b:e]))
+    return meta, out
+
+
+class Recorder:
+    """Sends requests with http.client and records each exchange."""
+
+    def __init__(self):
+        self.exchanges = []
+
+    def __call__(self, psd, method, path, query=None, body=None, headers=None, token=None,
+                 expect=None, chunked=False, headers_only=False):
+        url = urllib.parse.quote(path, safe="/%") + (
+            "?" + urllib.parse.urlencode(query) if query else "")
+        hdrs = dict(headers or {})
+        if token is not None:
+            hdrs["Authorization"] = token if " " in token else "Bearer " + token
+        conn = http.client.HTTPConnection("127.0.0.1", psd.port, timeout=10)
+        try:
+            if headers_only:
+                # Content-Length declared, body not sent: the answer must come
+                # before the body is read (as with Expect: 100-continue).
+                conn.putrequest(method, url, skip_accept_encoding=True)
+                for k, v in hdrs.items():
+                    conn.putheader(k, v)
+                conn.endheaders()
+            elif chunked:
+                conn.request(method, url, body=iter(body), headers=hdrs, encode_chunked=True)
+            else:
+                conn.request(method, url, body=body, headers=hdrs)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        rh = {}
+        for k, v in resp.getheaders():
+            k = k.lower()
+            rh[k] = rh[k] + ", " + v if k in rh else v
+        ct = rh.get("content-type")
+        ex = {"method": method, "path": path, "query": dict(query or {}), "status": resp.status,
+              "headers": rh, "content_type": ct, "body": None, "body_length": len(data)}
+        if ct and ct.split(";")[0].strip() == "application/json" and data:
+            try:
+                ex["body"] = json.loads(data)
+            except ValueError as e:
+                ex["body_error"] = str(e)
+        self.exchanges.append(ex)
+        if expect is not None:
+            assert resp.status == expect, (
+                f"{method} {url}: expected {expect}, got {resp.status}: {data[:300]!r}")
+        return resp.status, rh, data
+
+
+def exercise_open(rec, p):
+    """Every route on a psd without a token, --max_body_bytes=4096."""
+    # health
+    rec(p, "GET", "/healthz", expect=200)
+    rec(p, "HEAD", "/healthz", expect=200)
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    assert json.loads(b)["last_loss"] is None
+    rec(p, "HEAD", "/v1/status", expect=200)
+    _, _, b = rec(p, "GET", "/v1/vars", expect=200)
+    assert json.loads(b)["vars"] == []
+    rec(p, "HEAD", "/v1/vars", expect=200)
+
+    # PUT: created, replaced, create-only, names with '/', a scalar, chunked
+    w = f32(1, 2, 3, 4, 5, 6)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2,3"}, expect=201)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2, 3", "X-Dtype": "float32"},
+        expect=200)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2,3", "If-None-Match": "*"},
+        expect=412)
+    rec(p, "PUT", "/v1/vars/layer1/b.0", body=f32(0.5, -0.5, 1e-30),
+        headers={"X-Shape": "3", "If-None-Match": "*",
+                 "Content-Type": "application/octet-stream"}, expect=201)
+    rec(p, "PUT", "/v1/vars/s", body=f32(7), headers={"X-Shape": ""}, expect=201)
+    rec(p, "PUT", "/v1/vars/ch", body=[f32(1, 2), f32(3, 4)], chunked=True,
+        headers={"X-Shape": "4"}, expect=201)
+    rec(p, "PUT", "/v1/vars/nf", body=f32(math.nan, math.inf, 1.5, -math.inf),
+        headers={"X-Shape": "2,2"}, expect=201)
+    rec(p, "PUT", "/v1/vars/allnan", body=f32(math.nan, math.nan), headers={"X-Shape": "2"},
+        expect=201)
+    # PUT refusals
+    rec(p, "PUT", "/v1/vars/x", body=w, expect=400)  # no X-Shape
+    rec(p, "PUT", "/v1/vars/x", body=w, headers={"X-Shape": "2,a"}, expect=400)
+    rec(p, "PUT", "/v1/vars/x", body=w, headers={"X-Shape": "0,6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/x", body=w, headers={"X-Shape": "1,1,1,1,1,1,1,1,6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/x", body=w, headers={"X-Shape": "6", "X-Dtype": "float64"},
+        expect=400)
+    rec(p, "PUT", "/v1/vars/x", body=w, headers={"X-Shape": "5"}, expect=400)  # length
+    rec(p, "PUT", "/v1/vars/x", body=[f32(1)], chunked=True, headers={"X-Shape": "2"},
+        expect=400)  # chunked body shorter than the shape
+    rec(p, "PUT", "/v1/vars/a..b", body=w, headers={"X-Shape": "6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/", body=w, headers={"X-Shape": "6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/" + "n" * 129, body=w, headers={"X-Shape": "6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/stats", body=w, headers={"X-Shape": "6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/a//b", body=w, headers={"X-Shape": "6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/a b", body=w, headers={"X-Shape": "6"}, expect=400)
+    rec(p, "PUT", "/v1/vars/big", headers={"X-Shape": "2000", "Content-Length": "8000"},
+        headers_only=True, expect=413)  # from Content-Length
+    rec(p, "PUT", "/v1/vars/big", headers={"X-Shape": "2000", "Transfer-Encoding": "chunked"},
+        headers_only=True, expect=413)  # from the shape
+
+    # GET one variable: raw, JSON, slices, ETag, HEAD
+    st, h, b = rec(p, "GET", "/v1/vars/w", expect=200)
+    assert b == w and h["x-shape"] == "2,3" and h["x-version"] == "2"
+    etag = h["etag"]
+    _, _, b = rec(p, "GET", "/v1/vars/w", query={"format": "json"}, expect=200)
+    assert json.loads(b)["values"] == [1, 2, 3, 4, 5, 6]
+    rec(p, "GET", "/v1/vars/w", headers={"Accept": "application/json"}, expect=200)
+    rec(p, "GET", "/v1/vars/w", query={"format": "raw"}, headers={"Accept": "application/json"},
+        expect=200)
+    rec(p, "GET", "/v1/vars/w", query={"format": "binary"}, expect=200)
+    _, h, b = rec(p, "GET", "/v1/vars/w", query={"offset": "1", "count": "2"}, expect=200)
+    assert b == f32(2, 3) and h["x-shape"] == "2"
+    _, _, b = rec(p, "GET", "/v1/vars/w", query={"offset": "4", "format": "json"}, expect=200)
+    assert json.loads(b)["values"] == [5, 6] and json.loads(b)["count"] == 2
+    rec(p, "GET", "/v1/vars/w", query={"count": "3", "format": "json"}, expect=200)
+    _, _, b = rec(p, "GET", "/v1/vars/w", query={"offset": "6"}, expect=200)
+    assert b == b""
+    rec(p, "GET", "/v1/vars/layer1/b.0", query={"format": "json"}, expect=200)
+    rec(p, "GET", "/v1/vars/s", expect=200)
+    _, _, b = rec(p, "GET", "/v1/vars/s", query={"format": "json"}, expect=200)
+    assert json.loads(b)["shape"] == []
+    _, _, b = rec(p, "GET", "/v1/vars/nf", query={"format": "json"}, expect=200)
+    assert json.loads(b)["values"] == [None, None, 1.5, None]
+    rec(p, "GET", "/v1/vars/w", headers={"If-None-Match": etag}, expect=304)
+    rec(p, "GET", "/v1/vars/w", headers={"If-None-Match": '"other", ' + etag}, expect=304)
+    rec(p, "GET", "/v1/vars/w", headers={"If-None-Match": "*"}, expect=304)
+    rec(p, "GET", "/v1/vars/w", headers={"If-None-Match": '"stale"'}, expect=200)
+    rec(p, "GET", "/v1/vars/w", query={"format": "json"}, headers={"If-None-Match": etag},
+        expect=200)  # another representation, another ETag
+    rec(p, "GET", "/v1/vars/w", query={"format": "xml"}, expect=400)
+    rec(p, "GET", "/v1/vars/w", query={"offset": "7"}, expect=400)
+    rec(p, "GET", "/v1/vars/w", query={"offset": "2", "count": "5"}, expect=400)
+    rec(p, "GET", "/v1/vars/w", query={"offset": "-1"}, expect=400)
+    rec(p, "GET", "/v1/vars/w", query={"count": "two"}, expect=400)
+    rec(p, "GET", "/v1/vars/missing", expect=404)
+    rec(p, "GET", "/v1/vars/a..b", expect=400)
+    rec(p, "HEAD", "/v1/vars/w", expect=200)
+    rec(p, "HEAD", "/v1/vars/w", headers={"If-None-Match": etag}, expect=304)
+    rec(p, "HEAD", "/v1/vars/w", query={"format": "json", "offset": "1"}, expect=200)
+    rec(p, "HEAD", "/v1/vars/missing", expect=404)
+    rec(p, "HEAD", "/v1/vars/x/", expect=400)
+
+    # stats
+    _, _, b = rec(p, "GET", "/v1/vars/w/stats", expect=200)
+    assert json.loads(b)["mean"] == 3.5
+    _, _, b = rec(p, "GET", "/v1/vars/nf/stats", expect=200)
+    s = json.loads(b)
+    assert (s["nan_count"], s["inf_count"], s["min"], s["max"]) == (1, 2, 1.5, 1.5)
+    _, _, b = rec(p, "GET", "/v1/vars/allnan/stats", expect=200)
+    assert json.loads(b)["min"] is None
+    rec(p, "GET", "/v1/vars/layer1/b.0/stats", expect=200)
+    rec(p, "GET", "/v1/vars/missing/stats", expect=404)
+    rec(p, "GET", "/v1/vars/a..b/stats", expect=400)
+    rec(p, "HEAD", "/v1/vars/w/stats", expect=200)
+    rec(p, "HEAD", "/v1/vars/missing/stats", expect=404)
+    rec(p, "HEAD", "/v1/vars/.../stats", expect=400)
+
+    # one variable's gradient
+    g = f32(1, 1, 1, 1, 1, 1)
+    _, _, b = rec(p, "POST", "/v1/vars/w/grad", body=g, expect=200)
+    assert json.loads(b) == {"global_step": 1, "version": 3}
+    rec(p, "POST", "/v1/vars/w/grad", body=g, headers={"X-Shape": "2,3"}, expect=200)
+    rec(p, "POST", "/v1/vars/w/grad", body=[g[:8], g[8:]], chunked=True, expect=200)
+    rec(p, "POST", "/v1/vars/w/grad", body=g, headers={"X-Shape": "3,2"}, expect=400)
+    rec(p, "POST", "/v1/vars/w/grad", body=g, headers={"X-Shape": "x"}, expect=400)
+    rec(p, "POST", "/v1/vars/w/grad", body=g[:20], expect=400)
+    rec(p, "POST", "/v1/vars/w/grad", body=[g[:20]], chunked=True, expect=400)
+    rec(p, "POST", "/v1/vars/w/grad", body=f32(1, 1, math.nan, 1, 1, 1), expect=400)
+    rec(p, "POST", "/v1/vars/missing/grad", body=g, expect=404)
+    rec(p, "POST", "/v1/vars/a..b/grad", body=g, expect=400)
+    rec(p, "POST", "/v1/vars/w/grad", headers={"Content-Length": "8000"}, headers_only=True,
+        expect=413)
+
+    # bulk: params and grads
+    st, h, b = rec(p, "GET", "/v1/params", expect=200)
+    meta, tensors = read_safetensors(b)
+    assert meta["global_step"] == h["x-global-step"] == "3"
+    assert tensors["w"][1] == [2, 3] and tensors["s"][1] == []
+    rec(p, "HEAD", "/v1/params", expect=200)
+    push = safetensors({"w": ("F32", [2, 3], g), "layer1/b.0": ("F32", [3], f32(1, 2, 3))},
+                       {"worker": "0", "step": "3", "batch_size": "32", "loss": "0.75"})
+    _, _, b = rec(p, "POST", "/v1/grads", body=push, expect=200)
+    assert json.loads(b) == {"global_step": 4, "duplicate": False}
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    assert json.loads(b)["last_loss"] == 0.75 and json.loads(b)["global_step"] == 4
+    rec(p, "POST", "/v1/grads", body=push, headers={"X-Push-Id": "w0:step-3.a_1"}, expect=200)
+    _, _, b = rec(p, "POST", "/v1/grads", body=push, headers={"X-Push-Id": "w0:step-3.a_1"},
+                  expect=200)
+    assert json.loads(b)["duplicate"] is True
+    rec(p, "POST", "/v1/grads", body=[push[:40], push[40:]], chunked=True, expect=200)
+    rec(p, "POST", "/v1/grads", body=safetensors({"s": ("F32", [], f32(1))}), expect=200)
+    rec(p, "POST", "/v1/grads", body=push, headers={"X-Push-Id": "bad id"}, expect=400)
+    rec(p, "POST", "/v1/grads", body=push, headers={"X-Push-Id": "x" * 65}, expect=400)
+    rec(p, "POST", "/v1/grads", body=b"\x01\x02", expect=400)
+    rec(p, "POST", "/v1/grads", body=struct.pack("<Q", 8) + b"{nojson}", expect=400)
+    rec(p, "POST", "/v1/grads", body=struct.pack("<Q", 999) + b"{}      ", expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({}), expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"nope": ("F32", [1], f32(1))}), expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F32", [3, 2], g)}), expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F16", [2, 3], b"\0" * 12)}), expect=400)
+    rec(p, "POST", "/v1/grads",
+        body=safetensors({"w": ("F32", [2, 3], f32(1, 1, 1, math.inf, 1, 1))}), expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F32", [2, 3], g)}, {"worker": "-1"}),
+        expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F32", [2, 3], g)}, {"step": "3x"}),
+        expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F32", [2, 3], g)}, {"loss": "nan"}),
+        expect=400)
+    rec(p, "POST", "/v1/grads", headers={"Content-Length": "5000"}, headers_only=True,
+        expect=413)
+    rec(p, "GET", "/v1/vars", expect=200)
+
+    # paths no route has, and methods a path does not answer
+    for path in ("/", "/nope", "/v1", "/v1/", "/v1/var/w", "/healthz/", "/v1/params/x"):
+        rec(p, "GET", path, expect=404)
+    rec(p, "POST", "/v1/nope", body=b"x", expect=404)
+    rec(p, "HEAD", "/nope", expect=404)
+    for method, path in (("POST", "/healthz"), ("DELETE", "/v1/vars/w"), ("PUT", "/v1/vars"),
+                         ("GET", "/v1/grads"), ("HEAD", "/v1/grads"), ("PATCH", "/v1/params"),
+                         ("POST", "/v1/vars/w/stats"), ("GET", "/v1/vars/w/grad"),
+                         ("OPTIONS", "/v1/status"), ("DELETE", "/v1/vars/a..b")):
+        rec(p, method, path, expect=405)
+
+
+def exercise_token(rec, p):
+    """--auth_token_file: writes need the token, reads do not."""
+    w = f32(1, 2)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2"}, expect=401)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2"}, token="wrong", expect=401)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2"}, token=TOKEN + "x", expect=401)
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2"}, token="Basic " + TOKEN,
+        expect=401)
+    rec(p, "PUT", "/v1/vars/a..b", body=w, headers={"X-Shape": "2"}, expect=401)  # token first
+    rec(p, "PUT", "/v1/vars/w", body=w, headers={"X-Shape": "2"}, token=TOKEN, expect=201)
+    rec(p, "PUT", "/v1/vars/a..b", body=w, headers={"X-Shape": "2"}, token=TOKEN, expect=400)
+    rec(p, "POST", "/v1/vars/w/grad", body=w, expect=401)
+    rec(p, "POST", "/v1/vars/w/grad", body=w, token=TOKEN, expect=200)
+    push = safetensors({"w": ("F32", [2], w)}, {"worker": "1"})
+    rec(p, "POST", "/v1/grads", body=push, expect=401)
+    rec(p, "POST", "/v1/grads", body=push, token="nope", expect=401)
+    rec(p, "POST", "/v1/grads", body=push, token=TOKEN, expect=200)
+    for path in ("/healthz", "/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats",
+                 "/v1/params"):
+        rec(p, "GET", path, expect=200)
+    rec(p, "DELETE", "/v1/vars/w", expect=405)  # the method check comes before the token
+    rec(p, "GET", "/nope", expect=404)
+
+
+def exercise_auth_reads(rec, p):
+    """--auth_token_file --auth_reads: every route but /healthz needs the token."""
+    rec(p, "PUT", "/v1/vars/w", body=f32(3), headers={"X-Shape": "1"}, token=TOKEN, expect=201)
+    rec(p, "GET", "/healthz", expect=200)
+    rec(p, "HEAD", "/healthz", expect=200)
+    for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
+                 "/v1/vars/missing", "/v1/vars/a..b"):
+        rec(p, "GET", path, expect=401)
+        rec(p, "HEAD", path, expect=401)
+    for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params"):
+        rec(p, "GET", path, token=TOKEN, expect=200)
+        rec(p, "HEAD", path, token=TOKEN, expect=200)
+    rec(p, "GET", "/v1/vars/w", token="bad", expect=401)
+    rec(p, "GET", "/v1/vars/missing", token=TOKEN, expect=404)
+
+
+def documented_pairs(spec):
+    pairs = set()
+    for path, item in spec["paths"].items():
+        for m in HTTP_METHODS:
+            if m in item:
+                for st in item[m]["responses"]:
+                    pairs.add((f"{m.upper()} {path}", str(st)))
+    return pairs
+
+
+# Wrong copies of recorded exchanges, each of which the checker must refuse.
+def mutations(exchanges):
+    def first(pred):
+        for ex in exchanges:
+            if pred(ex):
+                return copy.deepcopy(ex)
+        raise AssertionError("no recorded exchange to mutate")
+
+    def is_(method, path, status, ct=None):
+        return lambda ex: (ex["method"] == method and ex["path"] == path and
+                           ex["status"] == status and
+                           (ct is None or (ex["content_type"] or "").startswith(ct)))
+
+    out = []
+    ex = first(is_("GET", "/v1/status", 200))
+    del ex["body"]["global_step"]
+    out.append(("status without global_step", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["task"]["type"] = "worker"
+    out.append(("status with task type worker", ex))
+    ex = first(is_("GET", "/v1/vars/w", 200, "application/json"))
+    ex["body"]["bogus"] = 1
+    out.append(("var JSON with an extra field", ex))
+    ex = first(is_("GET", "/v1/vars/w", 200, "application/json"))
+    ex["body"]["values"][0] = "1"
+    out.append(("var JSON with a string value", ex))
+    ex = first(is_("GET", "/v1/vars/w", 200, "application/octet-stream"))
+    del ex["headers"]["x-version"]
+    out.append(("raw var without X-Version", ex))
+    ex = first(is_("GET", "/v1/vars/w", 200, "application/octet-stream"))
+    ex["headers"]["etag"] = "W/weak"
+    out.append(("raw var with a bad ETag", ex))
+    ex = first(is_("GET", "/v1/vars/w", 304))
+    ex["body_length"] = 5
+    out.append(("304 with a body", ex))
+    ex = first(is_("GET", "/v1/vars/w", 200, "application/octet-stream"))
+    ex["content_type"] = "text/plain"
+    out.append(("raw var as text/plain", ex))
+    ex = first(is_("PUT", "/v1/vars/w", 201))
+    ex["status"] = 202
+    out.append(("PUT answered 202", ex))
+    ex = first(is_("PUT", "/v1/vars/w", 201))
+    ex["body"]["created"] = "yes"
+    out.append(("PUT result with a string created", ex))
+    ex = first(lambda e: e["status"] == 400 and e["method"] == "GET")
+    ex["body"] = {"message": "x"}
+    out.append(("error without error", ex))
+    ex = first(lambda e: e["status"] == 400 and e["method"] == "GET")
+    ex["content_type"] = "text/html"
+    ex["body"] = None
+    out.append(("HTML error", ex))
+    ex = first(lambda e: e["status"] == 401 and e["method"] == "PUT")
+    del ex["headers"]["www-authenticate"]
+    out.append(("401 without WWW-Authenticate", ex))
+    ex = first(lambda e: e["status"] == 405)
+    ex["headers"]["allow"] = "GET"
+    out.append(("405 with the wrong Allow", ex))
+    ex = first(lambda e: e["status"] == 405)
+    del ex["headers"]["allow"]
+    out.append(("405 without Allow", ex))
+    ex = first(is_("GET", "/nope", 404))
+    ex["status"] = 200
+    out.append(("unknown path answered 200", ex))
+    ex = first(is_("GET", "/v1/vars/w/stats", 200))
+    ex["status"] = 412
+    out.append(("stats answered 412", ex))
+    ex = first(is_("GET", "/v1/vars/w/stats", 200))
+    ex["body"]["l2_norm"] = None
+    out.append(("stats with a null l2_norm", ex))
+    ex = first(is_("GET", "/v1/params", 200))
+    del ex["headers"]["x-global-step"]
+    out.append(("params without X-Global-Step", ex))
+    ex = first(is_("POST", "/v1/grads", 200))
+    ex["body"]["duplicate"] = 0
+    out.append(("grads result with a number duplicate", ex))
+    ex = first(lambda e: is_("GET", "/v1/vars", 200)(e) and e["body"]["vars"])
+    ex["body"]["vars"][0]["name"] = "a..b"
+    out.append(("var list with a bad name", ex))
+    ex = first(is_("GET", "/v1/vars/w", 200))
+    ex["query"] = {"fmt": "json"}
+    out.append(("undocumented query parameter", ex))
+    ex = first(is_("HEAD", "/v1/vars/w", 200))
+    ex["body_length"] = 24
+    out.append(("HEAD with a body", ex))
+    ex = first(is_("GET", "/healthz", 200))
+    ex["body_error"] = "Unexpected token"
+    ex["body"] = None
+    out.append(("unparsable JSON", ex))
+    return out
+
+
+def test_spec_is_valid_openapi(tmp_path):
+    r = run_checker("spec", SPEC)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "is valid OpenAPI 3.1" in r.stderr
+    # ... and the check can fail: a misspelt keyword, a dangling $ref, a stray field
+    with open(SPEC) as f:
+        text = f.read()
+    broken = {
+        "misspelt": text.replace("required: [error]", "requried: [error]", 1),
+        "dangling": text.replace('schemas/Health"', 'schemas/Healthy"', 1),
+        "stray": text.replace("paths:\n", "paths:\n  nopath:\n    get: {}\n", 1),
+    }
+    for name, t in broken.items():
+        assert t != text, name
+        bad = tmp_path / f"{name}.yaml"
+        bad.write_text(t)
+        r = run_checker("spec", str(bad))
+        assert r.returncode == 1, f"{name}: the broken spec was accepted\n{r.stdout}{r.stderr}"
+        assert "spec:" in r.stdout, name
+
+
+def test_live_responses_match_spec(start_psd, tmp_path):
+    node_checker()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    rec = Recorder()
+    exercise_open(rec, start_psd("--max_body_bytes=4096"))
+    exercise_token(rec, start_psd(f"--auth_token_file={token_file}"))
+    exercise_auth_reads(rec, start_psd(f"--auth_token_file={token_file}", "--auth_reads"))
+
+    recorded = tmp_path / "exchanges.json"
+    recorded.write_text(json.dumps(rec.exchanges, indent=1))
+    coverage = tmp_path / "coverage.json"
+    r = run_checker("responses", SPEC, str(recorded), "--coverage", str(coverage))
+    assert r.returncode == 0, f"responses that break the spec:\n{r.stdout}{r.stderr}"
+    assert f"{len(rec.exchanges)} exchanges, 0 failures" in r.stderr
+
+    # every documented (operation, status) was produced, but for out of memory
+    seen = {(op, str(st)) for op, sts in json.loads(coverage.read_text()).items() for st in sts}
+    missing = sorted(pair for pair in documented_pairs(load_spec()) - seen
+                     if pair[1] not in NOT_PRODUCIBLE)
+    assert not missing, f"documented but never exercised: {missing}"
+    assert ("* unrouted", "404") in seen and ("* /v1/vars/{name}", "405") in seen
+
+    # the checker catches wrong responses: each mutation must fail on its own
+    muts = mutations(rec.exchanges)
+    bad = tmp_path / "wrong.json"
+    bad.write_text(json.dumps([ex for _, ex in muts], indent=1))
+    r = run_checker("responses", SPEC, str(bad))
+    assert r.returncode == 1, r.stdout + r.stderr
+    for i, (what, _) in enumerate(muts):
+        assert f"FAIL [{i}] " in r.stdout, f"not caught: {what}\n{r.stdout}"
+
+
+def test_route_table_matches_spec():
+    out = subprocess.run([binary("psd"), "--routes"], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    table = {}
+    for line in out.stdout.splitlines():
+        method, path, *flags = line.split()
+        assert set(flags) <= {"write", "open"}, line
+        table[(method, path)] = set(flags)
+    assert len(table) >= 9, out.stdout
+
+    spec = load_spec()
+    ops = {(m.upper(), path): op for path, item in spec["paths"].items()
+           for m, op in item.items() if m in HTTP_METHODS}
+    table_paths = {p for _, p in table}
+    assert set(spec["paths"]) == table_paths, (
+        f"only in the spec: {sorted(set(spec['paths']) - table_paths)}; "
+        f"only in psd: {sorted(table_paths - set(spec['paths']))}")
+    # every route is in the spec, and every spec operation is a route (HEAD
+    # exactly where GET is: psd answers HEAD on every GET route)
+    assert set(table) <= set(ops), f"routes missing from the spec: {sorted(set(table) - set(ops))}"
+    extra = {k for k in ops if k not in table and not (k[0] == "HEAD" and ("GET", k[1]) in table)}
+    assert not extra, f"spec operations psd does not route: {sorted(extra)}"
+    heads = {p for m, p in table if m == "GET"}
+    assert {p for m, p in ops if m == "HEAD"} == heads, "HEAD must be documented on every GET path"
+
+    bearer_only = [{"bearer": []}]
+    optional = [{}, {"bearer": []}]
+    for (method, path), op in ops.items():
+        flags = table.get((method, path)) or table[("GET", path)]
+        security = op.get("security", spec.get("security"))
+        if "write" in flags:
+            want = bearer_only
+        elif "open" in flags:
+            want = []
+        else:
+            want = optional
+        assert security == want, f"{method} {path} ({' '.join(flags) or 'read'}): security {security}"
+        if "open" not in flags:
+            assert "401" in op["responses"], f"{method} {path} can answer 401"
+        if "write" in flags:
+            assert "requestBody" in op and "413" in op["responses"], f"{method} {path}"
