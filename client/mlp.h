@@ -34,7 +34,7 @@
 #define MLP_MAX_TENSORS (2 * MLP_MAX_LAYERS)
 #define MLP_MAX_DIM (1 << 20)          /* units per layer */
 #define MLP_MAX_PARAMS ((size_t)1 << 31) /* floats in the parameter buffer */
-#define MLP_NAME_MAX 16
+#define MLP_NAME_MAX 32
 
 typedef struct mlp_tensor {
     char name[MLP_NAME_MAX]; /* "hid_w", "hid0_b", "sm_w", ... */
@@ -83,8 +83,9 @@ typedef struct mlp {
 /* The functions every backend implements. All pointers passed in are host
  * memory (a device backend copies what it needs); params and grads are buffers
  * of layout.n_params floats; x is [batch, n_in] row-major; labels are in
- * [0, n_out). Return 0, or a negative value on bad arguments (batch outside
- * [1, max_batch], a label >= n_out) or a backend failure. */
+ * [0, n_out); grads must not overlap params or x. Return 0, or a negative
+ * value on bad arguments (batch outside [1, max_batch], a label >= n_out) or a
+ * backend failure. */
 struct mlp_backend {
     const char *name; /* "cpu", "cuda" */
     mlp *(*create)(const mlp_layout *layout, int max_batch, char *err, size_t errlen);
@@ -114,5 +115,11 @@ int mlp_evaluate(mlp *m, const float *params, const float *x, const uint8_t *lab
 /* CPU backend only: OpenBLAS threads for this process (process-wide; 1 is the
  * safe default beside other busy processes, see PERF-NOTES). */
 void mlp_cpu_set_threads(int n);
+
+/* CPU backend only: the kernel set OpenBLAS picked ("SkylakeX", "Haswell", ...),
+ * for the worker's start-up log. OpenBLAS 0.3.21 takes a CPU it does not know
+ * for "Prescott" (SSE3, several times slower); OPENBLAS_CORETYPE in the
+ * environment overrides its choice. */
+const char *mlp_cpu_blas_core(void);
 
 #endif

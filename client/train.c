@@ -288,9 +288,10 @@ int train_worker(const train_config *c)
     } else {
         wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
     }
-    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld\n", c->name,
-           c->sync ? "sync" : "async", optim_name(c->optim.kind), c->n_trainers, c->batch_size,
-           (long long)c->train_steps);
+    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; cpu backend (OpenBLAS %s, %d thread%s)\n",
+           c->name, c->sync ? "sync" : "async", optim_name(c->optim.kind), c->n_trainers,
+           c->batch_size, (long long)c->train_steps, mlp_cpu_blas_core(), c->threads,
+           c->threads == 1 ? "" : "s");
     fflush(stdout);
 
     unsigned nonce = 0;
@@ -468,8 +469,9 @@ int train_local(const train_config *c)
         goto out;
     }
     mlp_init_params(&c->layout, params, c->seed);
-    printf("%s: training locally (no ps), %s, batch %d, %lld steps\n", c->name,
-           optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps);
+    printf("%s: training locally (no ps), %s, batch %d, %lld steps; cpu backend (OpenBLAS %s, %d thread%s)\n",
+           c->name, optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps,
+           mlp_cpu_blas_core(), c->threads, c->threads == 1 ? "" : "s");
     double t_log = now_secs(), t0 = t_log;
     int64_t ex_since = 0;
     for (int64_t step = 0; step < c->train_steps; step++) {

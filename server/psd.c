@@ -301,9 +301,12 @@ int main(int argc, char **argv)
     log_info("psd: stopping (%llu requests served)",
              (unsigned long long)atomic_load(&srv->requests));
     /* answer the parked long polls and a pending shutdown request first */
+    int parked = waiters_count(srv->waiters);
     waiters_wake_all(srv->waiters);
-    struct timespec grace = {0, 200 * 1000000L};
-    nanosleep(&grace, NULL);
+    if (parked || atomic_load(&srv->stopping)) {
+        struct timespec grace = {0, 100 * 1000000L};
+        nanosleep(&grace, NULL);
+    }
     MHD_stop_daemon(d);
     waiters_free(srv->waiters);
     close(fd);

@@ -18,7 +18,9 @@
 
 #include "idx.h"
 
+#ifndef FASHION_DIR
 #define FASHION_DIR "/usr/share/datasets/fashion-mnist"
+#endif
 
 static char tmpdir[256];
 
