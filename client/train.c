@@ -298,7 +298,7 @@ int train_worker(const train_config *c)
     if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
         nonce = (unsigned)getpid();
     int64_t step = 0, want = 0, local = 0, last_step = 0, ex_since = 0;
-    double t_log = now_secs();
+    double t_log = now_secs(), t_start = t_log;
     for (;;) {
         int prc = shards_pull(&sh, params, c->sync ? want : -1, 30000, &step);
         if (prc != PS_OK) {
@@ -357,7 +357,9 @@ int train_worker(const train_config *c)
     json_t *done = json_pack("{s:i}", "worker", c->trainer);
     ps_json(pc, 0, "POST", "/v1/done", done, 1, NULL);
     json_decref(done);
-    printf("%s: finished after %lld local steps\n", c->name, (long long)local);
+    double secs = now_secs() - t_start;
+    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
+           (long long)local, secs, (double)local / secs);
     fflush(stdout);
     rc = 0;
     if (c->is_chief) {
