@@ -45,10 +45,18 @@ enum MHD_Result h_params_get(request *r)
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */
         store_snaps_release(v, n);
-        r->parked = 1;
-        MHD_suspend_connection(r->conn);
-        waiters_add(srv->waiters, r->conn, min_step, waiters_now_ms() + timeout_ms, &r->resumed);
-        return MHD_YES;
+        if (srv->cfg.http_threads == 0) {
+            /* this connection has its own thread: wait in it */
+            waiters_block(srv->waiters, min_step, waiters_now_ms() + timeout_ms);
+            if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
+                return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        } else {
+            r->parked = 1;
+            MHD_suspend_connection(r->conn);
+            waiters_add(srv->waiters, r->conn, min_step, waiters_now_ms() + timeout_ms,
+                        &r->resumed);
+            return MHD_YES;
+        }
     }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));

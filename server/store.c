@@ -523,12 +523,18 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
                  (long long)s->global_step);
         rc = STORE_ECONFLICT;
     } else {
-        if (s->config.optim.kind != c->optim.kind)
-            for (int i = 0; i < s->n; i++) { /* other state: start it afresh */
-                free(s->vars[i].slots);
-                s->vars[i].slots = NULL;
-                s->vars[i].n_slots = 0;
-            }
+        if (memcmp(&s->config, c, sizeof(*c)) != 0) {
+            /* another optimizer or mode: its state and any gradients waiting
+             * under the old configuration start afresh */
+            if (s->config.optim.kind != c->optim.kind)
+                for (int i = 0; i < s->n; i++) {
+                    free(s->vars[i].slots);
+                    s->vars[i].slots = NULL;
+                    s->vars[i].n_slots = 0;
+                    s->vars[i].updates = 0;
+                }
+            pending_clear(s);
+        }
         s->config = *c;
         s->learning_rate = c->optim.learning_rate;
         s->configured = 1;

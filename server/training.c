@@ -119,6 +119,11 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
         return -1;
     }
     c->replicas_to_aggregate = r ? (int)json_integer_value(r) : c->workers;
+    /* settings the optimizer does not use are zero, so equal configurations compare equal */
+    if (c->optim.kind != OPTIM_MOMENTUM)
+        c->optim.momentum = 0;
+    if (c->optim.kind != OPTIM_ADAM)
+        c->optim.beta1 = c->optim.beta2 = c->optim.epsilon = 0;
     return 0;
 }
 

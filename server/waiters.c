@@ -15,6 +15,7 @@ typedef struct waiter {
 struct waiters {
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_cond_t step_cv; /* blocking waits (thread per connection) */
     pthread_t timer;
     int stopping;
     int64_t step;
@@ -91,6 +92,7 @@ waiters *waiters_new(int64_t step)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&w->cv, &ca);
+    pthread_cond_init(&w->step_cv, &ca);
     pthread_condattr_destroy(&ca);
     w->step = step;
     if (pthread_create(&w->timer, NULL, timer_main, w) != 0) {
@@ -114,6 +116,7 @@ void waiters_free(waiters *w)
     resume_where(w, always, 0);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
+    pthread_cond_destroy(&w->step_cv);
     free(w);
 }
 
@@ -166,6 +169,7 @@ void waiters_step(waiters *w, int64_t step)
     if (step > w->step)
         w->step = step;
     resume_where(w, step_reached, w->step);
+    pthread_cond_broadcast(&w->step_cv);
     pthread_mutex_unlock(&w->mu);
 }
 
@@ -174,6 +178,7 @@ void waiters_wake_all(waiters *w)
     pthread_mutex_lock(&w->mu);
     w->stopping = 1; /* from now on nobody is parked */
     pthread_cond_signal(&w->cv);
+    pthread_cond_broadcast(&w->step_cv);
     resume_where(w, always, 0);
     pthread_mutex_unlock(&w->mu);
 }
@@ -184,4 +189,15 @@ int waiters_count(waiters *w)
     int n = w->count;
     pthread_mutex_unlock(&w->mu);
     return n;
+}
+
+void waiters_block(waiters *w, int64_t min_step, int64_t deadline_ms)
+{
+    struct timespec ts = {deadline_ms / 1000, (deadline_ms % 1000) * 1000000L};
+    pthread_mutex_lock(&w->mu);
+    w->count++;
+    while (w->step < min_step && !w->stopping && waiters_now_ms() < deadline_ms)
+        pthread_cond_timedwait(&w->step_cv, &w->mu, &ts);
+    w->count--;
+    pthread_mutex_unlock(&w->mu);
 }
