@@ -18,14 +18,18 @@ LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/flags.c common/log.c common/safetensors.c common/tensor.c
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
-             server/status.c server/store.c server/vars.c
+             server/status.c server/store.c server/vars.c \
+             server/training.c server/waiters.c
 CLIENT_SRC = client/libps.c
+WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
+WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o)
+LDLIBS_WORKER = -lopenblas -lz $(LDLIBS_CLIENT)
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
@@ -44,9 +48,9 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
 # A libps client that pushes and pulls concurrently (the consistency test).
 $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
@@ -54,12 +58,29 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 # Unit tests (cmocka), one binary per module.
-UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_flags
+UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_flags test_idx test_mlp
+IDX_OBJ = $(BUILD)/client/idx.o
+MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o
+
+$(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lz -ljansson -lm -lcmocka
+$(BIN)/test_mlp: $(BUILD)/tests/unit/test_mlp.o $(MLP_OBJ) $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
+# Loss and gradients of given inputs, for the numpy comparison (tests/system/test_mlp_numpy.py).
+$(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MLP_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
 
-bench-bins: $(BIN)/bench_pull
+bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp
+
+$(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MLP_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
 
 $(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
@@ -68,7 +89,7 @@ $(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
 asan:
 	$(MAKE) BUILD=build/asan BIN=build/asan/bin OPT="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
 
-unit-bins: $(UNIT_TESTS:%=$(BIN)/%)
+unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump
 
 deps:
 	@sh scripts/deps.sh

@@ -25,6 +25,7 @@ struct ps_client {
     char *auth;  /* "Authorization: Bearer ..." or NULL */
     char err[1024];
     long status;
+    long extra_timeout_ms; /* added to the next request's limit (long polls) */
 };
 
 /* Where an answer goes. */
@@ -300,7 +301,7 @@ static int do_request(ps_client *c, int shard, const char *method, const char *p
         curl_easy_setopt(h, CURLOPT_BUFFERSIZE, 1L << 20);
         curl_easy_setopt(h, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
         curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
-        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, c->opt.timeout_ms);
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, c->opt.timeout_ms + c->extra_timeout_ms);
         curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, c->opt.connect_timeout_ms);
         curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
         curl_easy_setopt(h, CURLOPT_PROXY, ""); /* a cluster is never behind http_proxy */
@@ -356,6 +357,7 @@ static int do_request(ps_client *c, int shard, const char *method, const char *p
         wait *= 2;
     }
     curl_slist_free_all(hdrs);
+    c->extra_timeout_ms = 0;
     return rc;
 }
 
@@ -524,11 +526,11 @@ int ps_push_grad(ps_client *c, int shard, const char *name, const float *grad, s
     return rc;
 }
 
-int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
-                   int64_t *global_step)
+static int pull_params(ps_client *c, int shard, const char *path, void *buf, size_t cap,
+                       size_t *len, int64_t *global_step)
 {
     sink s = {.buf = buf, .cap = cap};
-    int rc = do_request(c, shard, "GET", "/v1/params", NULL, NULL, &s, RETRY_ANY);
+    int rc = do_request(c, shard, "GET", path, NULL, NULL, &s, RETRY_ANY);
     if (rc)
         return rc;
     *len = s.len;
@@ -542,8 +544,39 @@ int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
     return PS_OK;
 }
 
+int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
+                   int64_t *global_step)
+{
+    return pull_params(c, shard, "/v1/params", buf, cap, len, global_step);
+}
+
+int ps_pull_params_wait(ps_client *c, int shard, int64_t min_step, long timeout_ms, void *buf,
+                        size_t cap, size_t *len, int64_t *global_step)
+{
+    char path[96];
+    if (min_step < 0 || timeout_ms < 0 || timeout_ms > 300000) {
+        set_err(c, "min_step must be >= 0 and timeout_ms in [0, 300000]");
+        return PS_EINVAL;
+    }
+    snprintf(path, sizeof(path), "/v1/params?min_step=%lld&timeout_ms=%ld", (long long)min_step,
+             timeout_ms);
+    c->extra_timeout_ms = timeout_ms;
+    return pull_params(c, shard, path, buf, cap, len, global_step);
+}
+
 int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
                   size_t data_len, const char *push_id, int64_t *global_step, int *duplicate)
+{
+    int outcome = PS_PUSH_APPLIED;
+    int rc = ps_push_grads_ex(c, shard, head, head_len, data, data_len, push_id, global_step,
+                              &outcome);
+    if (rc == PS_OK && duplicate)
+        *duplicate = outcome == PS_PUSH_DUPLICATE;
+    return rc;
+}
+
+int ps_push_grads_ex(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
+                     size_t data_len, const char *push_id, int64_t *global_step, int *outcome)
 {
     char idh[128];
     const char *extra[] = {"Content-Type: application/octet-stream", NULL, NULL};
@@ -562,8 +595,14 @@ int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, co
     if (rc)
         return rc;
     rc = step_from(c, shard, j, "POST /v1/grads", global_step);
-    if (duplicate)
-        *duplicate = json_is_true(json_object_get(j, "duplicate"));
+    if (outcome) {
+        const char *o = json_string_value(json_object_get(j, "outcome"));
+        *outcome = json_is_true(json_object_get(j, "duplicate")) ? PS_PUSH_DUPLICATE : PS_PUSH_APPLIED;
+        if (o && strcmp(o, "stale") == 0)
+            *outcome = PS_PUSH_STALE;
+        else if (o && strcmp(o, "pending") == 0)
+            *outcome = PS_PUSH_PENDING;
+    }
     json_decref(j);
     return rc;
 }
@@ -571,4 +610,25 @@ int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, co
 int ps_status(ps_client *c, int shard, json_t **out)
 {
     return get_json(c, shard, "GET", "/v1/status", NULL, NULL, RETRY_ANY, out);
+}
+
+int ps_json(ps_client *c, int shard, const char *method, const char *path, json_t *body,
+            int idempotent, json_t **out)
+{
+    char *text = NULL;
+    if (body && !(text = json_dumps(body, JSON_COMPACT))) {
+        set_err(c, "out of memory");
+        return PS_ENOMEM;
+    }
+    source src = {.part = {(const unsigned char *)text, NULL}, .len = {text ? strlen(text) : 0, 0}};
+    const char *extra[] = {"Content-Type: application/json", NULL};
+    json_t *j = NULL;
+    int rc = get_json(c, shard, method, path, body ? extra : NULL, body ? &src : NULL,
+                      idempotent ? RETRY_ANY : RETRY_CONNECT_ONLY, &j);
+    free(text);
+    if (rc == PS_OK && out)
+        *out = j;
+    else
+        json_decref(j);
+    return rc;
 }

@@ -82,7 +82,26 @@ int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
 int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
                   size_t data_len, const char *push_id, int64_t *global_step, int *duplicate);
 
+/* GET /v1/params?min_step=N&timeout_ms=T: the long poll of sync training.
+ * The answer comes when the shard's global_step reaches min_step, or after
+ * timeout_ms with whatever step it is at (check *global_step). */
+int ps_pull_params_wait(ps_client *c, int shard, int64_t min_step, long timeout_ms, void *buf,
+                        size_t cap, size_t *len, int64_t *global_step);
+
+/* What became of a bulk push. */
+enum { PS_PUSH_APPLIED, PS_PUSH_DUPLICATE, PS_PUSH_STALE, PS_PUSH_PENDING };
+/* ps_push_grads, also saying what the server did with the push (PS_PUSH_*). */
+int ps_push_grads_ex(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
+                     size_t data_len, const char *push_id, int64_t *global_step, int *outcome);
+
 /* GET /v1/status as parsed JSON (json_decref it). */
 int ps_status(ps_client *c, int shard, json_t **out);
+
+/* Any JSON exchange: method "GET", "PUT" or "POST" on path, with body (may be
+ * NULL; not stolen) and the answer parsed into *out (may be NULL: discarded).
+ * idempotent: retry on network errors and 503; else only when the connection
+ * was never made. */
+int ps_json(ps_client *c, int shard, const char *method, const char *path, json_t *body,
+            int idempotent, json_t **out);
 
 #endif

@@ -1,27 +1,68 @@
-/* workerd.c - the worker. Training is not built yet; for now workerd joins the
- * cluster, checks every ps task answers, and lists each shard's variables
- * through libps. */
+/* workerd.c - the worker process: flags and TF_CONFIG, then the role (a
+ * training worker, the chief, the evaluator, or --local training). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cluster.h"
 #include "flags.h"
+#include "idx.h"
 #include "libps.h"
+#include "mlp.h"
+#include "train.h"
+
+static char *read_token(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    char buf[4096] = "";
+    if (!f)
+        return NULL;
+    char *ok = fgets(buf, sizeof(buf), f);
+    fclose(f);
+    if (!ok)
+        return NULL;
+    char *s = buf;
+    while (*s == ' ' || *s == '\t')
+        s++;
+    s[strcspn(s, " \t\r\n")] = '\0';
+    return *s ? strdup(s) : NULL;
+}
 
 int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
-    const char *token_file = NULL;
-    int task_index = -1, timeout_ms = 10000;
+    const char *token_file = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
+    const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL;
+    int task_index = -1, timeout_ms = 30000, batch = 100, sync = 0, issync = -1, replicas = 0;
+    int log_every = 100, keep_ps = 0, local = 0, threads = 1;
+    uint64_t train_steps = 10000, seed = 1;
+    float lr = 0.01f, momentum = 0.9f, recovery_wait = 1, eval_secs = 10;
     flag flags[] = {
-        {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default) or chief", 0},
+        {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
         {"ps_hosts", FLAG_STRING, &ps_hosts, "comma-separated host:port of the ps tasks (default localhost:2222)", 0},
         {"worker_hosts", FLAG_STRING, &worker_hosts, "comma-separated host:port of the worker tasks (default localhost:2223)", 0},
-        {"chief_hosts", FLAG_STRING, &chief_hosts, "host:port of the chief task, if the cluster has one", 0},
+        {"chief_hosts", FLAG_STRING, &chief_hosts, "host:port of the chief task, if the cluster has one (else worker 0 is the chief)", 0},
+        {"data_dir", FLAG_STRING, &data_dir, "folder of the MNIST-format IDX files, raw or .gz (default /usr/share/datasets/fashion-mnist)", 0},
+        {"hidden_units", FLAG_STRING, &hidden_s, "hidden layer sizes, e.g. 100 or 256,128 (default 100)", 0},
+        {"batch_size", FLAG_INT, &batch, "examples per step on each task (default 100)", 0},
+        {"train_steps", FLAG_U64, &train_steps, "train until global_step reaches this (default 10000)", 0},
+        {"optimizer", FLAG_STRING, &optimizer, "sgd, momentum or adam (default adam); the chief's choice is used", 0},
+        {"learning_rate", FLAG_FLOAT, &lr, "learning rate (default 0.01)", 0},
+        {"momentum", FLAG_FLOAT, &momentum, "momentum for --optimizer=momentum (default 0.9)", 0},
+        {"sync", FLAG_BOOL, &sync, "synchronous training: one update per step from replicas_to_aggregate gradients (default false)", 0},
+        {"issync", FLAG_INT, &issync, "the original example's name for --sync: 1 sync, 0 async", 0},
+        {"replicas_to_aggregate", FLAG_INT, &replicas, "sync: gradients per step (default: every training task)", 0},
+        {"seed", FLAG_U64, &seed, "seed of the initialization and the data order (default 1)", 0},
+        {"log_every", FLAG_INT, &log_every, "print a line every this many local steps (default 100; 0 = never)", 0},
+        {"recovery_wait_secs", FLAG_FLOAT, &recovery_wait, "seconds between polls while waiting for the ps or the chief (default 1)", 0},
+        {"eval_secs", FLAG_FLOAT, &eval_secs, "evaluator: seconds between evaluations (default 10)", 0},
+        {"export", FLAG_STRING, &export_path, "chief (or --local): write the trained model to this safetensors file", 0},
+        {"keep_ps", FLAG_BOOL, &keep_ps, "chief: leave the ps tasks running at the end (default: ask them to stop)", 0},
+        {"local", FLAG_BOOL, &local, "train in this process alone, no ps (the reference for correctness and overhead)", 0},
+        {"threads", FLAG_INT, &threads, "OpenBLAS threads (default 1: the safe choice beside other busy processes)", 0},
         {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with", 0},
-        {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 10000)", 0},
+        {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
@@ -29,9 +70,11 @@ int main(int argc, char **argv)
     if (fr == 1) {
         flags_help(stdout,
                    "usage: workerd [flags]\n"
-                   "The restps worker. Training is not built yet: workerd checks that every ps task\n"
-                   "answers and lists the variables each one holds. The cluster comes from the flags\n"
-                   "or the TF_CONFIG environment variable; flags win.",
+                   "The restps worker: trains an MLP on MNIST-format data against the ps tasks,\n"
+                   "as TensorFlow's distributed MNIST example. The cluster comes from the flags\n"
+                   "or the TF_CONFIG environment variable; flags win. The chief (the chief task,\n"
+                   "else worker 0) creates the variables, sends the training configuration,\n"
+                   "prints the final accuracy and stops the ps tasks at the end.",
                    flags, nflags);
         return 0;
     }
@@ -43,68 +86,99 @@ int main(int argc, char **argv)
         fprintf(stderr, "workerd: --task_index=%d is negative\n", task_index);
         return 2;
     }
+    if (issync >= 0) {
+        if (issync > 1) {
+            fprintf(stderr, "workerd: --issync must be 0 or 1\n");
+            return 2;
+        }
+        if (flags_get(flags, nflags, "sync")->given && sync != issync) {
+            fprintf(stderr, "workerd: --sync and --issync disagree\n");
+            return 2;
+        }
+        sync = issync;
+    }
+    train_config c = {0};
+    optim_kind kind;
+    if (optim_from_name(optimizer, &kind) != 0) {
+        fprintf(stderr, "workerd: --optimizer must be sgd, momentum or adam, got '%s'\n", optimizer);
+        return 2;
+    }
+    if (!(lr > 0) || !(momentum >= 0 && momentum < 1) || batch < 1 || batch > 1000000 ||
+        threads < 1 || timeout_ms < 1 || recovery_wait <= 0 || eval_secs <= 0 || train_steps < 1) {
+        fprintf(stderr, "workerd: --learning_rate, --batch_size, --train_steps, --threads, --timeout_ms, "
+                        "--recovery_wait_secs and --eval_secs must be positive, --momentum in [0, 1)\n");
+        return 2;
+    }
+    optim_defaults(&c.optim, kind, lr);
+    c.optim.momentum = momentum;
+    int hidden[MLP_MAX_HIDDEN], n_hidden;
+    if (mlp_parse_hidden(hidden_s, hidden, &n_hidden, err, sizeof(err)) != 0 ||
+        mlp_layout_init(&c.layout, 784, hidden, n_hidden, IDX_N_CLASSES, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --hidden_units: %s\n", err);
+        return 2;
+    }
+    c.data_dir = data_dir;
+    c.batch_size = batch;
+    c.train_steps = (int64_t)train_steps;
+    c.sync = sync;
+    c.seed = seed;
+    c.log_every = log_every;
+    c.recovery_wait_secs = recovery_wait;
+    c.eval_secs = eval_secs;
+    c.export_path = export_path;
+    c.keep_ps = keep_ps;
+    c.timeout_ms = timeout_ms;
+    c.threads = threads;
+    mlp_cpu_set_threads(threads);
+    if (token_file && !(c.token = read_token(token_file))) {
+        fprintf(stderr, "workerd: unable to read a token from '%s'\n", token_file);
+        return 2;
+    }
+    if (local) {
+        c.name = "local";
+        c.n_trainers = 1;
+        c.is_chief = 1;
+        return train_local(&c);
+    }
+
+    const char *tf = getenv("TF_CONFIG");
     cluster_input in = {.job_name = job_name,
                         .task_index = task_index,
                         .ps_hosts = ps_hosts,
-                        .worker_hosts = worker_hosts ? worker_hosts : (getenv("TF_CONFIG") ? NULL : "localhost:2223"),
+                        .worker_hosts = worker_hosts ? worker_hosts : (tf && *tf ? NULL : "localhost:2223"),
                         .chief_hosts = chief_hosts,
-                        .tf_config = getenv("TF_CONFIG"),
+                        .tf_config = tf,
                         .default_job = "worker"};
     cluster_spec cs;
     if (cluster_spec_build(&in, &cs, err, sizeof(err)) != 0) {
         fprintf(stderr, "workerd: %s\n", err);
         return 2;
     }
-    char *token = NULL;
-    if (token_file) {
-        FILE *f = fopen(token_file, "r");
-        char buf[4096] = "";
-        if (!f || !fgets(buf, sizeof(buf), f)) {
-            fprintf(stderr, "workerd: unable to read token file '%s'\n", token_file);
-            return 2;
-        }
-        fclose(f);
-        buf[strcspn(buf, "\r\n")] = '\0';
-        token = strdup(buf);
-    }
-    const cluster_job *ps = &cs.jobs[JOB_PS];
-    char **hosts = calloc((size_t)ps->n, sizeof(*hosts));
-    for (int i = 0; i < ps->n; i++) {
-        const char *fmt = strchr(ps->tasks[i].host, ':') ? "[%s]:%d" : "%s:%d";
-        if (asprintf(&hosts[i], fmt, ps->tasks[i].host, ps->tasks[i].port) < 0)
-            return 1;
-    }
-    ps_options opt = {.timeout_ms = timeout_ms, .retries = 2, .token = token};
-    ps_client *c = ps_client_new((const char *const *)hosts, ps->n, &opt, err, sizeof(err));
-    if (!c) {
-        fprintf(stderr, "workerd: %s\n", err);
+    if (cs.job == JOB_PS) {
+        fprintf(stderr, "workerd: this task is ps %d: run psd for ps tasks\n", cs.task_index);
         return 2;
     }
-    int status = 0;
-    for (int i = 0; i < ps->n; i++) {
-        ps_var_info *v;
-        int n;
-        int64_t step;
-        if (ps_list(c, i, &v, &n, &step) != PS_OK) {
-            fprintf(stderr, "workerd: %s\n", ps_error(c));
-            status = 1;
-            continue;
-        }
-        printf("ps %d (%s): global_step %lld, %d variables\n", i, hosts[i], (long long)step, n);
-        for (int k = 0; k < n; k++) {
-            char shape[128];
-            tensor_shape_format(&v[k].shape, shape, sizeof(shape));
-            printf("  %-32s [%s] version %llu, %llu bytes\n", v[k].name, shape,
-                   (unsigned long long)v[k].version, (unsigned long long)v[k].bytes);
-        }
-        free(v);
+    c.cluster = &cs;
+    int has_chief = cs.jobs[JOB_CHIEF].n > 0;
+    c.n_trainers = cs.jobs[JOB_WORKER].n + (has_chief ? 1 : 0);
+    if (cs.job == JOB_CHIEF) {
+        c.trainer = 0;
+        c.is_chief = 1;
+    } else if (cs.job == JOB_WORKER) {
+        c.trainer = cs.task_index + (has_chief ? 1 : 0);
+        c.is_chief = !has_chief && cs.task_index == 0;
     }
-    printf("workerd: %s %d: training is not built yet\n", cluster_job_name(cs.job), cs.task_index);
-    ps_client_free(c);
-    for (int i = 0; i < ps->n; i++)
-        free(hosts[i]);
-    free(hosts);
-    free(token);
+    if (replicas < 0 || replicas > c.n_trainers) {
+        fprintf(stderr, "workerd: --replicas_to_aggregate=%d: must be 1 to %d (the training tasks)\n",
+                replicas, c.n_trainers);
+        return 2;
+    }
+    c.replicas_to_aggregate = replicas ? replicas : c.n_trainers;
+    char name[64];
+    snprintf(name, sizeof(name), "%s %d", cluster_job_name(cs.job), cs.task_index);
+    c.name = name;
+    int rc = cs.job == JOB_EVALUATOR ? train_evaluator(&c) : train_worker(&c);
     cluster_spec_free(&cs);
-    return status;
+    free((char *)c.token);
+    return rc;
 }

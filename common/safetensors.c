@@ -1,6 +1,10 @@
 /* safetensors.c - parse, validate and build safetensors headers. */
 #include "safetensors.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -339,4 +343,76 @@ oom:
 oom_nofree:
     snprintf(err, errlen, "safetensors: out of memory building header");
     return -1;
+}
+
+static int write_all(int fd, const void *buf, size_t len)
+{
+    const unsigned char *p = buf;
+    while (len) {
+        ssize_t w = write(fd, p, len);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        len -= (size_t)w;
+    }
+    return 0;
+}
+
+int st_write_file(const char *path, const st_desc *t, int n, const char *const *meta_kv,
+                  int n_meta, const void *data, size_t data_len, char *err, size_t errlen)
+{
+    char *head;
+    size_t head_len;
+    if (st_header_build(t, n, meta_kv, n_meta, &head, &head_len, err, errlen) != 0)
+        return -1;
+    size_t pl = strlen(path);
+    char *tmp = malloc(pl + 32);
+    if (!tmp) {
+        free(head);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    snprintf(tmp, pl + 32, "%s.tmp.%ld", path, (long)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int rc = -1;
+    if (fd < 0) {
+        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
+        goto out;
+    }
+    if (write_all(fd, head, head_len) != 0 || write_all(fd, data, data_len) != 0 || fsync(fd) != 0) {
+        snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
+        close(fd);
+        unlink(tmp);
+        goto out;
+    }
+    if (close(fd) != 0 || rename(tmp, path) != 0) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        unlink(tmp);
+        goto out;
+    }
+    /* the rename itself must survive a crash: fsync the folder */
+    char *dir = strdup(path);
+    if (dir) {
+        char *slash = strrchr(dir, '/');
+        if (slash == dir)
+            dir[1] = '\0';
+        else if (slash)
+            *slash = '\0';
+        else
+            strcpy(dir, ".");
+        int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+            fsync(dfd);
+            close(dfd);
+        }
+        free(dir);
+    }
+    rc = 0;
+out:
+    free(tmp);
+    free(head);
+    return rc;
 }

@@ -76,4 +76,10 @@ typedef struct st_desc {
 int st_header_build(const st_desc *t, int n, const char *const *meta_kv, int n_meta,
                     char **out, size_t *out_len, char *err, size_t errlen);
 
+/* Write a whole safetensors file atomically: a temp file beside path, write,
+ * fsync, rename over path, fsync of the folder. data holds the tensors in
+ * order (their sizes summed). 0 or -1 with err; on failure path is untouched. */
+int st_write_file(const char *path, const st_desc *t, int n, const char *const *meta_kv,
+                  int n_meta, const void *data, size_t data_len, char *err, size_t errlen);
+
 #endif

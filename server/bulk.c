@@ -10,14 +10,54 @@
 
 #include "routes.h"
 
+/* A non-negative integer query argument: 0 absent, 1 ok, -1 bad. */
+static int query_int(request *r, const char *key, long long *out)
+{
+    const char *s = http_query(r, key);
+    if (!s)
+        return 0;
+    if (*s < '0' || *s > '9')
+        return -1;
+    errno = 0;
+    char *end;
+    *out = strtoll(s, &end, 10);
+    return (*end || errno) ? -1 : 1;
+}
+
+#define LONG_POLL_DEFAULT_MS 30000
+#define LONG_POLL_MAX_MS 300000
+
 enum MHD_Result h_params_get(request *r)
 {
     server *srv = r->srv;
+    long long min_step = -1, timeout_ms = LONG_POLL_DEFAULT_MS;
+    if (query_int(r, "min_step", &min_step) < 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_step must be a non-negative integer");
+    if (query_int(r, "timeout_ms", &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
+                                LONG_POLL_MAX_MS);
     store_snap *v;
     int n;
     int64_t step;
     if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    if (step < min_step && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
+        /* long poll: park until the step exists (or the deadline); answered
+         * when resumed, with whatever step the shard is at then */
+        store_snaps_release(v, n);
+        if (srv->cfg.http_threads == 0) {
+            /* this connection has its own thread: wait in it */
+            waiters_block(srv->waiters, min_step, waiters_now_ms() + timeout_ms);
+            if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
+                return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        } else {
+            r->parked = 1;
+            MHD_suspend_connection(r->conn);
+            waiters_add(srv->waiters, r->conn, min_step, waiters_now_ms() + timeout_ms,
+                        &r->resumed);
+            return MHD_YES;
+        }
+    }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));
     blob **hold = malloc(sizeof(blob *) * (size_t)(n ? n : 1));
@@ -108,7 +148,7 @@ enum MHD_Result h_grads_post(request *r)
                               "metadata worker, step and batch_size must be non-negative integers");
         goto out;
     }
-    store_push_meta meta = {0};
+    store_push_meta meta = {.worker = worker, .step = step, .body = b};
     const char *loss = st_meta_get(&f, "loss");
     if (loss) {
         char *end;
@@ -146,15 +186,19 @@ enum MHD_Result h_grads_post(request *r)
         }
     }
     int64_t gstep;
-    int dup;
-    int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &dup, err, sizeof(err));
+    int outcome;
+    static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
+    int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
     if (src == STORE_ENOMEM)
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
+    else if (src == STORE_EAHEAD)
+        rc = http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
     else if (src != STORE_OK)
         rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     else
         rc = http_reply_json(r, MHD_HTTP_OK,
-                             json_pack("{s:I,s:b}", "global_step", (json_int_t)gstep, "duplicate", dup));
+                             json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
+                                       outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));
 out:
     st_file_free(&f);
     return rc;

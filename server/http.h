@@ -26,6 +26,8 @@ typedef struct request {
     unsigned discard_status;
     char discard_msg[200];
     uint64_t discarded;
+    int parked;                     /* suspended in a long poll */
+    int resumed;                    /* set by the waiters when it is resumed */
 } request;
 
 /* Request header or query argument, or NULL. */

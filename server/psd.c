@@ -95,6 +95,8 @@ static void random_instance(char out[17])
         sprintf(out + 2 * i, "%02x", b[i]);
 }
 
+static void on_step(void *ctx, int64_t step) { waiters_step(ctx, step); }
+
 static void mhd_panic(void *cls, const char *file, unsigned int line, const char *reason)
 {
     (void)cls;
@@ -128,7 +130,7 @@ int main(int argc, char **argv)
         {"chief_hosts", FLAG_STRING, &chief_hosts, "host:port of the chief task, if the cluster has one", 0},
         {"port", FLAG_INT, &port, "listen on this port instead of the one in this task's entry; 0 = any free port", 0},
         {"bind", FLAG_STRING, &bind_host, "address to listen on (default: loopback when this task's host is localhost/127.x, else all)", 0},
-        {"learning_rate", FLAG_FLOAT, &lr, "SGD learning rate for pushed gradients (default 0.01)", 0},
+        {"learning_rate", FLAG_FLOAT, &lr, "learning rate until the chief sends the training configuration (default 0.01, plain SGD, async)", 0},
         {"max_body_bytes", FLAG_U64, &max_body, "largest request body accepted, in bytes (default 1073741824); larger is refused with 413 before it is read", 0},
         {"http_threads", FLAG_INT, &http_threads, "HTTP threads polling with epoll (default 2); 0 = one thread per connection", 0},
         {"connection_timeout", FLAG_INT, &conn_timeout, "close a connection idle for this many seconds (default 60)", 0},
@@ -236,6 +238,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
+    pthread_mutex_init(&srv->info_mu, NULL);
+    srv->waiters = waiters_new(0);
+    if (!srv->waiters) {
+        fprintf(stderr, "psd: out of memory\n");
+        return 1;
+    }
+    srv->store.on_step = on_step;
+    srv->store.on_step_ctx = srv->waiters;
     random_instance(srv->instance);
     clock_gettime(CLOCK_MONOTONIC, &srv->started);
 
@@ -264,7 +274,7 @@ int main(int argc, char **argv)
     sigdelset(&waitmask, SIGINT);
 
     MHD_set_panic_func(mhd_panic, NULL);
-    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | MHD_ALLOW_SUSPEND_RESUME;
     if (http_threads == 0)
         mflags |= MHD_USE_THREAD_PER_CONNECTION;
     else
@@ -301,7 +311,15 @@ int main(int argc, char **argv)
 
     log_info("psd: stopping (%llu requests served)",
              (unsigned long long)atomic_load(&srv->requests));
+    /* answer the parked long polls and a pending shutdown request first */
+    int parked = waiters_count(srv->waiters);
+    waiters_wake_all(srv->waiters);
+    if (parked || atomic_load(&srv->stopping)) {
+        struct timespec grace = {0, 100 * 1000000L};
+        nanosleep(&grace, NULL);
+    }
     MHD_stop_daemon(d);
+    waiters_free(srv->waiters);
     close(fd);
     store_destroy(&srv->store);
     bufpool_free(srv->pool);

@@ -10,6 +10,7 @@
 
 static const route routes[] = {
     {"GET", "/healthz", ROUTE_OPEN, NULL, h_healthz, "liveness"},
+    {"GET", "/readyz", ROUTE_OPEN, NULL, h_readyz, "200 once the chief initialized the variables"},
     {"GET", "/v1/status", 0, NULL, h_status, "task status"},
     {"GET", "/v1/vars", 0, NULL, h_vars_list, "list variables"},
     {"GET", "/v1/vars/{name}", 0, NULL, h_var_get, "read a variable"},
@@ -21,6 +22,12 @@ static const route routes[] = {
     {"GET", "/v1/params", 0, NULL, h_params_get, "every variable, one safetensors body"},
     {"POST", "/v1/grads", ROUTE_WRITE | ROUTE_BODY, NULL, h_grads_post,
      "apply gradients from one safetensors body"},
+    {"GET", "/v1/config", 0, NULL, h_config_get, "the training configuration"},
+    {"PUT", "/v1/config", ROUTE_WRITE | ROUTE_BODY, NULL, h_config_put,
+     "set the training configuration (the chief)"},
+    {"POST", "/v1/eval", ROUTE_WRITE | ROUTE_BODY, NULL, h_eval_post, "the evaluator's report"},
+    {"POST", "/v1/done", ROUTE_WRITE | ROUTE_BODY, NULL, h_done_post, "a worker finished"},
+    {"POST", "/v1/shutdown", ROUTE_WRITE, NULL, h_shutdown_post, "stop this ps task"},
 };
 #define N_ROUTES (sizeof(routes) / sizeof(routes[0]))
 
@@ -243,6 +250,8 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     request *r = *req_cls;
     if (!r)
         return;
+    if (r->parked && !r->resumed)
+        waiters_remove(srv->waiters, r->conn);
     blob_unref(r->body);
     free(r);
     *req_cls = NULL;

@@ -51,5 +51,11 @@ enum MHD_Result h_var_grad_check(request *r);
 enum MHD_Result h_var_grad(request *r);
 enum MHD_Result h_params_get(request *r);
 enum MHD_Result h_grads_post(request *r);
+enum MHD_Result h_readyz(request *r);
+enum MHD_Result h_config_get(request *r);
+enum MHD_Result h_config_put(request *r);
+enum MHD_Result h_eval_post(request *r);
+enum MHD_Result h_done_post(request *r);
+enum MHD_Result h_shutdown_post(request *r);
 
 #endif

@@ -2,12 +2,14 @@
 #ifndef RESTPS_SERVER_H
 #define RESTPS_SERVER_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
 #include "cluster.h"
 #include "store.h"
+#include "waiters.h"
 
 typedef struct server_config {
     cluster_spec cluster;
@@ -30,6 +32,17 @@ typedef struct server {
     char instance[17]; /* random per start; part of every ETag */
     struct timespec started;
     atomic_uint_fast64_t requests;
+    waiters *waiters;      /* long polls on /v1/params?min_step= */
+    atomic_int stopping;   /* POST /v1/shutdown was accepted */
+    pthread_mutex_t info_mu; /* guards what follows */
+    struct {
+        int has;
+        int64_t global_step, examples;
+        double loss, accuracy;
+        struct timespec at;
+    } eval;                /* the evaluator's last report */
+    unsigned char done[STORE_MAX_WORKERS]; /* workers that said they finished */
+    int n_done;
 } server;
 
 #endif

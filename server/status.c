@@ -28,5 +28,28 @@ enum MHD_Result h_status(request *r)
                           "bytes", (json_int_t)bytes, "uptime_secs", up, "requests_served",
                           (json_int_t)atomic_load(&srv->requests), "learning_rate",
                           (double)srv->store.learning_rate);
+    store_config c;
+    int ready = store_get_config(&srv->store, &c);
+    json_object_set_new(o, "ready", json_boolean(ready));
+    json_object_set_new(o, "mode", json_string(c.sync ? "sync" : "async"));
+    json_object_set_new(o, "optimizer", json_string(optim_name(c.optim.kind)));
+    json_object_set_new(o, "replicas_to_aggregate", json_integer(c.replicas_to_aggregate));
+    json_object_set_new(o, "workers", json_integer(c.workers));
+    pthread_rwlock_rdlock(&srv->store.lock);
+    json_object_set_new(o, "stale_dropped", json_integer(srv->store.stale_dropped));
+    json_object_set_new(o, "pending_gradients", json_integer(srv->store.n_pending));
+    pthread_rwlock_unlock(&srv->store.lock);
+    json_object_set_new(o, "waiting_pulls", json_integer(waiters_count(srv->waiters)));
+    pthread_mutex_lock(&srv->info_mu);
+    json_object_set_new(o, "workers_done", json_integer(srv->n_done));
+    if (srv->eval.has)
+        json_object_set_new(o, "eval",
+                            json_pack("{s:I,s:f,s:f,s:I}", "global_step",
+                                      (json_int_t)srv->eval.global_step, "loss", srv->eval.loss,
+                                      "accuracy", srv->eval.accuracy, "examples",
+                                      (json_int_t)srv->eval.examples));
+    else
+        json_object_set_new(o, "eval", json_null());
+    pthread_mutex_unlock(&srv->info_mu);
     return http_reply_json(r, MHD_HTTP_OK, o);
 }

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+static void pending_clear(store *s);
+
 int store_init(store *s, float learning_rate, bufpool *pool)
 {
     memset(s, 0, sizeof(*s));
@@ -18,14 +20,22 @@ int store_init(store *s, float learning_rate, bufpool *pool)
         return STORE_ENOMEM;
     s->learning_rate = learning_rate;
     s->pool = pool;
+    optim_defaults(&s->config.optim, OPTIM_SGD, learning_rate);
+    s->config.replicas_to_aggregate = 1;
+    s->config.workers = 1;
     return STORE_OK;
 }
 
 void store_destroy(store *s)
 {
-    for (int i = 0; i < s->n; i++)
+    for (int i = 0; i < s->n; i++) {
         blob_unref(s->vars[i].data);
+        free(s->vars[i].slots);
+    }
     free(s->vars);
+    pending_clear(s);
+    free(s->pending);
+    free(s->scratch);
     pthread_rwlock_destroy(&s->lock);
 }
 
@@ -129,6 +139,12 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
         blob *old = v->data;
         s->bytes = s->bytes - (uint64_t)v->numel * 4 + (uint64_t)numel * 4;
         v->data = data;
+        if (numel != v->numel) { /* optimizer state no longer fits */
+            free(v->slots);
+            v->slots = NULL;
+            v->n_slots = 0;
+            v->updates = 0;
+        }
         v->shape = *shape;
         v->numel = numel;
         v->version++;
@@ -169,22 +185,6 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
     return STORE_OK;
 }
 
-/* v <- v - lr * g, written into dst: v's own blob when the store holds the only
- * reference, else a fresh blob (readers keep the old version). Caller holds
- * the write lock. */
-static void sgd_into(store *s, store_var *v, blob *dst, const float *g)
-{
-    const float *w = (const float *)v->data->data;
-    float *out = (float *)dst->data, lr = s->learning_rate;
-    for (int64_t i = 0; i < v->numel; i++)
-        out[i] = w[i] - lr * g[i];
-    if (dst != v->data) {
-        blob_unref(v->data);
-        v->data = dst;
-    }
-    v->version++;
-}
-
 /* The blob the next version of v is written into, or NULL when out of memory. */
 static blob *writable(store *s, store_var *v)
 {
@@ -193,26 +193,70 @@ static blob *writable(store *s, store_var *v)
     return blob_new(s->pool, (size_t)v->numel * 4);
 }
 
+/* The optimizer's state for v exists (zeros at first). Caller holds the write lock. */
+static int ensure_slots(store *s, store_var *v)
+{
+    int need = optim_slots(s->config.optim.kind);
+    if (v->n_slots >= need)
+        return 0;
+    float *sl = calloc((size_t)need * (size_t)v->numel, sizeof(float));
+    if (!sl)
+        return -1;
+    free(v->slots);
+    v->slots = sl;
+    v->n_slots = need;
+    return 0;
+}
+
+/* v's next version into dst (see writable) from gradient g * scale. */
+static void update_into(store *s, store_var *v, blob *dst, const float *g, float scale)
+{
+    v->updates++;
+    float *s0 = v->n_slots > 0 ? v->slots : NULL;
+    float *s1 = v->n_slots > 1 ? v->slots + v->numel : NULL;
+    optim_apply(&s->config.optim, (const float *)v->data->data, (float *)dst->data, g, scale, s0,
+                s1, v->updates, (size_t)v->numel);
+    if (dst != v->data) {
+        blob_unref(v->data);
+        v->data = dst;
+    }
+    v->version++;
+}
+
+static void notify(store *s, int64_t step)
+{
+    if (s->on_step)
+        s->on_step(s->on_step_ctx, step);
+}
+
 int store_apply_grad(store *s, const char *name, const float *g, int64_t numel,
                      int64_t *global_step, uint64_t *version)
 {
     pthread_rwlock_wrlock(&s->lock);
     int i = find(s, name), rc = STORE_OK;
-    if (i < 0)
+    if (s->config.sync)
+        rc = STORE_EMODE;
+    else if (i < 0)
         rc = STORE_ENOENT;
     else if (s->vars[i].numel != numel)
         rc = STORE_ESHAPE;
     else {
         blob *dst = writable(s, &s->vars[i]);
-        if (!dst) {
+        if (!dst || ensure_slots(s, &s->vars[i]) != 0) {
+            if (dst && dst != s->vars[i].data)
+                blob_unref(dst);
             pthread_rwlock_unlock(&s->lock);
             return STORE_ENOMEM;
         }
-        sgd_into(s, &s->vars[i], dst, g);
+        update_into(s, &s->vars[i], dst, g, 1.0f);
         *global_step = ++s->global_step;
+        s->pushes_applied++;
         *version = s->vars[i].version;
     }
+    int64_t step = s->global_step;
     pthread_rwlock_unlock(&s->lock);
+    if (rc == STORE_OK)
+        notify(s, step);
     return rc;
 }
 
@@ -226,11 +270,147 @@ static int push_seen(const store *s, const char *id, int64_t *step)
     return 0;
 }
 
-int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
-                      const store_push_meta *meta, int64_t *global_step, int *duplicate,
+static void push_remember(store *s, const char *id, int64_t step)
+{
+    if (!id)
+        return;
+    snprintf(s->pushes[s->push_next].id, sizeof(s->pushes[0].id), "%s", id);
+    s->pushes[s->push_next].step = step;
+    s->push_next = (s->push_next + 1) % STORE_PUSH_IDS;
+}
+
+/* Every name exists with the same shape; idx[k] = its variable. */
+static int check_grads(const store *s, const st_file *f, int *idx, char *err, size_t errlen)
+{
+    for (int k = 0; k < f->n_tensors; k++) {
+        const st_tensor *t = &f->tensors[k];
+        int i = find(s, t->name);
+        if (i < 0) {
+            snprintf(err, errlen, "gradient for unknown variable '%s'", t->name);
+            return STORE_EINVAL;
+        }
+        if (!tensor_shape_equal(&t->shape, &s->vars[i].shape)) {
+            char a[128], b[128];
+            tensor_shape_format(&t->shape, a, sizeof(a));
+            tensor_shape_format(&s->vars[i].shape, b, sizeof(b));
+            snprintf(err, errlen, "gradient '%s' has shape [%s], the variable has [%s]", t->name,
+                     a, b);
+            return STORE_ESHAPE;
+        }
+        idx[k] = i;
+    }
+    return STORE_OK;
+}
+
+/* Destinations and optimizer state for variables idx[0..n) first, so running
+ * out of memory changes nothing. dst[k] set; on failure all released. */
+static int prepare(store *s, const int *idx, int n, blob **dst)
+{
+    for (int k = 0; k < n; k++) {
+        store_var *v = &s->vars[idx[k]];
+        if (!(dst[k] = writable(s, v)) || ensure_slots(s, v) != 0) {
+            for (int j = 0; j <= k; j++)
+                if (dst[j] && dst[j] != s->vars[idx[j]].data)
+                    blob_unref(dst[j]);
+            return STORE_ENOMEM;
+        }
+    }
+    return STORE_OK;
+}
+
+static void pending_clear(store *s)
+{
+    for (int i = 0; i < s->n_pending; i++) {
+        blob_unref(s->pending[i].body);
+        st_file_free(&s->pending[i].f);
+    }
+    s->n_pending = 0;
+}
+
+/* Sync: the step has its replicas. Sum each variable's gradients in worker
+ * order, average, apply once. Caller holds the write lock. */
+static int aggregate(store *s)
+{
+    int *idx = malloc(sizeof(int) * (size_t)(s->n ? s->n : 1));
+    int *cnt = calloc((size_t)(s->n ? s->n : 1), sizeof(int));
+    blob **dst = calloc((size_t)(s->n ? s->n : 1), sizeof(blob *));
+    int rc = STORE_OK, n = 0;
+    if (!idx || !cnt || !dst) {
+        rc = STORE_ENOMEM;
+        goto out;
+    }
+    int64_t maxn = 0;
+    for (int p = 0; p < s->n_pending; p++)
+        for (int k = 0; k < s->pending[p].f.n_tensors; k++) {
+            int i = find(s, s->pending[p].f.tensors[k].name);
+            if (i < 0)
+                continue; /* cannot happen: variables are never removed */
+            if (cnt[i]++ == 0)
+                idx[n++] = i;
+            if (s->vars[i].numel > maxn)
+                maxn = s->vars[i].numel;
+        }
+    if ((size_t)maxn > s->scratch_cap) {
+        float *sc = realloc(s->scratch, (size_t)maxn * sizeof(float));
+        if (!sc) {
+            rc = STORE_ENOMEM;
+            goto out;
+        }
+        s->scratch = sc;
+        s->scratch_cap = (size_t)maxn;
+    }
+    if ((rc = prepare(s, idx, n, dst)) != STORE_OK)
+        goto out;
+    for (int k = 0; k < n; k++) {
+        store_var *v = &s->vars[idx[k]];
+        int first = 1;
+        for (int p = 0; p < s->n_pending; p++) {
+            int t = st_find(&s->pending[p].f, v->name);
+            if (t < 0)
+                continue;
+            const float *g = (const float *)(s->pending[p].data + s->pending[p].f.tensors[t].begin);
+            if (first)
+                memcpy(s->scratch, g, (size_t)v->numel * 4);
+            else
+                for (int64_t e = 0; e < v->numel; e++)
+                    s->scratch[e] += g[e];
+            first = 0;
+        }
+        update_into(s, v, dst[k], s->scratch, 1.0f / (float)cnt[idx[k]]);
+    }
+    double loss = 0;
+    int nl = 0;
+    for (int p = 0; p < s->n_pending; p++)
+        if (s->pending[p].has_loss) {
+            loss += s->pending[p].loss;
+            nl++;
+        }
+    if (nl) {
+        s->last_loss = loss / nl;
+        s->has_loss = 1;
+    }
+    s->global_step++;
+    s->pushes_applied++;
+    pending_clear(s);
+out:
+    free(idx);
+    free(cnt);
+    free(dst);
+    return rc;
+}
+
+/* Gradients a sync step needs right now. */
+static int replicas_needed(const store *s)
+{
+    int r = s->config.replicas_to_aggregate;
+    return r > 0 ? r : 1;
+}
+
+int store_apply_grads(store *s, st_file *f, const unsigned char *data,
+                      const store_push_meta *meta, int64_t *global_step, int *outcome,
                       char *err, size_t errlen)
 {
-    *duplicate = 0;
+    *outcome = STORE_PUSH_APPLIED;
     if (f->n_tensors == 0) {
         snprintf(err, errlen, "push holds no gradients");
         return STORE_EINVAL;
@@ -242,66 +422,145 @@ int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
             return STORE_EINVAL;
         }
     pthread_rwlock_wrlock(&s->lock);
-    int rc = STORE_OK;
+    int rc = STORE_OK, stepped = 0;
+    int *idx = NULL;
+    blob **dst = NULL;
     if (meta->push_id && push_seen(s, meta->push_id, global_step)) {
-        *duplicate = 1;
+        *outcome = STORE_PUSH_DUPLICATE;
         goto out;
     }
-    /* Check everything before changing anything. */
-    int *idx = malloc(sizeof(int) * (size_t)f->n_tensors);
-    if (!idx) {
+    idx = malloc(sizeof(int) * (size_t)f->n_tensors);
+    dst = calloc((size_t)f->n_tensors, sizeof(blob *));
+    if (!idx || !dst) {
         rc = STORE_ENOMEM;
         goto out;
     }
-    for (int k = 0; k < f->n_tensors; k++) {
-        const st_tensor *t = &f->tensors[k];
-        int i = find(s, t->name);
-        if (i < 0) {
-            snprintf(err, errlen, "gradient for unknown variable '%s'", t->name);
+    if ((rc = check_grads(s, f, idx, err, errlen)) != STORE_OK)
+        goto out;
+
+    if (s->config.sync) {
+        if (meta->worker < 0 || meta->step < 0) {
+            snprintf(err, errlen, "sync training needs metadata 'worker' and 'step' with every push");
             rc = STORE_EINVAL;
-            break;
+            goto out;
         }
-        if (!tensor_shape_equal(&t->shape, &s->vars[i].shape)) {
-            char a[128], b[128];
-            tensor_shape_format(&t->shape, a, sizeof(a));
-            tensor_shape_format(&s->vars[i].shape, b, sizeof(b));
-            snprintf(err, errlen, "gradient '%s' has shape [%s], the variable has [%s]", t->name,
-                     a, b);
-            rc = STORE_ESHAPE;
-            break;
+        if (meta->worker >= STORE_MAX_WORKERS) {
+            snprintf(err, errlen, "worker %lld is over the limit of %d", meta->worker, STORE_MAX_WORKERS);
+            rc = STORE_EINVAL;
+            goto out;
         }
-        idx[k] = i;
-    }
-    /* Every destination first, so running out of memory changes nothing. */
-    blob **dst = rc == STORE_OK ? calloc((size_t)f->n_tensors, sizeof(blob *)) : NULL;
-    if (rc == STORE_OK && !dst)
-        rc = STORE_ENOMEM;
-    for (int k = 0; rc == STORE_OK && k < f->n_tensors; k++)
-        if (!(dst[k] = writable(s, &s->vars[idx[k]])))
-            rc = STORE_ENOMEM;
-    for (int k = 0; dst && k < f->n_tensors; k++) {
-        if (rc == STORE_OK)
-            sgd_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin));
-        else if (dst[k] && dst[k] != s->vars[idx[k]].data)
-            blob_unref(dst[k]);
-    }
-    free(dst);
-    free(idx);
-    if (rc != STORE_OK)
+        *global_step = s->global_step;
+        if (meta->step < s->global_step) {
+            s->stale_dropped++;
+            *outcome = STORE_PUSH_STALE;
+            goto out;
+        }
+        if (meta->step > s->global_step) {
+            snprintf(err, errlen, "gradient computed from step %lld, but this shard is at step %lld",
+                     meta->step, (long long)s->global_step);
+            rc = STORE_EAHEAD;
+            goto out;
+        }
+        int at = 0;
+        while (at < s->n_pending && s->pending[at].worker < meta->worker)
+            at++;
+        if (at < s->n_pending && s->pending[at].worker == meta->worker) {
+            *outcome = STORE_PUSH_DUPLICATE;
+            goto out;
+        }
+        if (s->n_pending == s->cap_pending) {
+            int nc = s->cap_pending ? 2 * s->cap_pending : 8;
+            store_pending *np = realloc(s->pending, sizeof(*np) * (size_t)nc);
+            if (!np) {
+                rc = STORE_ENOMEM;
+                goto out;
+            }
+            s->pending = np;
+            s->cap_pending = nc;
+        }
+        memmove(&s->pending[at + 1], &s->pending[at], sizeof(store_pending) * (size_t)(s->n_pending - at));
+        store_pending *p = &s->pending[at];
+        p->worker = (int)meta->worker;
+        p->body = blob_ref(meta->body);
+        p->f = *f;
+        memset(f, 0, sizeof(*f)); /* the store owns it now */
+        p->data = data;
+        p->has_loss = meta->has_loss;
+        p->loss = meta->loss;
+        s->n_pending++;
+        push_remember(s, meta->push_id, s->global_step);
+        *outcome = STORE_PUSH_PENDING;
+        if (s->n_pending >= replicas_needed(s)) {
+            if (aggregate(s) != STORE_OK) {
+                /* keep the gradients; the next push retries the step */
+                rc = STORE_OK;
+                goto out;
+            }
+            *outcome = STORE_PUSH_APPLIED;
+            stepped = 1;
+        }
+        *global_step = s->global_step;
         goto out;
+    }
+
+    if ((rc = prepare(s, idx, f->n_tensors, dst)) != STORE_OK)
+        goto out;
+    for (int k = 0; k < f->n_tensors; k++)
+        update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
     *global_step = ++s->global_step;
+    s->pushes_applied++;
+    stepped = 1;
     if (meta->has_loss) {
         s->last_loss = meta->loss;
         s->has_loss = 1;
     }
-    if (meta->push_id) {
-        snprintf(s->pushes[s->push_next].id, sizeof(s->pushes[0].id), "%s", meta->push_id);
-        s->pushes[s->push_next].step = *global_step;
-        s->push_next = (s->push_next + 1) % STORE_PUSH_IDS;
+    push_remember(s, meta->push_id, *global_step);
+out:;
+    int64_t step = s->global_step;
+    pthread_rwlock_unlock(&s->lock);
+    free(idx);
+    free(dst);
+    if (stepped)
+        notify(s, step);
+    return rc;
+}
+
+int store_configure(store *s, const store_config *c, char *err, size_t errlen)
+{
+    pthread_rwlock_wrlock(&s->lock);
+    int rc = STORE_OK;
+    if (s->configured && s->global_step > 0 && memcmp(&s->config, c, sizeof(*c)) != 0) {
+        snprintf(err, errlen, "training started (global_step %lld) with another configuration",
+                 (long long)s->global_step);
+        rc = STORE_ECONFLICT;
+    } else {
+        if (memcmp(&s->config, c, sizeof(*c)) != 0) {
+            /* another optimizer or mode: its state and any gradients waiting
+             * under the old configuration start afresh */
+            if (s->config.optim.kind != c->optim.kind)
+                for (int i = 0; i < s->n; i++) {
+                    free(s->vars[i].slots);
+                    s->vars[i].slots = NULL;
+                    s->vars[i].n_slots = 0;
+                    s->vars[i].updates = 0;
+                }
+            pending_clear(s);
+        }
+        s->config = *c;
+        s->learning_rate = c->optim.learning_rate;
+        s->configured = 1;
     }
-out:
     pthread_rwlock_unlock(&s->lock);
     return rc;
+}
+
+int store_get_config(store *s, store_config *out)
+{
+    pthread_rwlock_rdlock(&s->lock);
+    int ok = s->configured;
+    *out = s->config;
+    pthread_rwlock_unlock(&s->lock);
+    return ok;
 }
 
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

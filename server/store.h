@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "bufpool.h"
+#include "optim.h"
 #include "safetensors.h"
 #include "tensor.h"
 
@@ -22,7 +23,28 @@ enum {
     STORE_ESHAPE = -4,   /* shape or length mismatch */
     STORE_EINVAL = -5,   /* bad input (message in err) */
     STORE_ENOMEM = -6,
+    STORE_EAHEAD = -7,   /* sync: a gradient from a step this shard has not reached */
+    STORE_EMODE = -8,    /* not allowed in the current mode (message in err) */
+    STORE_ECONFLICT = -9, /* a different configuration after training started */
 };
+
+/* What became of a push (store_apply_grads' *outcome). */
+enum {
+    STORE_PUSH_APPLIED = 0,   /* applied now (async, or the push that completed a sync step) */
+    STORE_PUSH_DUPLICATE = 1, /* its push id or (worker, step) was seen: not applied again */
+    STORE_PUSH_STALE = 2,     /* sync: computed from an older step; dropped and counted */
+    STORE_PUSH_PENDING = 3,   /* sync: kept until the step has its replicas */
+};
+
+#define STORE_MAX_WORKERS 4096
+
+/* The training configuration the chief sends (PUT /v1/config). */
+typedef struct store_config {
+    optim_config optim;
+    int sync;                  /* 0 async, 1 sync */
+    int replicas_to_aggregate; /* sync: gradients per step */
+    int workers;               /* how many workers train */
+} store_config;
 
 typedef struct store_var {
     char name[TENSOR_NAME_MAX + 1];
@@ -30,7 +52,20 @@ typedef struct store_var {
     int64_t numel;
     uint64_t version;
     blob *data; /* the store's reference; len = numel * 4 */
+    float *slots; /* optimizer state, optim_slots() arrays of numel floats, or NULL */
+    int n_slots;
+    int64_t updates; /* updates applied since created (adam's t) */
 } store_var;
+
+/* A sync gradient waiting for its step's other replicas. */
+typedef struct store_pending {
+    int worker;
+    blob *body;         /* holds the data */
+    st_file f;          /* moved from the caller */
+    const unsigned char *data;
+    int has_loss;
+    double loss;
+} store_pending;
 
 /* A consistent view of one variable; holds a reference to its data. */
 typedef struct store_snap {
@@ -54,6 +89,17 @@ typedef struct store {
     int has_loss;
     float learning_rate;
     bufpool *pool;
+    store_config config;
+    int configured;           /* the chief sent the configuration: variables are ready */
+    store_pending *pending;   /* sorted by worker index */
+    int n_pending, cap_pending;
+    int64_t stale_dropped;
+    int64_t pushes_applied;
+    float *scratch;           /* sync sums */
+    size_t scratch_cap;
+    /* called with the new global_step after the lock is released */
+    void (*on_step)(void *ctx, int64_t step);
+    void *on_step_ctx;
     /* recently applied push ids, a ring */
     struct {
         char id[STORE_PUSH_ID_MAX + 1];
@@ -82,7 +128,8 @@ void store_snaps_release(store_snap *snaps, int n);
 int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
               int only_create, int *created, uint64_t *version);
 
-/* w -= lr * g for one variable; bumps its version and global_step. */
+/* One gradient for one variable, applied at once with the optimizer (async
+ * only: STORE_EMODE in sync mode); bumps its version and global_step. */
 int store_apply_grad(store *s, const char *name, const float *g, int64_t numel,
                      int64_t *global_step, uint64_t *version);
 
@@ -91,15 +138,27 @@ typedef struct store_push_meta {
     const char *push_id; /* NULL or 1..64 chars */
     int has_loss;
     double loss;
+    long long worker;    /* -1 when not given (sync needs it) */
+    long long step;      /* the global_step the gradient was computed from; -1 not given */
+    blob *body;          /* the blob holding data; sync keeps a reference */
 } store_push_meta;
 
 /* Apply every gradient of a parsed safetensors body (data = the data section)
  * as one update: all names must exist with equal shapes and dtype F32, else
- * nothing changes and err says why. A push_id already applied is not applied
- * again: *duplicate = 1 and *global_step is the step it produced. */
-int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
-                      const store_push_meta *meta, int64_t *global_step, int *duplicate,
+ * nothing changes and err says why. Async: applied at once. Sync: kept until
+ * replicas_to_aggregate gradients for the current step are in, then summed in
+ * worker-index order, averaged and applied once (the store then takes f's
+ * contents: f is left empty). *outcome is a STORE_PUSH_* value. A push_id
+ * already seen is not applied again (*global_step is the step it was for). */
+int store_apply_grads(store *s, st_file *f, const unsigned char *data,
+                      const store_push_meta *meta, int64_t *global_step, int *outcome,
                       char *err, size_t errlen);
+
+/* Set the training configuration (and mark the shard ready). Setting a
+ * different one after global_step > 0 is STORE_ECONFLICT. */
+int store_configure(store *s, const store_config *c, char *err, size_t errlen);
+/* 1 and *out when configured. */
+int store_get_config(store *s, store_config *out);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

@@ -363,6 +363,9 @@ enum MHD_Result h_var_grad(request *r)
     int64_t step;
     uint64_t version;
     int rc = store_apply_grad(&r->srv->store, r->name, g, numel, &step, &version);
+    if (rc == STORE_EMODE)
+        return http_reply_error(r, MHD_HTTP_CONFLICT,
+                                "sync training aggregates whole steps: push with POST /v1/grads");
     if (rc != STORE_OK)
         return http_reply_error(r, status_of(rc), rc == STORE_ESHAPE
                                                       ? "variable '%s' changed shape during the push"

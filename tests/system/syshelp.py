@@ -161,6 +161,13 @@ def snapshot(url, headers=None):
             "variables": status["variables"],
             "bytes": status["bytes"],
             "vars": {}}
+    # the training state: configuration, sync bookkeeping, reports
+    for k in ("ready", "mode", "optimizer", "learning_rate", "replicas_to_aggregate", "workers",
+              "stale_dropped", "pending_gradients", "waiting_pulls", "workers_done", "eval"):
+        snap[k] = status[k]
+    st, _, body = http("GET", url + "/v1/config", headers=headers)
+    assert st in (200, 404), (st, body)
+    snap["config"] = json.loads(body) if st == 200 else None
     for v in listing["vars"]:
         snap["vars"][v["name"]] = (tuple(v["shape"]), v["version"], v["bytes"],
                                    get_raw(url, v["name"], headers))

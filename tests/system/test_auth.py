@@ -1,7 +1,8 @@
 """--auth_token_file: every write route of the table `psd --routes` prints
 refuses a missing or wrong token with 401 + WWW-Authenticate and changes
 nothing; the right token works. Reads are open unless --auth_reads, which
-closes every route not marked open. A bad token file stops psd with exit 2."""
+closes every route not marked open (/healthz and /readyz stay open). A bad
+token file stops psd with exit 2."""
 import base64
 import json
 import os
@@ -16,6 +17,14 @@ from syshelp import (assert_error, connect, curl_req, read_response,
 
 TOKEN = "s3cr3t-Token_0123456789abcdef"
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
+# what the seeded psd is configured with (as a chief would), then what the
+# PUT /v1/config recipe changes it to (allowed: training has not started)
+CONFIG = {"optimizer": "sgd", "learning_rate": 0.5}
+NEW_CONFIG = {"optimizer": "momentum", "learning_rate": 0.25, "momentum": 0.5, "sync": True,
+              "workers": 2, "replicas_to_aggregate": 2}
+EVAL = {"loss": 0.75, "accuracy": 0.5, "global_step": 3, "examples": 100}
+# the change POST /v1/shutdown makes: psd exits 0 (checked by stopped())
+STOPS = "stops"
 
 
 def route_table():
@@ -41,7 +50,10 @@ def test_route_table_has_the_contract():
             ("POST", "/v1/vars/{name}/grad", True, False), ("POST", "/v1/grads", True, False),
             ("GET", "/v1/vars/{name}", False, False), ("GET", "/v1/status", False, False),
             ("GET", "/v1/vars", False, False), ("GET", "/v1/params", False, False),
-            ("GET", "/v1/vars/{name}/stats", False, False)}
+            ("GET", "/v1/vars/{name}/stats", False, False), ("GET", "/readyz", False, True),
+            ("GET", "/v1/config", False, False), ("PUT", "/v1/config", True, False),
+            ("POST", "/v1/eval", True, False), ("POST", "/v1/done", True, False),
+            ("POST", "/v1/shutdown", True, False)}
     assert want <= set(ROUTES)
 
 
@@ -63,9 +75,40 @@ def recipe(method, path):
         return p, [], st_grads([("w", g)], meta={"loss": "1.5"}), 200, \
             lambda b, a: a["global_step"] == b["global_step"] + 1 and a["last_loss"] == 1.5 and \
             a["vars"]["w"][3] == (W - np.float32(0.5) * g).astype(np.float32).tobytes()
+    if (method, path) == ("PUT", "/v1/config"):
+        return p, ["Content-Type: application/json"], json.dumps(NEW_CONFIG).encode(), 200, \
+            lambda b, a: b["config"] != NEW_CONFIG and a["config"] == NEW_CONFIG and \
+            (a["mode"], a["optimizer"], a["learning_rate"]) == ("sync", "momentum", 0.25) and \
+            same_but(b, a, "config", "mode", "optimizer", "learning_rate", "workers",
+                     "replicas_to_aggregate")
+    if (method, path) == ("POST", "/v1/eval"):
+        return p, [], json.dumps(EVAL).encode(), 200, \
+            lambda b, a: b["eval"] is None and a["eval"] == EVAL and same_but(b, a, "eval")
+    if (method, path) == ("POST", "/v1/done"):
+        return p, [], b'{"worker": 1}', 200, \
+            lambda b, a: a["workers_done"] == b["workers_done"] + 1 and \
+            same_but(b, a, "workers_done")
+    if (method, path) == ("POST", "/v1/shutdown"):
+        return p, [], None, 202, STOPS
     if method == "GET":
         return p, [], None, 200, lambda b, a: a == b
     raise AssertionError(f"no request recipe for route {method} {path}: add one to test_auth.py")
+
+
+def same_but(before, after, *keys):
+    """Nothing but keys differs between two snapshots."""
+    return {k: v for k, v in before.items() if k not in keys} == \
+        {k: v for k, v in after.items() if k not in keys}
+
+
+def assert_changed(p, before, changed):
+    """A write with the right token did what it should (psd stopped, for shutdown)."""
+    if changed == STOPS:
+        assert p.proc.wait(timeout=10) == 0, p.read_stderr()[-3000:]
+        return
+    assert p.alive(), p.read_stderr()[-3000:]
+    after = snapshot_auth(p)
+    assert changed(before, after), (before, after)
 
 
 @pytest.fixture
@@ -80,7 +123,12 @@ def seeded(start_psd, token_file, *extra):
     st, _, body = http("PUT", p.url + "/v1/vars/w", W.tobytes(),
                        {"X-Shape": "3,4", "Authorization": "Bearer " + TOKEN})
     assert st == 201, body
-    return p, snapshot_auth(p)
+    st, _, body = http("PUT", p.url + "/v1/config", json.dumps(CONFIG).encode(),
+                       {"Authorization": "Bearer " + TOKEN})
+    assert st == 200, body
+    before = snapshot_auth(p)
+    assert before["ready"] and before["config"]["optimizer"] == "sgd"
+    return p, before
 
 
 def snapshot_auth(p):
@@ -142,8 +190,7 @@ def test_write_with_the_right_token_works(start_psd, token_file, route):
     st, _, out = curl_req(route[0], p.url + path, hdrs + [f"Authorization: Bearer {TOKEN}"],
                           body)
     assert st == want, out
-    after = snapshot_auth(p)
-    assert changed(before, after), (before, after)
+    assert_changed(p, before, changed)
 
 
 @pytest.mark.parametrize("route", WRITES, ids=lambda r: f"{r[0]} {r[1]}")
@@ -152,7 +199,7 @@ def test_401_comes_before_the_body(start_psd, token_file, route):
     p, before = seeded(start_psd, token_file)
     path, hdrs, body, _, _ = recipe(route[0], route[1])
     with connect(p.port, timeout=5) as s:
-        s.sendall(request_head(route[0], path, hdrs, content_length=len(body)))
+        s.sendall(request_head(route[0], path, hdrs, content_length=len(body or b"")))
         assert_401(read_response(s, timeout=5))
     assert_unchanged_auth(p, before)
 
@@ -208,7 +255,26 @@ def test_auth_reads_right_token_works(start_psd, token_file, route):
     st, _, out = curl_req(route[0], p.url + path, hdrs + [f"Authorization: Bearer {TOKEN}"],
                           body)
     assert st == want, out
-    assert changed(before, snapshot_auth(p))
+    assert_changed(p, before, changed)
+
+
+@pytest.mark.parametrize("auth_reads", [False, True])
+def test_readyz_is_open(start_psd, token_file, auth_reads):
+    """Before the chief configured training, /readyz says 503 (not 401) to anyone;
+    after, 200 - with or without --auth_reads, with no token or a wrong one."""
+    p = start_psd(f"--auth_token_file={token_file}", *(["--auth_reads"] if auth_reads else []))
+    for h in ([], ["Authorization: Bearer wrong"]):
+        assert_error(*curl_req("GET", p.url + "/readyz", h), 503, "chief")
+    r = curl_req("PUT", p.url + "/v1/config", [], b"{}")  # the configuration needs the token
+    assert_401(r)
+    assert_error(*curl_req("GET", p.url + "/readyz"), 503)
+    st, _, out = curl_req("PUT", p.url + "/v1/config", [f"Authorization: Bearer {TOKEN}"], b"{}")
+    assert st == 200, out
+    for h in ([], ["Authorization: Bearer wrong"]):
+        st, hd, out = curl_req("GET", p.url + "/readyz", h)
+        assert st == 200 and json.loads(out) == {"status": "ready"}, out
+        st, _, _ = curl_req("HEAD", p.url + "/readyz", h, extra=["-I"])
+        assert st == 200
 
 
 def test_no_token_file_means_open_writes(start_psd):

@@ -681,7 +681,7 @@ def test_push_id_replay_applied_once(srv):
 
     st, _, out = http("POST", p.url + "/v1/grads", body, {"X-Push-Id": pid})
     assert st == 200, out
-    assert json.loads(out) == {"global_step": 2, "duplicate": False}
+    assert json.loads(out) == {"global_step": 2, "duplicate": False, "outcome": "applied"}
     once = snapshot(p.url)
 
     def state_is_once():
@@ -697,16 +697,18 @@ def test_push_id_replay_applied_once(srv):
     for _ in range(2):  # replays: same answer, nothing applied
         st, _, out = http("POST", p.url + "/v1/grads", body, {"X-Push-Id": pid})
         assert st == 200, out
-        assert json.loads(out) == {"global_step": 2, "duplicate": True}
+        assert json.loads(out) == {"global_step": 2, "duplicate": True, "outcome": "duplicate"}
         state_is_once()
     # with curl too, and a different loss in the replay: still not applied
     body2 = st_grads([("w", g), ("b", gb)], meta={"worker": "3", "loss": "9.5"})
     code, _, out = curl_req("POST", p.url + "/v1/grads", [f"X-Push-Id: {pid}"], body2)
-    assert code == 200 and json.loads(out) == {"global_step": 2, "duplicate": True}
+    assert code == 200 and json.loads(out) == {"global_step": 2, "duplicate": True,
+                                               "outcome": "duplicate"}
     state_is_once()
     # another id is a new push
     st, _, out = http("POST", p.url + "/v1/grads", body, {"X-Push-Id": pid[:-1] + "y"})
-    assert st == 200 and json.loads(out) == {"global_step": 3, "duplicate": False}
+    assert st == 200 and json.loads(out) == {"global_step": 3, "duplicate": False,
+                                             "outcome": "applied"}
     s = snapshot(p.url)
     assert s["vars"]["w"][3] == (want_w - np.float32(LR) * g).astype(np.float32).tobytes()
 
@@ -720,7 +722,70 @@ def test_push_id_refused_push_is_not_remembered(srv):
     assert_unchanged(p, before)
     good = st_grads([("w", np.ones((3, 4), np.float32))])
     st, _, out = http("POST", p.url + "/v1/grads", good, {"X-Push-Id": "retry-1"})
-    assert st == 200 and json.loads(out) == {"global_step": 2, "duplicate": False}
+    assert st == 200 and json.loads(out) == {"global_step": 2, "duplicate": False,
+                                             "outcome": "applied"}
+
+
+# ------------------------------------------------------- the training routes
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/config", b"", ["JSON"]),
+    ("/v1/config", b"{", ["JSON"]),
+    ("/v1/config", b"[]", ["object"]),
+    ("/v1/config", b'{"sync":true,"sync":false}', ["sync"]),  # duplicate key
+    ("/v1/config", b'{"optimizer":"rmsprop"}', ["optimizer"]),
+    ("/v1/config", b'{"optimizer":null}', ["optimizer"]),
+    ("/v1/config", b'{"learning_rate":-0.1}', ["learning_rate"]),
+    ("/v1/config", b'{"learning_rate":"0.1"}', ["learning_rate"]),
+    ("/v1/config", b'{"momentum":1}', ["momentum"]),
+    ("/v1/config", b'{"beta1":1}', ["beta1"]),
+    ("/v1/config", b'{"beta2":-1e-9}', ["beta2"]),
+    ("/v1/config", b'{"epsilon":0}', ["epsilon"]),
+    ("/v1/config", b'{"sync":1}', ["sync"]),
+    ("/v1/config", b'{"workers":0}', ["workers"]),
+    ("/v1/config", b'{"workers":4097}', ["workers"]),
+    ("/v1/config", b'{"workers":2.0}', ["workers"]),
+    ("/v1/config", b'{"workers":2,"replicas_to_aggregate":3}', ["replicas_to_aggregate"]),
+    ("/v1/config", b'{"replicas_to_aggregate":0}', ["replicas_to_aggregate"]),
+    ("/v1/config", b'{"learning_rate":0.1,"lr":0.1}', ["unknown", "lr"]),
+    ("/v1/eval", b"", ["JSON"]),
+    ("/v1/eval", b'{"loss":1}', ["accuracy"]),
+    ("/v1/eval", b'{"loss":-1,"accuracy":0.5}', ["loss"]),
+    ("/v1/eval", b'{"loss":1,"accuracy":1.01}', ["accuracy"]),
+    ("/v1/eval", b'{"loss":1,"accuracy":0.5,"examples":-1}', ["examples"]),
+    ("/v1/eval", b'{"loss":"1","accuracy":0.5}', ["loss"]),
+    ("/v1/done", b"", ["JSON"]),
+    ("/v1/done", b"{}", ["worker"]),
+    ("/v1/done", b'{"worker":-1}', ["worker"]),
+    ("/v1/done", b'{"worker":"1"}', ["worker"]),
+    ("/v1/done", b'{"worker":4096}', ["worker"]),
+])
+def test_bad_training_body(srv, path, body, words):
+    """Refused with the field named; the configuration, the evaluator's report
+    and the workers counted done stay what they were."""
+    p, before = srv
+    method = "PUT" if path == "/v1/config" else "POST"
+    r = curl_req(method, p.url + path, ["Content-Type: application/json"], body)
+    check(p, before, r, 400, *words)
+
+
+@pytest.mark.parametrize("query,word", [
+    ("min_step=-1", "min_step"),
+    ("min_step=", "min_step"),
+    ("min_step=1x", "min_step"),
+    ("min_step=99999999999999999999", "min_step"),
+    ("timeout_ms=300001", "timeout_ms"),
+    ("timeout_ms=-1", "timeout_ms"),
+    ("timeout_ms=1e3", "timeout_ms"),
+    ("min_step=5&timeout_ms=abc", "timeout_ms"),
+])
+def test_bad_long_poll_query(srv, query, word):
+    """Refused at once (no waiting), nothing left parked."""
+    p, before = srv
+    t0 = time.time()
+    r = curl_req("GET", f"{p.url}/v1/params?{query}")
+    assert time.time() - t0 < 2
+    check(p, before, r, 400, word)
 
 
 def test_server_survives_everything(srv):

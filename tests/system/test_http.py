@@ -3,13 +3,18 @@ checked against values computed here with numpy and an independent safetensors
 parser written from the format's definition."""
 import json
 import os
+import signal
+import socket
 import struct
 import subprocess
+import time
 
 import numpy as np
 import pytest
 
 from conftest import binary, curl, http
+
+DATA = "/usr/share/datasets/fashion-mnist"
 
 
 def put(url, name, arr):
@@ -161,9 +166,10 @@ def test_bulk_params_and_grads_numpy(start_psd):
     body = build_safetensors(g, {"worker": "1", "step": "0", "loss": "2.25", "batch_size": "100"})
     st, _, ans = http("POST", f"{p.url}/v1/grads", body, {"X-Push-Id": "w1-s0"})
     assert st == 200, ans
-    assert json.loads(ans) == {"global_step": 1, "duplicate": False}
+    assert json.loads(ans) == {"global_step": 1, "duplicate": False, "outcome": "applied"}
     st, _, ans = http("POST", f"{p.url}/v1/grads", body, {"X-Push-Id": "w1-s0"})
     assert st == 200 and json.loads(ans)["duplicate"] is True and json.loads(ans)["global_step"] == 1
+    assert json.loads(ans)["outcome"] == "duplicate"
     got, meta, _ = parse_safetensors(http("GET", f"{p.url}/v1/params")[2])
     assert meta["global_step"] == "1"
     assert np.array_equal(got["hid_w"], (vals["hid_w"] - np.float32(0.5) * g["hid_w"]).astype("<f4"))
@@ -199,24 +205,72 @@ def test_concurrent_pushers_and_pullers_see_consistent_versions(start_psd):
     assert j["values"] == [-float(res["bulk_pushes"])] * 3
 
 
-def test_workerd_lists_through_libps(psd):
-    put(psd.url, "hid_b", np.zeros(100, dtype="<f4"))
-    r = subprocess.run([binary("workerd"), f"--ps_hosts={psd.host_port}", "--worker_hosts=localhost:1"],
-                       capture_output=True, timeout=60)
+def load_safetensors(path):
+    with open(path, "rb") as f:
+        got, meta, _ = parse_safetensors(f.read())
+    return got, meta
+
+
+@pytest.mark.skipif(not os.path.isdir(DATA), reason=f"{DATA} is missing: make deps installs "
+                    "dataset-fashion-mnist (workerd trains on it)")
+def test_workerd_trains_through_libps(psd, tmp_path):
+    """workerd (the chief) creates the variables, configures and trains 5 async
+    steps through libps; curl then finds exactly what the same training gives
+    in one process without a ps (workerd --local)."""
+    args = ["--train_steps=5", "--optimizer=momentum", "--learning_rate=0.05", "--seed=7",
+            "--log_every=1", f"--data_dir={DATA}"]
+    r = subprocess.run([binary("workerd"), f"--ps_hosts={psd.host_port}",
+                        "--worker_hosts=localhost:1", "--keep_ps"] + args,
+                       capture_output=True, timeout=120)
     out = r.stdout.decode()
-    assert r.returncode == 0, r.stderr.decode()
-    assert "1 variables" in out and "hid_b" in out and "[100]" in out
+    assert r.returncode == 0, out + r.stderr.decode()
+    assert "created 4 variables" in out and "global step 5" in out, out
+    local = tmp_path / "local.safetensors"
+    r = subprocess.run([binary("workerd"), "--local", f"--export={local}"] + args,
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    want, meta = load_safetensors(local)
+    assert meta["global_step"] == "5"
+
+    j = json.loads(curl(f"{psd.url}/v1/vars").stdout)
+    assert j["global_step"] == 5
+    assert {v["name"]: (tuple(v["shape"]), v["version"]) for v in j["vars"]} == \
+        {k: (v.shape, 6) for k, v in want.items()}  # created, then 5 updates
+    for name, w in want.items():
+        got = np.frombuffer(curl(f"{psd.url}/v1/vars/{name}").stdout, dtype="<f4")
+        assert got.tobytes() == w.tobytes(), name
+    s = json.loads(curl(f"{psd.url}/v1/status").stdout)
+    assert (s["ready"], s["mode"], s["optimizer"], s["workers_done"]) == \
+        (True, "async", "momentum", 1)
+    assert json.loads(curl(f"{psd.url}/v1/config").stdout)["momentum"] == pytest.approx(0.9)
+    assert psd.alive()  # --keep_ps
 
 
-def test_libps_reports_unreachable_shard(tmp_path):
-    # a port nothing listens on: bind then close a socket to find one
-    import socket
+def free_port():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    r = subprocess.run([binary("workerd"), f"--ps_hosts=127.0.0.1:{port}", "--timeout_ms=2000"],
-                       capture_output=True, timeout=60)
-    err = r.stderr.decode()
-    assert r.returncode == 1
-    assert f"ps 0 (127.0.0.1:{port})" in err and "GET /v1/vars" in err
+    return port
+
+
+@pytest.mark.skipif(not os.path.isdir(DATA), reason=f"{DATA} is missing: make deps installs "
+                    "dataset-fashion-mnist (workerd loads it before it connects)")
+def test_libps_reports_unreachable_shard():
+    """The chief waits for a ps nobody listens on, printing libps's error,
+    which names the shard and its address; it keeps waiting until stopped."""
+    port = free_port()
+    p = subprocess.Popen([binary("workerd"), f"--ps_hosts=127.0.0.1:{port}",
+                          "--worker_hosts=localhost:1", "--timeout_ms=500",
+                          "--recovery_wait_secs=0.1", f"--data_dir={DATA}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        line = p.stdout.readline().decode()
+        assert "waiting for the ps tasks" in line, line
+        assert f"ps 0 (127.0.0.1:{port})" in line and "GET /healthz" in line, line
+        time.sleep(0.3)
+        assert p.poll() is None, "workerd gave up instead of waiting for the ps"
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+        p.communicate(timeout=10)

@@ -1,0 +1,56 @@
+/* shards.h - the model's variables on the ps tasks: which shard holds each
+ * tensor (round-robin over the model's tensor order, TensorFlow's default
+ * placement, computed alike by every worker), and moving the whole parameter
+ * and gradient buffers to and from every shard: one bulk request per shard,
+ * one copy between the wire and the contiguous buffer. */
+#ifndef RESTPS_SHARDS_H
+#define RESTPS_SHARDS_H
+
+#include <stdint.h>
+
+#include "libps.h"
+#include "mlp.h"
+
+typedef struct shard {
+    int n_t;                    /* tensors on this shard, in layout order */
+    int t[MLP_MAX_TENSORS];
+    size_t floats;              /* their total size */
+    unsigned char *rx;          /* a pull lands here (pre-touched) */
+    size_t rx_cap;
+    float *stage;               /* gradients gathered when not contiguous in the buffer */
+    int contiguous;             /* the shard's tensors are one run of the buffer */
+    size_t first;               /* its offset then */
+} shard;
+
+typedef struct shards {
+    ps_client *c;
+    const mlp_layout *L;
+    int n;
+    int owner[MLP_MAX_TENSORS];
+    shard *s;
+} shards;
+
+int shards_init(shards *sh, ps_client *c, const mlp_layout *L, char *err, size_t errlen);
+void shards_free(shards *sh);
+
+/* Create every variable with a create-only PUT (If-None-Match: *); a variable
+ * that exists already (restored, or another chief's) is left as it is.
+ * *created / *existing count them. PS_OK or libps's error. */
+int shards_create(shards *sh, const float *params, int *created, int *existing);
+
+/* Pull every shard into params; *step = ps 0's global_step. min_step >= 0
+ * long-polls each shard until it reaches min_step (or timeout_ms). */
+int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, int64_t *step);
+
+typedef struct push_meta {
+    int worker;
+    int64_t step;
+    double loss;
+    int batch_size;
+    const char *push_id;
+} push_meta;
+
+/* Push grads to every shard; *step and *outcome are ps 0's answer. */
+int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome);
+
+#endif

@@ -1,0 +1,514 @@
+/* train.c - the training loop and the roles around it.
+ *
+ * Start-up follows tf.train.Supervisor.prepare_or_wait_for_session: the chief
+ * waits for every ps, creates the variables with create-only PUTs (leaving
+ * any that exist, e.g. restored), sends the training configuration, which
+ * marks each ps ready; the other tasks poll /readyz. Nobody gives up because
+ * a ps or the chief is not up yet.
+ *
+ * One step: pull every shard (sync: long-poll for the step we need), forward
+ * and backward on this task's next batch, push the gradients with an id that
+ * makes a retry harmless. */
+#include "train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "rng.h"
+#include "safetensors.h"
+#include "shards.h"
+
+static double now_secs(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void sleep_secs(double s)
+{
+    struct timespec t = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+    }
+}
+
+/* ---- data ---- */
+
+/* Each epoch is one permutation of the training set, the same on every task
+ * (idx_epoch_order from --seed and the epoch). The tasks take turns along it
+ * in blocks of one batch: task i's k-th batch is positions
+ * [(k*N + i)*b, (k*N + i + 1)*b). So the N tasks together see every example
+ * once per epoch, and N sync tasks with batch b compute exactly the step one
+ * task with batch N*b would. */
+typedef struct batcher {
+    const idx_split *split;
+    uint32_t *order;
+    int64_t count, k;
+    uint64_t epoch, seed;
+    int trainer, n_trainers;
+} batcher;
+
+static int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer,
+                        int n_trainers)
+{
+    memset(b, 0, sizeof(*b));
+    b->split = split;
+    b->seed = seed;
+    b->trainer = trainer;
+    b->n_trainers = n_trainers;
+    b->order = malloc(sizeof(uint32_t) * (size_t)(split->n ? split->n : 1));
+    if (!b->order)
+        return -1;
+    return idx_epoch_order(split->n, seed, 0, 0, 1, b->order, &b->count);
+}
+
+/* The next batch; a new epoch (a new shuffle) when the round of N blocks
+ * would run past its end (the remainder is left out, as drop_remainder). */
+static void batcher_next(batcher *b, int batch, int n_features, float *x, uint8_t *y)
+{
+    int64_t round = (int64_t)b->n_trainers * batch;
+    if ((b->k + 1) * round > b->count) {
+        b->epoch++;
+        idx_epoch_order(b->split->n, b->seed, b->epoch, 0, 1, b->order, &b->count);
+        b->k = 0;
+    }
+    int64_t at = b->k * round + (int64_t)b->trainer * batch;
+    for (int i = 0; i < batch; i++) {
+        uint32_t e = b->order[at + i];
+        memcpy(x + (size_t)i * n_features, b->split->images + (size_t)e * n_features,
+               sizeof(float) * (size_t)n_features);
+        y[i] = b->split->labels[e];
+    }
+    b->k++;
+}
+
+static int load(const train_config *c, idx_dataset *ds)
+{
+    char err[512];
+    if (idx_load_dataset(c->data_dir, ds, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 2;
+    }
+    if (ds->n_features != c->layout.dims[0]) {
+        fprintf(stderr, "workerd: %s: images have %d pixels, the model takes %d\n", c->data_dir,
+                ds->n_features, c->layout.dims[0]);
+        idx_dataset_free(ds);
+        return 2;
+    }
+    int min_train = c->batch_size * c->n_trainers;
+    if (ds->train.n < min_train) {
+        fprintf(stderr, "workerd: %s: %lld training examples are fewer than one batch of %d for each of %d tasks\n",
+                c->data_dir, (long long)ds->train.n, c->batch_size, c->n_trainers);
+        idx_dataset_free(ds);
+        return 2;
+    }
+    return 0;
+}
+
+/* ---- the model at the end ---- */
+
+static int export_model(const train_config *c, const float *params, int64_t step)
+{
+    const mlp_layout *L = &c->layout;
+    st_desc d[MLP_MAX_TENSORS];
+    for (int t = 0; t < L->n_tensors; t++)
+        d[t] = (st_desc){L->tensors[t].name, "F32", &L->tensors[t].shape};
+    char step_s[32], dims[128] = "";
+    snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
+    for (int l = 0; l <= L->n_layers; l++) {
+        size_t k = strlen(dims);
+        snprintf(dims + k, sizeof(dims) - k, "%s%d", l ? "," : "", L->dims[l]);
+    }
+    const char *meta[] = {"global_step", step_s, "layers", dims, "format", "restps-mlp-1"};
+    char err[512];
+    if (st_write_file(c->export_path, d, L->n_tensors, meta, 3, params, L->n_params * 4, err,
+                      sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: export: %s\n", err);
+        return -1;
+    }
+    printf("%s: exported the model (global step %lld) to %s\n", c->name, (long long)step,
+           c->export_path);
+    return 0;
+}
+
+static void final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+                         int64_t step)
+{
+    double vloss = 0, vacc = 0, tloss = 0, tacc = 0;
+    if (ds->validation.n > 0)
+        mlp_evaluate(m, params, ds->validation.images, ds->validation.labels, ds->validation.n,
+                     &vloss, &vacc);
+    mlp_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &tloss, &tacc);
+    printf("%s: training done at global step %lld: validation cross-entropy %.4f, test loss %.4f, "
+           "test accuracy %.4f\n",
+           c->name, (long long)step, vloss, tloss, tacc);
+    fflush(stdout);
+}
+
+/* ---- the cluster ---- */
+
+static ps_client *connect_ps(const train_config *c, long timeout_ms)
+{
+    const cluster_job *ps = &c->cluster->jobs[JOB_PS];
+    char **hosts = calloc((size_t)ps->n, sizeof(char *));
+    char err[512];
+    ps_client *pc = NULL;
+    if (!hosts)
+        return NULL;
+    for (int i = 0; i < ps->n; i++) {
+        const char *fmt = strchr(ps->tasks[i].host, ':') ? "[%s]:%d" : "%s:%d";
+        if (asprintf(&hosts[i], fmt, ps->tasks[i].host, ps->tasks[i].port) < 0)
+            goto out;
+    }
+    ps_options o = {.timeout_ms = timeout_ms, .retries = 3, .backoff_ms = 100, .token = c->token};
+    pc = ps_client_new((const char *const *)hosts, ps->n, &o, err, sizeof(err));
+    if (!pc)
+        fprintf(stderr, "workerd: %s\n", err);
+out:
+    for (int i = 0; i < ps->n; i++)
+        free(hosts[i]);
+    free(hosts);
+    return pc;
+}
+
+/* Poll `path` on every ps until each answers 200, saying what it waits for. */
+static void wait_for_all(const train_config *c, ps_client *pc, const char *path, const char *what)
+{
+    double last_said = -1e9;
+    for (int i = 0; i < ps_shards(pc); i++) {
+        for (;;) {
+            int rc = ps_json(pc, i, "GET", path, NULL, 0, NULL);
+            if (rc == PS_OK)
+                break;
+            if (rc == PS_EHTTP && ps_http_status(pc) == 401) {
+                fprintf(stderr, "workerd: %s\n", ps_error(pc));
+                exit(1); /* a wrong token does not fix itself */
+            }
+            if (now_secs() - last_said > 5) {
+                printf("%s: waiting for %s: %s\n", c->name, what, ps_error(pc));
+                fflush(stdout);
+                last_said = now_secs();
+            }
+            sleep_secs(c->recovery_wait_secs);
+        }
+    }
+}
+
+static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
+{
+    wait_for_all(c, pc, "/healthz", "the ps tasks");
+    mlp_init_params(&c->layout, params, c->seed);
+    int created, existing;
+    if (shards_create(sh, params, &created, &existing) != PS_OK) {
+        fprintf(stderr, "workerd: creating the variables: %s\n", ps_error(pc));
+        return 1;
+    }
+    if (existing)
+        printf("%s: %d variables existed already (restored or created before): kept them; created %d\n",
+               c->name, existing, created);
+    else
+        printf("%s: created %d variables (%zu parameters) on %d ps\n", c->name, created,
+               c->layout.n_params, ps_shards(pc));
+    json_t *cfg = json_pack("{s:s,s:f,s:b,s:i,s:i}", "optimizer", optim_name(c->optim.kind),
+                            "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
+                            "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
+                            c->n_trainers);
+    if (c->optim.kind == OPTIM_MOMENTUM)
+        json_object_set_new(cfg, "momentum", json_real(c->optim.momentum));
+    for (int i = 0; i < ps_shards(pc); i++)
+        if (ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL) != PS_OK) {
+            fprintf(stderr, "workerd: sending the training configuration: %s\n", ps_error(pc));
+            json_decref(cfg);
+            return 1;
+        }
+    json_decref(cfg);
+    return 0;
+}
+
+/* After the chief's last step: wait (bounded) for the others to finish. */
+static void chief_wait_others(const train_config *c, ps_client *pc)
+{
+    double start = now_secs(), said = start;
+    for (;;) {
+        json_t *st;
+        if (ps_status(pc, 0, &st) != PS_OK)
+            return;
+        int done = (int)json_integer_value(json_object_get(st, "workers_done"));
+        json_decref(st);
+        if (done >= c->n_trainers - 1)
+            return;
+        if (now_secs() - start > 60) {
+            printf("%s: %d of %d other tasks said they finished; not waiting longer\n", c->name,
+                   done, c->n_trainers - 1);
+            return;
+        }
+        if (now_secs() - said > 5) {
+            printf("%s: waiting for %d other tasks to finish\n", c->name, c->n_trainers - 1 - done);
+            said = now_secs();
+        }
+        sleep_secs(0.1);
+    }
+}
+
+int train_worker(const train_config *c)
+{
+    idx_dataset ds;
+    int rc = load(c, &ds);
+    if (rc)
+        return rc;
+    char err[512];
+    mlp *m = mlp_new(&mlp_backend_cpu, &c->layout, c->batch_size, err, sizeof(err));
+    float *params = calloc(c->layout.n_params, sizeof(float));
+    float *grads = calloc(c->layout.n_params, sizeof(float));
+    float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
+    uint8_t *y = malloc((size_t)c->batch_size);
+    ps_client *pc = connect_ps(c, c->timeout_ms);
+    shards sh = {0};
+    batcher b = {0};
+    rc = 1;
+    if (!m || !params || !grads || !x || !y || !pc) {
+        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
+        goto out;
+    }
+    if (shards_init(&sh, pc, &c->layout, err, sizeof(err)) != 0 ||
+        batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
+        fprintf(stderr, "workerd: out of memory\n");
+        goto out;
+    }
+    if (c->is_chief) {
+        if (chief_setup(c, pc, &sh, params) != 0)
+            goto out;
+    } else {
+        wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+    }
+    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; cpu backend (OpenBLAS %s, %d thread%s)\n",
+           c->name, c->sync ? "sync" : "async", optim_name(c->optim.kind), c->n_trainers,
+           c->batch_size, (long long)c->train_steps, mlp_cpu_blas_core(), c->threads,
+           c->threads == 1 ? "" : "s");
+    fflush(stdout);
+
+    unsigned nonce = 0;
+    if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
+        nonce = (unsigned)getpid();
+    int64_t step = 0, want = 0, local = 0, last_step = 0, ex_since = 0;
+    double t_log = now_secs(), t_start = t_log;
+    for (;;) {
+        int prc = shards_pull(&sh, params, c->sync ? want : -1, 30000, &step);
+        if (prc != PS_OK) {
+            if (prc == PS_ENET && last_step + c->n_trainers >= c->train_steps) {
+                printf("%s: the ps stopped at the end of training\n", c->name);
+                rc = 0;
+            } else {
+                fprintf(stderr, "workerd: pull: %s\n", ps_error(pc));
+            }
+            goto out;
+        }
+        last_step = step;
+        if (step >= c->train_steps)
+            break;
+        if (c->sync && step < want)
+            continue; /* the long poll timed out: the step is not complete yet */
+        batcher_next(&b, c->batch_size, ds.n_features, x, y);
+        double loss;
+        if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
+            fprintf(stderr, "workerd: forward/backward failed\n");
+            goto out;
+        }
+        char id[64];
+        snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)local);
+        push_meta pm = {c->trainer, step, loss, c->batch_size, id};
+        int64_t after;
+        int outcome;
+        prc = shards_push(&sh, grads, &pm, &after, &outcome);
+        if (prc != PS_OK) {
+            if (prc == PS_ENET && last_step + c->n_trainers >= c->train_steps) {
+                printf("%s: the ps stopped at the end of training\n", c->name);
+                rc = 0;
+            } else {
+                fprintf(stderr, "workerd: push: %s\n", ps_error(pc));
+            }
+            goto out;
+        }
+        local++;
+        ex_since += c->batch_size;
+        if (c->sync)
+            want = step + 1;
+        else
+            last_step = after;
+        if (c->log_every > 0 && local % c->log_every == 0) {
+            double t = now_secs();
+            printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
+                   (long long)local, (long long)(c->sync ? step : after), loss,
+                   (double)ex_since / (t - t_log));
+            fflush(stdout);
+            t_log = t;
+            ex_since = 0;
+        }
+        if (!c->sync && after >= c->train_steps)
+            break;
+    }
+    json_t *done = json_pack("{s:i}", "worker", c->trainer);
+    ps_json(pc, 0, "POST", "/v1/done", done, 1, NULL);
+    json_decref(done);
+    double secs = now_secs() - t_start;
+    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
+           (long long)local, secs, (double)local / secs);
+    fflush(stdout);
+    rc = 0;
+    if (c->is_chief) {
+        chief_wait_others(c, pc);
+        int64_t final_step;
+        if (shards_pull(&sh, params, -1, 0, &final_step) != PS_OK) {
+            fprintf(stderr, "workerd: final pull: %s\n", ps_error(pc));
+            rc = 1;
+            goto out;
+        }
+        final_report(c, m, params, &ds, final_step);
+        if (c->export_path && export_model(c, params, final_step) != 0)
+            rc = 1;
+        if (!c->keep_ps) {
+            for (int i = 0; i < ps_shards(pc); i++)
+                if (ps_json(pc, i, "POST", "/v1/shutdown", NULL, 0, NULL) != PS_OK)
+                    fprintf(stderr, "workerd: shutdown: %s\n", ps_error(pc));
+            printf("%s: asked the ps tasks to stop (--keep_ps keeps them)\n", c->name);
+        }
+    }
+out:
+    free(b.order);
+    shards_free(&sh);
+    ps_client_free(pc);
+    mlp_free(m);
+    free(params);
+    free(grads);
+    free(x);
+    free(y);
+    idx_dataset_free(&ds);
+    return rc;
+}
+
+int train_evaluator(const train_config *c)
+{
+    idx_dataset ds;
+    int rc = load(c, &ds);
+    if (rc)
+        return rc;
+    char err[512];
+    mlp *m = mlp_new(&mlp_backend_cpu, &c->layout, 1000, err, sizeof(err));
+    float *params = calloc(c->layout.n_params, sizeof(float));
+    ps_client *pc = connect_ps(c, c->timeout_ms);
+    shards sh = {0};
+    rc = 1;
+    if (!m || !params || !pc || shards_init(&sh, pc, &c->layout, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
+        goto out;
+    }
+    wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+    int64_t last = -1;
+    for (;;) {
+        int64_t step;
+        if (shards_pull(&sh, params, -1, 0, &step) != PS_OK) {
+            if (ps_http_status(pc) == 0 && last >= 0) {
+                printf("%s: the ps stopped; last evaluated global step %lld\n", c->name, (long long)last);
+                rc = 0;
+            } else {
+                fprintf(stderr, "workerd: pull: %s\n", ps_error(pc));
+            }
+            goto out;
+        }
+        if (step != last) {
+            double loss, acc;
+            mlp_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc);
+            printf("%s: global step %lld: test loss %.4f, test accuracy %.4f\n", c->name,
+                   (long long)step, loss, acc);
+            fflush(stdout);
+            json_t *rep = json_pack("{s:I,s:f,s:f,s:I}", "global_step", (json_int_t)step, "loss",
+                                    loss, "accuracy", acc, "examples", (json_int_t)ds.test.n);
+            if (ps_json(pc, 0, "POST", "/v1/eval", rep, 1, NULL) != PS_OK)
+                fprintf(stderr, "workerd: eval report: %s\n", ps_error(pc));
+            json_decref(rep);
+            last = step;
+        }
+        if (step >= c->train_steps) {
+            rc = 0;
+            goto out;
+        }
+        sleep_secs(c->eval_secs);
+    }
+out:
+    shards_free(&sh);
+    ps_client_free(pc);
+    mlp_free(m);
+    free(params);
+    idx_dataset_free(&ds);
+    return rc;
+}
+
+int train_local(const train_config *c)
+{
+    idx_dataset ds;
+    int rc = load(c, &ds);
+    if (rc)
+        return rc;
+    char err[512];
+    mlp *m = mlp_new(&mlp_backend_cpu, &c->layout, c->batch_size, err, sizeof(err));
+    size_t np = c->layout.n_params;
+    float *params = calloc(np, sizeof(float)), *grads = calloc(np, sizeof(float));
+    float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
+    float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
+    uint8_t *y = malloc((size_t)c->batch_size);
+    batcher b = {0};
+    rc = 1;
+    if (!m || !params || !grads || !s0 || !s1 || !x || !y ||
+        batcher_init(&b, &ds.train, c->seed, 0, 1) != 0) {
+        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
+        goto out;
+    }
+    mlp_init_params(&c->layout, params, c->seed);
+    printf("%s: training locally (no ps), %s, batch %d, %lld steps; cpu backend (OpenBLAS %s, %d thread%s)\n",
+           c->name, optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps,
+           mlp_cpu_blas_core(), c->threads, c->threads == 1 ? "" : "s");
+    double t_log = now_secs(), t0 = t_log;
+    int64_t ex_since = 0;
+    for (int64_t step = 0; step < c->train_steps; step++) {
+        batcher_next(&b, c->batch_size, ds.n_features, x, y);
+        double loss;
+        mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss);
+        /* every tensor is updated every step, so one pass over the buffer is
+         * the same as one per variable */
+        optim_apply(&c->optim, params, params, grads, 1.0f, s0, s1, step + 1, np);
+        ex_since += c->batch_size;
+        if (c->log_every > 0 && (step + 1) % c->log_every == 0) {
+            double t = now_secs();
+            printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1),
+                   loss, (double)ex_since / (t - t_log));
+            fflush(stdout);
+            t_log = t;
+            ex_since = 0;
+        }
+    }
+    double secs = now_secs() - t0;
+    printf("%s: %lld steps in %.2f s: %.1f steps/s\n", c->name, (long long)c->train_steps, secs,
+           (double)c->train_steps / secs);
+    final_report(c, m, params, &ds, c->train_steps);
+    rc = 0;
+    if (c->export_path && export_model(c, params, c->train_steps) != 0)
+        rc = 1;
+out:
+    free(b.order);
+    mlp_free(m);
+    free(params);
+    free(grads);
+    free(s0);
+    free(s1);
+    free(x);
+    free(y);
+    idx_dataset_free(&ds);
+    return rc;
+}

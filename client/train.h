@@ -1,0 +1,43 @@
+/* train.h - the roles workerd plays: a training worker (the chief among them
+ * initializes, configures, reports and exports), the evaluator, and --local
+ * training in one process with no ps. */
+#ifndef RESTPS_TRAIN_H
+#define RESTPS_TRAIN_H
+
+#include <stdint.h>
+
+#include "cluster.h"
+#include "idx.h"
+#include "mlp.h"
+#include "optim.h"
+
+typedef struct train_config {
+    const cluster_spec *cluster;
+    int trainer;        /* this task's index among the training tasks */
+    int n_trainers;     /* chief (when the cluster has one) + workers */
+    int is_chief;
+    const char *name;   /* "worker 1", "chief 0" for log lines */
+    const char *data_dir;
+    mlp_layout layout;
+    int batch_size;
+    int64_t train_steps;
+    optim_config optim;
+    int sync;
+    int replicas_to_aggregate;
+    uint64_t seed;
+    int log_every;
+    double recovery_wait_secs;
+    double eval_secs;
+    const char *export_path;
+    int keep_ps;
+    const char *token;
+    long timeout_ms;
+    int threads;
+} train_config;
+
+/* Each returns the process exit status: 0 done, 1 failed, 2 bad input (data). */
+int train_worker(const train_config *c);
+int train_evaluator(const train_config *c);
+int train_local(const train_config *c);
+
+#endif

@@ -1,0 +1,226 @@
+/* training.c - what coordinates a training run on a ps task: the chief's
+ * configuration (optimizer, sync or async), readiness, the evaluator's
+ * reports, workers saying they are done, and shutdown at the end. */
+#include <math.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "routes.h"
+
+static json_t *config_json(const store_config *c)
+{
+    json_t *o = json_pack("{s:s,s:f,s:b,s:i,s:i}", "optimizer", optim_name(c->optim.kind),
+                          "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
+                          "replicas_to_aggregate", c->replicas_to_aggregate, "workers", c->workers);
+    if (c->optim.kind == OPTIM_MOMENTUM)
+        json_object_set_new(o, "momentum", json_real(c->optim.momentum));
+    if (c->optim.kind == OPTIM_ADAM) {
+        json_object_set_new(o, "beta1", json_real(c->optim.beta1));
+        json_object_set_new(o, "beta2", json_real(c->optim.beta2));
+        json_object_set_new(o, "epsilon", json_real(c->optim.epsilon));
+    }
+    return o;
+}
+
+static json_t *body_json(request *r, char *err, size_t errlen)
+{
+    json_error_t je;
+    json_t *j = json_loadb((const char *)r->body->data, r->body->len, JSON_REJECT_DUPLICATES, &je);
+    if (!j)
+        snprintf(err, errlen, "body is not JSON: %s", je.text);
+    else if (!json_is_object(j)) {
+        snprintf(err, errlen, "body must be a JSON object");
+        json_decref(j);
+        j = NULL;
+    }
+    return j;
+}
+
+/* A number field; 0 absent, 1 ok, -1 present but not a number. */
+static int num_field(json_t *o, const char *key, double *out)
+{
+    json_t *v = json_object_get(o, key);
+    if (!v)
+        return 0;
+    if (!json_is_number(v))
+        return -1;
+    *out = json_number_value(v);
+    return 1;
+}
+
+static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
+{
+    static const char *const known[] = {"optimizer", "learning_rate", "momentum", "beta1", "beta2",
+                                        "epsilon", "sync", "replicas_to_aggregate", "workers"};
+    const char *key;
+    json_t *val;
+    json_object_foreach(j, key, val) {
+        size_t i = 0;
+        while (i < sizeof(known) / sizeof(known[0]) && strcmp(key, known[i]) != 0)
+            i++;
+        if (i == sizeof(known) / sizeof(known[0])) {
+            snprintf(err, errlen, "unknown configuration key '%.64s'", key);
+            return -1;
+        }
+    }
+    const char *opt = json_string_value(json_object_get(j, "optimizer"));
+    optim_kind kind = OPTIM_SGD;
+    if (json_object_get(j, "optimizer") && (!opt || optim_from_name(opt, &kind) != 0)) {
+        snprintf(err, errlen, "optimizer must be \"sgd\", \"momentum\" or \"adam\"");
+        return -1;
+    }
+    double lr = 0.01;
+    if (num_field(j, "learning_rate", &lr) < 0 || !(lr > 0) || !isfinite(lr)) {
+        snprintf(err, errlen, "learning_rate must be a positive number");
+        return -1;
+    }
+    optim_defaults(&c->optim, kind, (float)lr);
+    double x;
+    int k;
+    if ((k = num_field(j, "momentum", &x)) < 0 || (k && !(x >= 0 && x < 1))) {
+        snprintf(err, errlen, "momentum must be in [0, 1)");
+        return -1;
+    } else if (k)
+        c->optim.momentum = (float)x;
+    if ((k = num_field(j, "beta1", &x)) < 0 || (k && !(x >= 0 && x < 1))) {
+        snprintf(err, errlen, "beta1 must be in [0, 1)");
+        return -1;
+    } else if (k)
+        c->optim.beta1 = (float)x;
+    if ((k = num_field(j, "beta2", &x)) < 0 || (k && !(x >= 0 && x < 1))) {
+        snprintf(err, errlen, "beta2 must be in [0, 1)");
+        return -1;
+    } else if (k)
+        c->optim.beta2 = (float)x;
+    if ((k = num_field(j, "epsilon", &x)) < 0 || (k && !(x > 0 && isfinite(x)))) {
+        snprintf(err, errlen, "epsilon must be a positive number");
+        return -1;
+    } else if (k)
+        c->optim.epsilon = (float)x;
+    json_t *sync = json_object_get(j, "sync");
+    if (sync && !json_is_boolean(sync)) {
+        snprintf(err, errlen, "sync must be true or false");
+        return -1;
+    }
+    c->sync = json_is_true(sync);
+    json_t *w = json_object_get(j, "workers"), *r = json_object_get(j, "replicas_to_aggregate");
+    if (w && (!json_is_integer(w) || json_integer_value(w) < 1 ||
+              json_integer_value(w) > STORE_MAX_WORKERS)) {
+        snprintf(err, errlen, "workers must be an integer from 1 to %d", STORE_MAX_WORKERS);
+        return -1;
+    }
+    c->workers = w ? (int)json_integer_value(w) : 1;
+    if (r && (!json_is_integer(r) || json_integer_value(r) < 1 ||
+              json_integer_value(r) > c->workers)) {
+        snprintf(err, errlen, "replicas_to_aggregate must be an integer from 1 to workers (%d)",
+                 c->workers);
+        return -1;
+    }
+    c->replicas_to_aggregate = r ? (int)json_integer_value(r) : c->workers;
+    /* settings the optimizer does not use are zero, so equal configurations compare equal */
+    if (c->optim.kind != OPTIM_MOMENTUM)
+        c->optim.momentum = 0;
+    if (c->optim.kind != OPTIM_ADAM)
+        c->optim.beta1 = c->optim.beta2 = c->optim.epsilon = 0;
+    return 0;
+}
+
+enum MHD_Result h_config_get(request *r)
+{
+    store_config c;
+    if (!store_get_config(&r->srv->store, &c))
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no training configuration yet: the chief sends it");
+    return http_reply_json(r, MHD_HTTP_OK, config_json(&c));
+}
+
+enum MHD_Result h_config_put(request *r)
+{
+    char err[256];
+    json_t *j = body_json(r, err, sizeof(err));
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    store_config c;
+    memset(&c, 0, sizeof(c));
+    int bad = parse_config(j, &c, err, sizeof(err));
+    json_decref(j);
+    if (bad)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    if (store_configure(&r->srv->store, &c, err, sizeof(err)) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
+    log_info("psd: configured: %s, learning_rate %g, %s, replicas_to_aggregate %d of %d workers",
+             optim_name(c.optim.kind), (double)c.optim.learning_rate, c.sync ? "sync" : "async",
+             c.replicas_to_aggregate, c.workers);
+    return http_reply_json(r, MHD_HTTP_OK, config_json(&c));
+}
+
+enum MHD_Result h_readyz(request *r)
+{
+    store_config c;
+    if (!store_get_config(&r->srv->store, &c))
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE,
+                                "variables not initialized: waiting for the chief");
+    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ready"));
+}
+
+enum MHD_Result h_eval_post(request *r)
+{
+    char err[256];
+    json_t *j = body_json(r, err, sizeof(err));
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    double loss, acc, step = 0, ex = 0;
+    int ok = num_field(j, "loss", &loss) == 1 && num_field(j, "accuracy", &acc) == 1 &&
+             num_field(j, "global_step", &step) >= 0 && num_field(j, "examples", &ex) >= 0 &&
+             isfinite(loss) && loss >= 0 && acc >= 0 && acc <= 1 && step >= 0 && ex >= 0;
+    json_decref(j);
+    if (!ok)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "eval report needs loss >= 0 and accuracy in [0, 1]; global_step and "
+                                "examples are optional non-negative numbers");
+    server *srv = r->srv;
+    pthread_mutex_lock(&srv->info_mu);
+    srv->eval.has = 1;
+    srv->eval.loss = loss;
+    srv->eval.accuracy = acc;
+    srv->eval.global_step = (int64_t)step;
+    srv->eval.examples = (int64_t)ex;
+    clock_gettime(CLOCK_MONOTONIC, &srv->eval.at);
+    pthread_mutex_unlock(&srv->info_mu);
+    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "recorded"));
+}
+
+enum MHD_Result h_done_post(request *r)
+{
+    char err[256];
+    json_t *j = body_json(r, err, sizeof(err));
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    json_t *w = json_object_get(j, "worker");
+    int ok = json_is_integer(w) && json_integer_value(w) >= 0 &&
+             json_integer_value(w) < STORE_MAX_WORKERS;
+    int idx = ok ? (int)json_integer_value(w) : 0;
+    json_decref(j);
+    if (!ok)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
+    server *srv = r->srv;
+    pthread_mutex_lock(&srv->info_mu);
+    if (!srv->done[idx]) {
+        srv->done[idx] = 1;
+        srv->n_done++;
+    }
+    int n = srv->n_done;
+    pthread_mutex_unlock(&srv->info_mu);
+    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:i}", "workers_done", n));
+}
+
+enum MHD_Result h_shutdown_post(request *r)
+{
+    server *srv = r->srv;
+    atomic_store(&srv->stopping, 1);
+    log_info("psd: shutdown requested over HTTP");
+    enum MHD_Result rc = http_reply_json(r, MHD_HTTP_ACCEPTED, json_pack("{s:s}", "status", "stopping"));
+    kill(getpid(), SIGTERM); /* main stops the server cleanly after this answer goes out */
+    return rc;
+}

@@ -1,0 +1,40 @@
+/* waiters.h - long polls: requests parked (libmicrohttpd suspend) until the
+ * shard's global_step reaches what they wait for, or their deadline passes.
+ * No busy polling: a step change resumes exactly the requests it satisfies;
+ * one thread resumes the ones whose deadline passed. */
+#ifndef RESTPS_WAITERS_H
+#define RESTPS_WAITERS_H
+
+#include <microhttpd.h>
+#include <stdint.h>
+
+typedef struct waiters waiters;
+
+/* step: the shard's global_step now. NULL when out of memory. */
+waiters *waiters_new(int64_t step);
+/* Resumes everyone still waiting, stops the timer thread. */
+void waiters_free(waiters *w);
+
+/* Park conn (already suspended by the caller) until step >= min_step or
+ * deadline_ms (CLOCK_MONOTONIC milliseconds). When the step is already there,
+ * conn is resumed at once. *flag is set to 1 when resumed (the handler then
+ * answers). */
+void waiters_add(waiters *w, struct MHD_Connection *conn, int64_t min_step, int64_t deadline_ms,
+                 int *flag);
+/* Thread per connection (where suspending is unreliable): block the calling
+ * connection thread until step >= min_step, the deadline, or shutdown. */
+void waiters_block(waiters *w, int64_t min_step, int64_t deadline_ms);
+
+/* A connection that closed while parked: forget it. */
+void waiters_remove(waiters *w, struct MHD_Connection *conn);
+
+/* The step moved to `step`: resume whoever it satisfies. */
+void waiters_step(waiters *w, int64_t step);
+/* Resume everyone and park nobody from now on (shutdown). */
+void waiters_wake_all(waiters *w);
+
+int64_t waiters_now_ms(void);
+/* How many are parked now. */
+int waiters_count(waiters *w);
+
+#endif

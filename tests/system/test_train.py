@@ -1,0 +1,247 @@
+"""workerd training against real psd processes on the real Fashion-MNIST data
+(Debian's dataset-fashion-mnist): accuracy, sync equivalence and
+reproducibility, start-up order, the evaluator, shutdown. Models are compared
+with numpy after reading the exported safetensors files with a parser written
+here from the format's definition."""
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BIN, binary, http
+
+DATA = "/usr/share/datasets/fashion-mnist"
+ASAN = "asan" in BIN
+needs_data = pytest.mark.skipif(not os.path.isdir(DATA),
+                                reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def load_model(path):
+    b = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", b[:8])
+    h = json.loads(b[8:8 + n])
+    meta = h.pop("__metadata__")
+    d = b[8 + n:]
+    return {k: np.frombuffer(d[v["data_offsets"][0]:v["data_offsets"][1]], "<f4").reshape(v["shape"])
+            for k, v in h.items()}, meta
+
+
+class Cluster:
+    """psd (started by the test) + workerd processes, all stopped by PID."""
+
+    def __init__(self, start_psd, n_workers, psd_args=()):
+        self.psd = start_psd(*psd_args)
+        self.ps = f"127.0.0.1:{self.psd.port}"
+        self.workers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n_workers))
+        self.procs = []
+
+    def worker(self, index, *args, job="worker"):
+        argv = [binary("workerd"), f"--job_name={job}", f"--task_index={index}",
+                f"--ps_hosts={self.ps}", f"--worker_hosts={self.workers}", f"--data_dir={DATA}"] + list(args)
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def finish(self, timeout=600):
+        outs = []
+        for p in self.procs:
+            try:
+                out, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+                raise AssertionError("workerd did not finish:\n" + out.decode()[-3000:])
+            outs.append((p.returncode, out.decode()))
+        return outs
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def cluster(start_psd):
+    made = []
+
+    def make(n_workers, psd_args=()):
+        c = Cluster(start_psd, n_workers, psd_args)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.kill_all()
+
+
+def accuracy_of(out):
+    line = [l for l in out.splitlines() if "test accuracy" in l][-1]
+    return float(line.rsplit("test accuracy", 1)[1].strip())
+
+
+def run(cluster, n, args, tmp_path, name="model"):
+    c = cluster(n)
+    path = str(tmp_path / f"{name}.safetensors")
+    for i in range(1, n):
+        c.worker(i, *args)
+    c.worker(0, *args, f"--export={path}")
+    outs = c.finish()
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
+    assert not c.psd.alive() or c.psd.proc.wait(timeout=10) == 0, "the chief did not stop psd"
+    return path, outs
+
+
+@needs_data
+def test_sync_two_workers_equal_one_worker_with_double_batch(cluster, tmp_path):
+    common = ["--sync=1", "--optimizer=sgd", "--learning_rate=0.1", "--train_steps=50", "--seed=7",
+              "--log_every=0"]
+    a, _ = run(cluster, 1, common + ["--batch_size=100"], tmp_path, "one")
+    b, _ = run(cluster, 2, common + ["--batch_size=50"], tmp_path, "two")
+    ma, meta_a = load_model(a)
+    mb, meta_b = load_model(b)
+    assert meta_a["global_step"] == meta_b["global_step"] == "50"
+    assert set(ma) == {"hid_w", "hid_b", "sm_w", "sm_b"}
+    diff = max(float(np.abs(ma[k] - mb[k]).max()) for k in ma)
+    assert diff <= 1e-5, diff
+    # and the model did move: not a comparison of two initializations
+    init_moved = max(float(np.abs(ma[k]).max()) for k in ("hid_b", "sm_b"))
+    assert init_moved > 1e-3
+
+
+@needs_data
+def test_sync_runs_with_the_same_seed_are_bit_identical(cluster, tmp_path):
+    args = ["--sync=1", "--optimizer=adam", "--learning_rate=0.01", "--batch_size=50",
+            "--train_steps=40", "--seed=3", "--log_every=0"]
+    a, _ = run(cluster, 2, args, tmp_path, "a")
+    b, _ = run(cluster, 2, args, tmp_path, "b")
+    assert open(a, "rb").read() == open(b, "rb").read()
+    c, _ = run(cluster, 2, args[:-2] + ["--seed=4", "--log_every=0"], tmp_path, "c")
+    assert open(a, "rb").read() != open(c, "rb").read()
+
+
+@needs_data
+@pytest.mark.skipif(ASAN, reason="the full-length accuracy run uses the optimized build only")
+def test_example_settings_async_reach_085(cluster, tmp_path):
+    # the original example: 784-100-10, Adam 0.01, batch 100, 2 workers, async, 10,000 steps
+    args = ["--sync=0", "--hidden_units=100", "--optimizer=adam", "--learning_rate=0.01",
+            "--batch_size=100", "--train_steps=10000", "--log_every=1000"]
+    path, outs = run(cluster, 2, args, tmp_path)
+    acc = accuracy_of(outs[-1][1])
+    assert acc >= 0.85, outs[-1][1][-2000:]
+    m, meta = load_model(path)
+    assert int(meta["global_step"]) >= 10000
+
+
+@needs_data
+def test_short_sync_run_learns_and_logs(cluster, tmp_path):
+    steps = 60 if ASAN else 300
+    args = ["--sync=1", "--batch_size=100", f"--train_steps={steps}", "--log_every=20"]
+    c = cluster(2)
+    c.worker(1, *args)
+    c.worker(0, *args)
+    outs = c.finish()
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
+    chief = outs[1][1]
+    assert "worker 0: created 4 variables (79510 parameters)" in chief
+    # the example's progress lines
+    assert any(l.startswith("worker 1: step 20 (global step ") and " loss " in l and "examples/s" in l
+               for l in outs[0][1].splitlines())
+    assert accuracy_of(chief) >= (0.5 if ASAN else 0.75)  # chance is 0.10
+    assert "validation cross-entropy" in chief
+
+
+@needs_data
+def test_workers_started_before_the_ps_wait_for_it(tmp_path):
+    port = free_port()
+    workers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    common = [f"--ps_hosts=127.0.0.1:{port}", f"--worker_hosts={workers}", f"--data_dir={DATA}",
+              "--train_steps=30", "--log_every=0", "--recovery_wait_secs=0.2"]
+    procs = [subprocess.Popen([binary("workerd"), "--task_index=1"] + common, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT),
+             subprocess.Popen([binary("workerd"), "--task_index=0"] + common, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)]
+    psd = None
+    try:
+        time.sleep(2)
+        assert all(p.poll() is None for p in procs), "a worker gave up before the ps was up"
+        psd = subprocess.Popen([binary("psd"), f"--ps_hosts=127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, out
+        assert "waiting for the ps tasks" in outs[1]
+        assert "test accuracy" in outs[1]
+        assert psd.wait(timeout=30) == 0  # stopped by the chief
+    finally:
+        for p in procs + ([psd] if psd else []):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@needs_data
+def test_evaluator_reports_to_ps0_and_keep_ps(cluster, tmp_path):
+    c = cluster(1)
+    args = ["--train_steps=150", "--log_every=0", "--keep_ps"]
+    ev = c.worker(0, "--train_steps=150", "--eval_secs=0.2", job="evaluator")
+    c.worker(0, *args)
+    outs = c.finish()
+    for rc, out in outs:
+        assert rc == 0, out
+    assert "evaluator 0: global step" in outs[0][1]
+    st, _, body = http("GET", f"{c.psd.url}/v1/status")
+    j = json.loads(body)
+    assert c.psd.alive(), "--keep_ps must leave psd running"
+    assert j["eval"] is not None and 0 <= j["eval"]["accuracy"] <= 1 and j["eval"]["examples"] == 10000
+    assert j["mode"] == "async" and j["optimizer"] == "adam" and j["ready"] is True
+    assert j["global_step"] >= 150 and j["workers_done"] == 1
+
+
+def test_bad_data_dir_is_one_line_and_exit_2(tmp_path):
+    # four files; the training images have a bad magic number
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"\0\0\0\0" + struct.pack(">III", 1, 28, 28) + b"\0" * 784)
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, 1) + b"\1")
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, 1, 28, 28) + b"\0" * 784)
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, 1) + b"\1")
+    r = subprocess.run([binary("workerd"), "--local", f"--data_dir={tmp_path}"], capture_output=True,
+                       timeout=60)
+    assert r.returncode == 2
+    err = r.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and "train-images-idx3-ubyte" in err[0] and "magic" in err[0], err
+    r = subprocess.run([binary("workerd"), "--local", f"--data_dir={tmp_path}/missing"], capture_output=True,
+                       timeout=60)
+    assert r.returncode == 2 and "missing" in r.stderr.decode()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--optimizer=rmsprop"], "--optimizer"),
+    (["--hidden_units=0"], "--hidden_units"),
+    (["--batch_size=0"], "positive"),
+    (["--issync=2"], "--issync"),
+    (["--sync=1", "--issync=0"], "disagree"),
+    (["--replicas_to_aggregate=3", "--worker_hosts=localhost:1,localhost:2"], "replicas_to_aggregate"),
+    (["--job_name=ps"], "psd"),
+    (["--task_index=5", "--worker_hosts=localhost:1"], "index"),
+])
+def test_workerd_bad_flags(args, words):
+    r = subprocess.run([binary("workerd")] + args, capture_output=True, timeout=30)
+    assert r.returncode == 2, r
+    err = r.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
