@@ -102,6 +102,7 @@ test: deps
 
 bench: deps all bench-bins
 	sh bench/run.sh
+	sh bench/train.sh
 
 demo: deps all
 	sh deploy/local/demo.sh

@@ -138,7 +138,9 @@ int main(int argc, char **argv)
         c.name = "local";
         c.n_trainers = 1;
         c.is_chief = 1;
-        return train_local(&c);
+        int rc = train_local(&c);
+        free((char *)c.token);
+        return rc;
     }
 
     const char *tf = getenv("TF_CONFIG");
@@ -152,10 +154,13 @@ int main(int argc, char **argv)
     cluster_spec cs;
     if (cluster_spec_build(&in, &cs, err, sizeof(err)) != 0) {
         fprintf(stderr, "workerd: %s\n", err);
+        free((char *)c.token);
         return 2;
     }
     if (cs.job == JOB_PS) {
         fprintf(stderr, "workerd: this task is ps %d: run psd for ps tasks\n", cs.task_index);
+        cluster_spec_free(&cs);
+        free((char *)c.token);
         return 2;
     }
     c.cluster = &cs;
@@ -171,6 +176,8 @@ int main(int argc, char **argv)
     if (replicas < 0 || replicas > c.n_trainers) {
         fprintf(stderr, "workerd: --replicas_to_aggregate=%d: must be 1 to %d (the training tasks)\n",
                 replicas, c.n_trainers);
+        cluster_spec_free(&cs);
+        free((char *)c.token);
         return 2;
     }
     c.replicas_to_aggregate = replicas ? replicas : c.n_trainers;
