@@ -10,7 +10,7 @@ STEPS=${DEMO_STEPS:-4000}
 HIDDEN=${DEMO_HIDDEN:-256,128}
 LR=${DEMO_LR:-0.001}
 DATA=${DEMO_DATA:-/usr/share/datasets/fashion-mnist}
-LOGDIR=logs/demo-$(date +%Y%m%d-%H%M%S)
+LOGDIR=${DEMO_LOGDIR:-logs/demo-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$LOGDIR"
 
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

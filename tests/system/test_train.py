@@ -245,3 +245,66 @@ def test_workerd_bad_flags(args, words):
     assert r.returncode == 2, r
     err = r.stderr.decode().strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def port_closed(url):
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    s = socket.socket()
+    try:
+        s.connect((host, int(port)))
+        return False
+    except OSError:
+        return True
+    finally:
+        s.close()
+
+
+@needs_data
+@pytest.mark.skipif(ASAN, reason="make demo runs the optimized build in bin/")
+def test_make_demo_reaches_088_and_stops_everything(tmp_path):
+    env = dict(os.environ, DEMO_LOGDIR=str(tmp_path / "logs"))
+    r = subprocess.run(["sh", "deploy/local/demo.sh"], cwd=ROOT, env=env, capture_output=True,
+                       timeout=900)
+    out = r.stdout.decode()
+    assert r.returncode == 0, out[-3000:] + r.stderr.decode()[-2000:]
+    assert accuracy_of(out) >= 0.88, out[-2000:]
+    url = [l.split()[1] for l in out.splitlines() if l.strip().startswith("curl http")][0]
+    url = url.rsplit("/v1/", 1)[0]
+    assert port_closed(url), "psd still listening after make demo"
+    m, meta = load_model(str(tmp_path / "logs" / "model.safetensors"))
+    assert set(m) == {"hid0_w", "hid0_b", "hid1_w", "hid1_b", "sm_w", "sm_b"}
+    for name in ("ps0.log", "worker0.log", "worker1.log", "evaluator.log"):
+        assert (tmp_path / "logs" / name).exists()
+
+
+@needs_data
+@pytest.mark.skipif(ASAN, reason="make demo runs the optimized build in bin/")
+def test_make_demo_ctrl_c_leaves_no_process(tmp_path):
+    env = dict(os.environ, DEMO_LOGDIR=str(tmp_path / "logs"), DEMO_STEPS="100000")
+    p = subprocess.Popen(["sh", "deploy/local/demo.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    seen = b""
+    deadline = time.time() + 120
+    while b"training sync" not in seen and time.time() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        seen += line
+    assert b"training sync" in seen, seen.decode()
+    url = [l.split()[1] for l in seen.decode().splitlines() if l.strip().startswith("curl http")][0]
+    url = url.rsplit("/v1/", 1)[0]
+    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+    try:
+        p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    assert port_closed(url), "psd still listening after Ctrl-C"
+    # every process of the demo has the ps address in its arguments
+    ps_addr = url.split("//", 1)[1]
+    left = subprocess.run(["pgrep", "-af", f"--ps_hosts={ps_addr}"], capture_output=True).stdout.decode()
+    assert not left.strip(), f"processes left behind: {left}"
