@@ -21,12 +21,13 @@ BIN   ?= bin
 COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
-             server/training.c server/waiters.c
+             server/training.c server/waiters.c \
+             server/metrics.c server/workers.c server/history.c server/events.c server/web.c
 CLIENT_SRC = client/libps.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
-SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o)
+SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(BUILD)/web_assets.o
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o)
 LDLIBS_WORKER = -lopenblas -lz $(LDLIBS_CLIENT)
@@ -39,6 +40,14 @@ all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c -o $@ $<
+
+# The monitoring page, compiled in: one binary deploys.
+$(BUILD)/web_assets.c: web/index.html web/app.js web/style.css scripts/embed_web.sh
+	@mkdir -p $(dir $@)
+	sh scripts/embed_web.sh web > $@.tmp && mv $@.tmp $@
+
+$(BUILD)/web_assets.o: $(BUILD)/web_assets.c
+	$(CC) $(CFLAGS) -c -o $@ $<
 
 $(BUILD)/libps.a: $(CLIENT_OBJ) $(COMMON_OBJ)
 	@rm -f $@

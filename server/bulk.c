@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "routes.h"
+#include "workers.h"
 
 /* A non-negative integer query argument: 0 absent, 1 ok, -1 bad. */
 static int query_int(request *r, const char *key, long long *out)
@@ -195,10 +196,13 @@ enum MHD_Result h_grads_post(request *r)
         rc = http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
     else if (src != STORE_OK)
         rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    else
+    else {
+        if (worker >= 0)
+            workers_seen(r->srv->workers, worker, step, batch, outcome);
         rc = http_reply_json(r, MHD_HTTP_OK,
                              json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
                                        outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));
+    }
 out:
     st_file_free(&f);
     return rc;

@@ -24,6 +24,7 @@ static enum MHD_Result queue(request *r, unsigned status, struct MHD_Response *r
         log_error("psd: cannot build a response for %s %s", r->method, r->name);
         return MHD_NO;
     }
+    r->status = status;
     if (status == MHD_HTTP_UNAUTHORIZED)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     enum MHD_Result rc = MHD_queue_response(r->conn, status, resp);
@@ -43,6 +44,7 @@ enum MHD_Result http_reply_text(request *r, unsigned status, const char *content
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+    r->bytes_out = len;
     return queue(r, status, resp);
 }
 
@@ -110,6 +112,9 @@ enum MHD_Result http_reply_parts(request *r, unsigned status, const char *conten
     for (int i = 0; i < n_hold; i++)
         c->hold[i] = blob_ref(hold[i]);
     int k = 0;
+    r->bytes_out = head_len;
+    for (int i = 0; i < n_parts; i++)
+        r->bytes_out += parts[i].len;
     if (head && head_len) {
         iov[k].iov_base = head;
         iov[k++].iov_len = head_len;

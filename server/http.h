@@ -26,6 +26,10 @@ typedef struct request {
     unsigned discard_status;
     char discard_msg[200];
     uint64_t discarded;
+    const char *url;                /* the path as requested (valid for the request's life) */
+    uint64_t t_start_ns;            /* CLOCK_MONOTONIC when the headers were in */
+    unsigned status;                /* the status answered (0 until then) */
+    uint64_t bytes_in, bytes_out;   /* body bytes received and answered */
     int parked;                     /* suspended in a long poll */
     int resumed;                    /* set by the waiters when it is resumed */
 } request;

@@ -16,6 +16,9 @@
 
 #include "auth.h"
 #include "flags.h"
+#include "history.h"
+#include "metrics.h"
+#include "workers.h"
 #include "log.h"
 #include "routes.h"
 #include "server.h"
@@ -95,7 +98,17 @@ static void random_instance(char out[17])
         sprintf(out + 2 * i, "%02x", b[i]);
 }
 
-static void on_step(void *ctx, int64_t step) { waiters_step(ctx, step); }
+static void on_step(void *ctx, int64_t step)
+{
+    server *srv = ctx;
+    waiters_step(srv->waiters, step);
+    int n, has_loss;
+    uint64_t bytes;
+    int64_t gs;
+    double loss;
+    store_totals(&srv->store, &n, &bytes, &gs, &has_loss, &loss);
+    history_record(srv->history, step, has_loss, loss);
+}
 
 static void mhd_panic(void *cls, const char *file, unsigned int line, const char *reason)
 {
@@ -240,12 +253,15 @@ int main(int argc, char **argv)
     }
     pthread_mutex_init(&srv->info_mu, NULL);
     srv->waiters = waiters_new(0);
-    if (!srv->waiters) {
+    srv->metrics = metrics_new();
+    srv->workers = workers_new();
+    srv->history = history_new();
+    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->history) {
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
     srv->store.on_step = on_step;
-    srv->store.on_step_ctx = srv->waiters;
+    srv->store.on_step_ctx = srv;
     random_instance(srv->instance);
     clock_gettime(CLOCK_MONOTONIC, &srv->started);
 
@@ -320,6 +336,9 @@ int main(int argc, char **argv)
     }
     MHD_stop_daemon(d);
     waiters_free(srv->waiters);
+    history_free(srv->history);
+    workers_free(srv->workers);
+    metrics_free(srv->metrics);
     close(fd);
     store_destroy(&srv->store);
     bufpool_free(srv->pool);

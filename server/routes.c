@@ -7,9 +7,18 @@
 
 #include "auth.h"
 #include "log.h"
+#include "metrics.h"
+
+#include <time.h>
 
 static const route routes[] = {
+    {"GET", "/", 0, NULL, h_web, "the monitoring page"},
+    {"GET", "/app.js", 0, NULL, h_web, "the monitoring page's script"},
+    {"GET", "/style.css", 0, NULL, h_web, "the monitoring page's style sheet"},
     {"GET", "/healthz", ROUTE_OPEN, NULL, h_healthz, "liveness"},
+    {"GET", "/metrics", 0, NULL, h_metrics, "Prometheus text exposition"},
+    {"GET", "/v1/history", 0, NULL, h_history, "global_step and loss over time"},
+    {"GET", "/v1/events", 0, NULL, h_events, "live status as Server-Sent Events"},
     {"GET", "/readyz", ROUTE_OPEN, NULL, h_readyz, "200 once the chief initialized the variables"},
     {"GET", "/v1/status", 0, NULL, h_status, "task status"},
     {"GET", "/v1/vars", 0, NULL, h_vars_list, "list variables"},
@@ -91,6 +100,8 @@ static enum MHD_Result refuse_method(request *r, const char *pattern)
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    r->status = MHD_HTTP_METHOD_NOT_ALLOWED;
+    r->bytes_out = strlen(msg);
     enum MHD_Result rc = MHD_queue_response(r->conn, MHD_HTTP_METHOD_NOT_ALLOWED, resp);
     MHD_destroy_response(resp);
     r->answered = 1;
@@ -223,6 +234,10 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
         r->srv = cls;
         r->conn = conn;
         r->method = method;
+        r->url = url;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        r->t_start_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
         *req_cls = r;
         /* Refusals go out at once, before any body is read; an accepted
          * request is answered on a later call (libmicrohttpd 0.9.75 closes
@@ -231,6 +246,7 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
     }
     if (*upload_data_size) {
         size_t n = *upload_data_size;
+        r->bytes_in += n;
         *upload_data_size = 0;
         return on_upload(r, upload_data, n);
     }
@@ -245,13 +261,13 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
                       enum MHD_RequestTerminationCode toe)
 {
     (void)conn;
-    (void)toe;
     server *srv = cls;
     request *r = *req_cls;
     if (!r)
         return;
     if (r->parked && !r->resumed)
         waiters_remove(srv->waiters, r->conn);
+    metrics_observe(srv->metrics, r, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
     blob_unref(r->body);
     free(r);
     *req_cls = NULL;

@@ -40,6 +40,9 @@ size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s);
 void routes_print(FILE *out);
 
 /* Handlers (vars.c, bulk.c, status.c). */
+/* The /v1/status object (status.c); also the payload of /v1/events. */
+json_t *status_json(server *srv);
+
 enum MHD_Result h_healthz(request *r);
 enum MHD_Result h_status(request *r);
 enum MHD_Result h_vars_list(request *r);
@@ -52,6 +55,10 @@ enum MHD_Result h_var_grad(request *r);
 enum MHD_Result h_params_get(request *r);
 enum MHD_Result h_grads_post(request *r);
 enum MHD_Result h_readyz(request *r);
+enum MHD_Result h_web(request *r);      /* web.c */
+enum MHD_Result h_metrics(request *r);  /* metrics.c */
+enum MHD_Result h_history(request *r);  /* history.c */
+enum MHD_Result h_events(request *r);   /* events.c */
 enum MHD_Result h_config_get(request *r);
 enum MHD_Result h_config_put(request *r);
 enum MHD_Result h_eval_post(request *r);

@@ -33,6 +33,9 @@ typedef struct server {
     struct timespec started;
     atomic_uint_fast64_t requests;
     waiters *waiters;      /* long polls on /v1/params?min_step= */
+    struct metrics *metrics;   /* counters and histograms for /metrics (metrics.c) */
+    struct workers *workers;   /* each worker's last step, last seen, stale drops (workers.c) */
+    struct history *history;   /* global_step and loss over time (history.c) */
     atomic_int stopping;   /* POST /v1/shutdown was accepted */
     pthread_mutex_t info_mu; /* guards what follows */
     struct {

@@ -1,16 +1,17 @@
 /* status.c - /healthz and /v1/status. */
 #include <time.h>
 
+#include "history.h"
 #include "routes.h"
+#include "workers.h"
 
 enum MHD_Result h_healthz(request *r)
 {
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
 }
 
-enum MHD_Result h_status(request *r)
+json_t *status_json(server *srv)
 {
-    server *srv = r->srv;
     int n;
     uint64_t bytes;
     int64_t step;
@@ -51,5 +52,12 @@ enum MHD_Result h_status(request *r)
     else
         json_object_set_new(o, "eval", json_null());
     pthread_mutex_unlock(&srv->info_mu);
-    return http_reply_json(r, MHD_HTTP_OK, o);
+    workers_status(srv->workers, &srv->store, o);
+    history_status(srv->history, o);
+    return o;
+}
+
+enum MHD_Result h_status(request *r)
+{
+    return http_reply_json(r, MHD_HTTP_OK, status_json(r->srv));
 }
