@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "progress.h"
 #include "rng.h"
 #include "safetensors.h"
 #include "shards.h"
@@ -299,6 +300,8 @@ int train_worker(const train_config *c)
         nonce = (unsigned)getpid();
     int64_t step = 0, want = 0, local = 0, last_step = 0, ex_since = 0;
     double t_log = now_secs(), t_start = t_log;
+    progress bar;
+    progress_init(&bar, c->name, c->train_steps, -1);
     for (;;) {
         int prc = shards_pull(&sh, params, c->sync ? want : -1, 30000, &step);
         if (prc != PS_OK) {
@@ -342,7 +345,9 @@ int train_worker(const train_config *c)
             want = step + 1;
         else
             last_step = after;
-        if (c->log_every > 0 && local % c->log_every == 0) {
+        progress_update(&bar, c->sync ? step + 1 : after, loss,
+                        (double)(local * c->batch_size) / (now_secs() - t_start));
+        if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
             double t = now_secs();
             printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
                    (long long)local, (long long)(c->sync ? step : after), loss,
@@ -354,6 +359,7 @@ int train_worker(const train_config *c)
         if (!c->sync && after >= c->train_steps)
             break;
     }
+    progress_clear(&bar);
     json_t *done = json_pack("{s:i}", "worker", c->trainer);
     ps_json(pc, 0, "POST", "/v1/done", done, 1, NULL);
     json_decref(done);
@@ -476,6 +482,8 @@ int train_local(const train_config *c)
            mlp_cpu_blas_core(), c->threads, c->threads == 1 ? "" : "s");
     double t_log = now_secs(), t0 = t_log;
     int64_t ex_since = 0;
+    progress bar;
+    progress_init(&bar, c->name, c->train_steps, -1);
     for (int64_t step = 0; step < c->train_steps; step++) {
         batcher_next(&b, c->batch_size, ds.n_features, x, y);
         double loss;
@@ -484,7 +492,9 @@ int train_local(const train_config *c)
          * the same as one per variable */
         optim_apply(&c->optim, params, params, grads, 1.0f, s0, s1, step + 1, np);
         ex_since += c->batch_size;
-        if (c->log_every > 0 && (step + 1) % c->log_every == 0) {
+        progress_update(&bar, step + 1, loss,
+                        (double)((step + 1) * c->batch_size) / (now_secs() - t0));
+        if (!bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
             double t = now_secs();
             printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1),
                    loss, (double)ex_since / (t - t_log));
@@ -493,6 +503,7 @@ int train_local(const train_config *c)
             ex_since = 0;
         }
     }
+    progress_clear(&bar);
     double secs = now_secs() - t0;
     printf("%s: %lld steps in %.2f s: %.1f steps/s\n", c->name, (long long)c->train_steps, secs,
            (double)c->train_steps / secs);
