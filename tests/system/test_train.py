@@ -314,3 +314,21 @@ def test_make_demo_ctrl_c_leaves_no_process(tmp_path):
     ps_addr = url.split("//", 1)[1]
     left = subprocess.run(["pgrep", "-af", f"--ps_hosts={ps_addr}"], capture_output=True).stdout.decode()
     assert not left.strip(), f"processes left behind: {left}"
+
+
+@needs_data
+def test_progress_bar_on_a_terminal_log_lines_otherwise(tmp_path):
+    argv = [binary("workerd"), "--local", f"--data_dir={DATA}", "--train_steps=400", "--log_every=100"]
+    # `script` (util-linux) gives workerd a pseudo-terminal as stdout
+    cmd = " ".join(argv)
+    r = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=120)
+    out = r.stdout.decode(errors="replace")
+    assert r.returncode == 0, out[-2000:]
+    assert "\r" in out and "ETA" in out and "ex/s" in out and "400/400" in out, out[-2000:]
+    assert "local: step 100 loss" not in out  # the bar replaces the log lines
+    r = subprocess.run(argv, capture_output=True, timeout=120)
+    out = r.stdout.decode()
+    assert r.returncode == 0
+    assert "ETA" not in out and "\r" not in out
+    assert [l.split(" loss")[0] for l in out.splitlines() if " loss " in l and "step" in l][:4] == \
+        ["local: step 100", "local: step 200", "local: step 300", "local: step 400"]
