@@ -38,8 +38,9 @@ URL="http://127.0.0.1:$PS_PORT"
 cat <<MSG
 demo: 1 ps, 2 workers (worker 0 is the chief) and an evaluator; logs in $LOGDIR/
 demo: model 784-$HIDDEN-10, Adam $LR, sync, batch 100 per worker, $STEPS steps, data $DATA
-demo: while it trains, look with:
+demo: while it trains, open $URL/ in a browser (the live page), or look with:
   curl $URL/v1/status
+  curl $URL/metrics
   curl '$URL/v1/vars/$( [ "$HIDDEN" = 100 ] && echo hid_w || echo hid0_w )?format=json&count=10'
   curl $URL/v1/vars
 MSG
