@@ -12,7 +12,7 @@ CFLAGS  ?=
 # dynamic cost model: GCC 12 at -O2 vectorizes only "very cheap" loops, which
 # leaves the finite check and the optimizers scalar
 CFLAGS  += $(OPT) -fvect-cost-model=dynamic -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -Icommon -Iserver -Iclient
-LDLIBS_SERVER = -lmicrohttpd -ljansson -lpthread -lm
+LDLIBS_SERVER = -lmicrohttpd -lcurl -ljansson -lpthread -lm
 LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 
 BUILD ?= build
@@ -103,6 +103,7 @@ unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump
 deps:
 	@sh scripts/deps.sh
 	@sh scripts/npm-deps.sh
+	@sh scripts/promtool.sh
 
 test: deps
 	$(MAKE) all unit-bins

@@ -197,8 +197,7 @@ enum MHD_Result h_grads_post(request *r)
     else if (src != STORE_OK)
         rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     else {
-        if (worker >= 0)
-            workers_seen(r->srv->workers, worker, step, batch, outcome);
+        workers_seen(r->srv->workers, worker, step, batch, outcome);
         rc = http_reply_json(r, MHD_HTTP_OK,
                              json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
                                        outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));

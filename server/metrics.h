@@ -1,6 +1,20 @@
-/* metrics.h - what psd counts for GET /metrics (Prometheus text exposition):
- * requests by route and status, latency histograms, bytes in and out, pulls
- * and pushes by result. Thread-safe; cheap on the request path. */
+/* metrics.h - what psd counts for GET /metrics (Prometheus text exposition
+ * format 0.0.4): requests by route, method and status, latency histograms,
+ * bytes in and out, pulls and pushes by result; the rest of the exposition
+ * (global_step, loss, workers, store sizes) is read when it is served.
+ * Thread-safe and lock-free on the request path (atomics; a mutex only the
+ * first time a (route, method) or status is seen).
+ *
+ * Results, as the exposition labels them:
+ * - restps_pulls_total{result}: GET /v1/params and GET /v1/vars/{name}
+ *   (HEAD is not a pull): ok (200, sent whole), not_modified (304), refused
+ *   (any 4xx/5xx), aborted (the client left before the answer went out whole).
+ * - restps_pushes_total{result}: POST /v1/grads and POST /v1/vars/{name}/grad:
+ *   applied, pending (sync: kept for its step), stale (sync: dropped),
+ *   duplicate (a push id or (worker, step) already seen), refused (any
+ *   4xx/5xx, the token check and the size limit included), aborted (the client
+ *   left before the server answered). The accepted bulk outcomes come from
+ *   workers.c (workers_outcomes); a one-variable gradient is always applied. */
 #ifndef RESTPS_METRICS_H
 #define RESTPS_METRICS_H
 

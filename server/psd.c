@@ -262,6 +262,9 @@ int main(int argc, char **argv)
     }
     srv->store.on_step = on_step;
     srv->store.on_step_ctx = srv;
+    /* RESTPS_TEST_SYNTHETIC_HISTORY (history.h): the run goes on from there */
+    srv->store.global_step = history_last_step(srv->history);
+    waiters_step(srv->waiters, srv->store.global_step);
     random_instance(srv->instance);
     clock_gettime(CLOCK_MONOTONIC, &srv->started);
 
@@ -322,13 +325,15 @@ int main(int argc, char **argv)
              http_threads ? "epoll thread pool" : "thread per connection",
              (unsigned long long)max_body, cfg->auth_token ? ", writes need a token" : "");
 
+    history_start_shards(srv->history, &cfg->cluster, cfg->auth_token);
+
     while (!stop_requested)
         sigsuspend(&waitmask);
 
     log_info("psd: stopping (%llu requests served)",
              (unsigned long long)atomic_load(&srv->requests));
     /* answer the parked long polls and a pending shutdown request first */
-    int parked = waiters_count(srv->waiters);
+    int parked = waiters_count(srv->waiters) + history_stop(srv->history);
     waiters_wake_all(srv->waiters);
     if (parked || atomic_load(&srv->stopping)) {
         struct timespec grace = {0, 100 * 1000000L};

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "history.h"
 #include "log.h"
 #include "routes.h"
 
@@ -188,6 +189,7 @@ enum MHD_Result h_eval_post(request *r)
     srv->eval.examples = (int64_t)ex;
     clock_gettime(CLOCK_MONOTONIC, &srv->eval.at);
     pthread_mutex_unlock(&srv->info_mu);
+    history_record_eval(srv->history, (int64_t)step, loss, acc);
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "recorded"));
 }
 

@@ -14,7 +14,7 @@ enum MHD_Result h_web(request *r)
         const char *headers[] = {MHD_HTTP_HEADER_ETAG, a->etag, MHD_HTTP_HEADER_CACHE_CONTROL,
                                  "no-cache", NULL};
         const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
-        if (inm && strstr(inm, a->etag))
+        if (inm && (strstr(inm, a->etag) || strcmp(inm, "*") == 0))
             return http_reply_parts(r, MHD_HTTP_NOT_MODIFIED, a->content_type, NULL, 0, NULL, 0,
                                     NULL, 0, headers);
         struct http_part part = {a->data, a->len};

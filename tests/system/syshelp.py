@@ -1,4 +1,5 @@
-"""Helpers shared by test_bad_input.py and test_auth.py: raw-socket HTTP, curl
+"""Helpers shared by test_bad_input.py and test_auth.py: raw-socket HTTP (and
+the first event of an event stream), curl
 requests with status/headers/body, safetensors bodies built by hand, and a
 snapshot of everything a psd holds (to prove a refusal changed nothing).
 
@@ -53,6 +54,57 @@ def read_response(sock, timeout=10):
         if not chunk:
             return status, headers, rest
         rest += chunk
+
+
+def first_event(port, path, headers=(), timeout=10):
+    """GET an event stream (text/event-stream, chunked) over a raw socket and
+    stop at the end of its first event (a `data:` line and the blank line
+    after it): (status, headers, the decoded body read so far). An answer with
+    a Content-Length (an error) is read whole. Never waits for the stream to
+    end; raises if the first event does not come within timeout seconds."""
+    with connect(port, timeout) as s:
+        s.sendall(request_head("GET", path, headers))
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"connection closed before a full response head: {buf!r}")
+            buf += chunk
+        head, rest = buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        hdrs = {}
+        for line in lines[1:]:
+            k, v = line.split(":", 1)
+            hdrs[k.strip().lower()] = v.strip()
+        if hdrs.get("transfer-encoding", "").lower() != "chunked":
+            n = int(hdrs["content-length"])
+            while len(rest) < n:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                rest += chunk
+            return status, hdrs, rest[:n]
+        body = b""
+        while True:
+            while b"\r\n" in rest:  # every whole chunk received so far
+                size_line, after = rest.split(b"\r\n", 1)
+                size = int(size_line.split(b";")[0], 16)
+                if len(after) < size + 2:
+                    break
+                assert after[size:size + 2] == b"\r\n", after[:size + 2]
+                if size == 0:
+                    raise AssertionError(f"the stream ended before its first event: {body!r}")
+                body += after[:size]
+                rest = after[size + 2:]
+            text = b"\n" + body
+            i = text.find(b"\ndata:")
+            if i >= 0 and b"\n\n" in text[i:]:
+                return status, hdrs, body
+            chunk = s.recv(65536)
+            if not chunk:
+                raise AssertionError(f"the connection closed before the first event: {body!r}")
+            rest += chunk
 
 
 def raw_request(port, data, timeout=10):
@@ -162,9 +214,13 @@ def snapshot(url, headers=None):
             "bytes": status["bytes"],
             "vars": {}}
     # the training state: configuration, sync bookkeeping, reports
-    for k in ("ready", "mode", "optimizer", "learning_rate", "replicas_to_aggregate", "workers",
-              "stale_dropped", "pending_gradients", "waiting_pulls", "workers_done", "eval"):
+    for k in ("ready", "mode", "optimizer", "learning_rate", "replicas_to_aggregate",
+              "stale_dropped", "pending_gradients", "waiting_pulls", "workers_done", "eval",
+              "waiting_for"):
         snap[k] = status[k]
+    # what the shard knows of each worker, but the clock
+    snap["workers"] = [{k: v for k, v in w.items() if k != "last_seen_secs_ago"}
+                       for w in status["workers"]]
     st, _, body = http("GET", url + "/v1/config", headers=headers)
     assert st in (200, 404), (st, body)
     snap["config"] = json.loads(body) if st == 200 else None

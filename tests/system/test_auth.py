@@ -1,8 +1,12 @@
 """--auth_token_file: every write route of the table `psd --routes` prints
 refuses a missing or wrong token with 401 + WWW-Authenticate and changes
 nothing; the right token works. Reads are open unless --auth_reads, which
-closes every route not marked open (/healthz and /readyz stay open). A bad
-token file stops psd with exit 2."""
+closes every route not marked open (/healthz and /readyz stay open; the page,
+/metrics, /v1/history and /v1/events close too). A bad token file stops psd
+with exit 2.
+
+GET /v1/events never ends: it is read over a raw socket up to its first
+event, then closed."""
 import base64
 import json
 import os
@@ -12,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import binary, http
-from syshelp import (assert_error, connect, curl_req, read_response,
+from syshelp import (assert_error, connect, curl_req, first_event, read_response,
                      request_head, snapshot, st_grads)
 
 TOKEN = "s3cr3t-Token_0123456789abcdef"
@@ -53,7 +57,10 @@ def test_route_table_has_the_contract():
             ("GET", "/v1/vars/{name}/stats", False, False), ("GET", "/readyz", False, True),
             ("GET", "/v1/config", False, False), ("PUT", "/v1/config", True, False),
             ("POST", "/v1/eval", True, False), ("POST", "/v1/done", True, False),
-            ("POST", "/v1/shutdown", True, False)}
+            ("POST", "/v1/shutdown", True, False), ("GET", "/", False, False),
+            ("GET", "/app.js", False, False), ("GET", "/style.css", False, False),
+            ("GET", "/metrics", False, False), ("GET", "/v1/history", False, False),
+            ("GET", "/v1/events", False, False)}
     assert want <= set(ROUTES)
 
 
@@ -79,7 +86,7 @@ def recipe(method, path):
         return p, ["Content-Type: application/json"], json.dumps(NEW_CONFIG).encode(), 200, \
             lambda b, a: b["config"] != NEW_CONFIG and a["config"] == NEW_CONFIG and \
             (a["mode"], a["optimizer"], a["learning_rate"]) == ("sync", "momentum", 0.25) and \
-            same_but(b, a, "config", "mode", "optimizer", "learning_rate", "workers",
+            same_but(b, a, "config", "mode", "optimizer", "learning_rate", "waiting_for",
                      "replicas_to_aggregate")
     if (method, path) == ("POST", "/v1/eval"):
         return p, [], json.dumps(EVAL).encode(), 200, \
@@ -90,9 +97,50 @@ def recipe(method, path):
             same_but(b, a, "workers_done")
     if (method, path) == ("POST", "/v1/shutdown"):
         return p, [], None, 202, STOPS
-    if method == "GET":
+    if method == "GET" and path in READ_TYPES:
         return p, [], None, 200, lambda b, a: a == b
     raise AssertionError(f"no request recipe for route {method} {path}: add one to test_auth.py")
+
+
+# The GET routes with a recipe: a read changes nothing. What each answers
+# (content type, and what the body must hold; before: the state's snapshot).
+READ_TYPES = {
+    "/healthz": "application/json", "/readyz": "application/json",
+    "/v1/status": "application/json", "/v1/vars": "application/json",
+    "/v1/vars/{name}": "application/octet-stream", "/v1/vars/{name}/stats": "application/json",
+    "/v1/params": "application/octet-stream", "/v1/config": "application/json",
+    "/": "text/html", "/app.js": "text/javascript", "/style.css": "text/css",
+    "/metrics": "text/plain", "/v1/history": "application/json",
+    "/v1/events": "text/event-stream",
+}
+
+
+def assert_read(path, headers, body, before):
+    """A GET answered 200 with what the route serves."""
+    want = READ_TYPES[path]
+    assert headers.get("content-type", "").split(";")[0] == want, (path, headers)
+    if path == "/":
+        assert body.lower().startswith(b"<!doctype html"), body[:100]
+    elif path == "/metrics":
+        assert b"\nrestps_global_step %d\n" % before["status_step"] in body, body[:500]
+    elif path == "/v1/history":
+        assert json.loads(body)["global_step"] == before["status_step"], body
+    elif path == "/v1/events":
+        fields = [ln.partition(":")[::2] for ln in body.decode().split("\n") if ln]
+        data = [v.strip() for k, v in fields if k == "data"]
+        assert len(data) == 1, body
+        assert json.loads(data[0])["global_step"] == before["status_step"], body
+        assert ("id", " %d" % before["status_step"]) in fields, body
+
+
+def send(p, method, path, hdrs, body):
+    """curl_req, but GET /v1/events (a stream that never ends) goes over a raw
+    socket that stops at its first event."""
+    if (method, path) == ("GET", "/v1/events"):
+        # curl's "Name;" sends the header with an empty value
+        raw = [h[:-1] + ":" if h.endswith(";") else h for h in hdrs]
+        return first_event(p.port, path, raw)
+    return curl_req(method, p.url + path, hdrs, body)
 
 
 def same_but(before, after, *keys):
@@ -217,10 +265,13 @@ def test_token_checked_before_name_and_existence(start_psd, token_file):
 def test_reads_open_without_auth_reads(start_psd, token_file, route):
     p, before = seeded(start_psd, token_file)
     path, hdrs, body, want, _ = recipe(route[0], route[1])
-    st, _, out = curl_req(route[0], p.url + path, hdrs, body)
+    st, hd, out = send(p, route[0], path, hdrs, body)
     assert st == want, out
-    st, _, out = http("HEAD", p.url + path)
-    assert st == want
+    assert_read(route[1], hd, out, before)
+    st, hd, out = http("HEAD", p.url + path)
+    assert st == want and out == b"", (st, out)
+    assert hd.get("content-type", "").split(";")[0] == READ_TYPES[route[1]], hd
+    assert_unchanged_auth(p, before)
 
 
 @pytest.mark.parametrize("auth", ["none", "wrong_same_length", "shorter", "basic",
@@ -236,7 +287,7 @@ def test_auth_reads_closes_every_route_not_open(start_psd, token_file, route, au
         h.append("Authorization;")
     elif value is not None:
         h.append(f"Authorization: {value}")
-    r = curl_req(method, p.url + path, h, body)
+    r = send(p, method, path, h, body)
     if is_open:
         assert r[0] == want, r
     else:
@@ -252,9 +303,10 @@ def test_auth_reads_closes_every_route_not_open(start_psd, token_file, route, au
 def test_auth_reads_right_token_works(start_psd, token_file, route):
     p, before = seeded(start_psd, token_file, "--auth_reads")
     path, hdrs, body, want, changed = recipe(route[0], route[1])
-    st, _, out = curl_req(route[0], p.url + path, hdrs + [f"Authorization: Bearer {TOKEN}"],
-                          body)
+    st, hd, out = send(p, route[0], path, hdrs + [f"Authorization: Bearer {TOKEN}"], body)
     assert st == want, out
+    if route[0] == "GET":
+        assert_read(route[1], hd, out, before)
     assert_changed(p, before, changed)
 
 

@@ -95,6 +95,7 @@ class Recorder:
 
     def __init__(self):
         self.exchanges = []
+        self.events = None  # the blocks of the last event stream read
 
     def __call__(self, psd, method, path, query=None, body=None, headers=None, token=None,
                  expect=None, chunked=False, headers_only=False):
@@ -117,7 +118,12 @@ class Recorder:
             else:
                 conn.request(method, url, body=body, headers=hdrs)
             resp = conn.getresponse()
-            data = resp.read()
+            events = None
+            if method == "GET" and resp.status == 200 and \
+                    (resp.getheader("content-type") or "").startswith("text/event-stream"):
+                data, events = read_first_event(resp)  # the stream does not end: stop there
+            else:
+                data = resp.read()
         finally:
             conn.close()
         rh = {}
@@ -133,10 +139,91 @@ class Recorder:
             except ValueError as e:
                 ex["body_error"] = str(e)
         self.exchanges.append(ex)
+        if events is not None:
+            ex["events"] = self.events = events
+            # The checker validates JSON bodies only: the first event's data
+            # goes to it as the body of a GET /v1/status answer, since the
+            # spec documents it as that same Status schema
+            # (test_event_data_is_status checks the spec says so).
+            self.exchanges.append({
+                "method": "GET", "path": "/v1/status", "query": {}, "status": 200,
+                "headers": rh, "content_type": "application/json",
+                "body": json.loads(events[-1]["data"]), "body_length": len(events[-1]["data"]),
+                "from": f"the first event of GET {path}"})
         if expect is not None:
             assert resp.status == expect, (
                 f"{method} {url}: expected {expect}, got {resp.status}: {data[:300]!r}")
         return resp.status, rh, data
+
+
+def read_first_event(resp):
+    """Read a text/event-stream answer up to the end of its first event (the
+    blank line after a `data:` line), by lines, within the connection's
+    timeout. Returns (the bytes read, the blocks read as
+    [{field: value}], the last being the event)."""
+    raw, blocks, block = b"", [], {}
+    while True:
+        line = resp.readline()
+        if not line:
+            raise AssertionError(f"the event stream ended before its first event: {raw!r}")
+        raw += line
+        assert line.endswith(b"\n"), line
+        text = line.decode("utf-8").rstrip("\n")
+        if text == "":
+            if block:
+                blocks.append(block)
+                if "data" in block:
+                    return raw, blocks
+            block = {}
+        elif not text.startswith(":"):
+            k, _, v = text.partition(":")
+            block[k] = v[1:] if v.startswith(" ") else v
+
+
+WEB = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
+       "/style.css": ("style.css", "text/css")}
+
+
+def cksum_etag(path):
+    """The ETag psd gives a file of web/: POSIX cksum's CRC in hex and the size."""
+    crc, size, _ = subprocess.run(["cksum", path], capture_output=True, text=True,
+                                  check=True).stdout.split()
+    return '"%08x-%s"' % (int(crc), size)
+
+
+def exercise_web(rec, p, token=None):
+    """The page's three files: the bytes of web/, their ETag, 304 on a match."""
+    for path, (name, ctype) in WEB.items():
+        f = os.path.join(ROOT, "web", name)
+        with open(f, "rb") as fh:
+            want = fh.read()
+        _, h, b = rec(p, "GET", path, token=token, expect=200)
+        assert b == want, f"{path} is not web/{name}: rebuild psd"
+        assert h["content-type"] == ctype + "; charset=utf-8", h
+        assert (h["etag"], h["cache-control"]) == (cksum_etag(f), "no-cache"), h
+        etag = h["etag"]
+        _, h, b = rec(p, "GET", path, headers={"If-None-Match": etag}, token=token, expect=304)
+        assert b == b"" and (h["etag"], h["cache-control"]) == (etag, "no-cache"), h
+        rec(p, "GET", path, headers={"If-None-Match": '"00000000-1"'}, token=token, expect=200)
+        _, h, _ = rec(p, "HEAD", path, token=token, expect=200)
+        assert h["etag"] == etag and h["content-length"] == str(len(want)), h
+        rec(p, "HEAD", path, headers={"If-None-Match": etag}, token=token, expect=304)
+
+
+def exercise_events(rec, p, token=None):
+    """GET /v1/events up to its first event (the stream does not end), and HEAD."""
+    _, h, _ = rec(p, "GET", "/v1/events", token=token, expect=200)
+    assert h["cache-control"] == "no-store", h
+    events = rec.events
+    assert events[0] == {"retry": "1000"}, events
+    ev = events[-1]
+    status = json.loads(ev["data"])
+    assert (ev["event"], ev["id"]) == ("status", str(status["global_step"])), ev
+    _, _, b = rec(p, "GET", "/v1/status", token=token, expect=200)
+    assert json.loads(b)["global_step"] == status["global_step"]
+    _, h, b = rec(p, "HEAD", "/v1/events", token=token, expect=200)
+    assert h["content-type"].startswith("text/event-stream") and b == b"", h
+    return status
 
 
 def exercise_open(rec, p):
@@ -149,6 +236,13 @@ def exercise_open(rec, p):
     assert s["last_loss"] is None and s["eval"] is None and s["ready"] is False
     assert (s["mode"], s["optimizer"]) == ("async", "sgd")
     rec(p, "HEAD", "/v1/status", expect=200)
+    rec(p, "GET", "/metrics", expect=200)
+    rec(p, "HEAD", "/metrics", expect=200)
+    _, _, b = rec(p, "GET", "/v1/history", expect=200)
+    assert json.loads(b) == {"global_step": 0, "points": [], "eval": []}
+    rec(p, "HEAD", "/v1/history", expect=200)
+    exercise_events(rec, p)
+    exercise_web(rec, p)
     _, _, b = rec(p, "GET", "/v1/vars", expect=200)
     assert json.loads(b)["vars"] == []
     rec(p, "HEAD", "/v1/vars", expect=200)
@@ -303,6 +397,24 @@ def exercise_open(rec, p):
         expect=413)
     rec(p, "GET", "/v1/vars", expect=200)
 
+    # the history: a point per step since the first push with a loss
+    _, _, b = rec(p, "GET", "/v1/history", expect=200)
+    hist = json.loads(b)
+    steps = [pt[0] for pt in hist["points"]]
+    assert steps and steps[0] == 4 and steps[-1] == hist["global_step"], hist
+    assert steps == sorted(set(steps)) and hist["eval"] == [], hist
+    assert all(pt[1] == 0.75 and abs(pt[2] - time.time()) < 60 for pt in hist["points"]), hist
+    _, _, b = rec(p, "GET", "/v1/history", query={"since": str(steps[0])}, expect=200)
+    assert json.loads(b)["points"] == hist["points"][1:]
+    _, _, b = rec(p, "GET", "/v1/history", query={"since": str(steps[-1])}, expect=200)
+    assert json.loads(b)["points"] == []
+    rec(p, "HEAD", "/v1/history", query={"since": "0"}, expect=200)
+    for since in ("x", "-1", "", "1.5", "99999999999999999999"):
+        rec(p, "GET", "/v1/history", query={"since": since}, expect=400)
+    rec(p, "HEAD", "/v1/history", query={"since": "x"}, expect=400)
+    status = exercise_events(rec, p)
+    assert status["last_loss"] == 0.75 and status["workers"], status
+
     # long polls on /v1/params, and their bad arguments
     _, h, _ = rec(p, "GET", "/v1/params", expect=200)
     step = int(h["x-global-step"])
@@ -347,7 +459,8 @@ def exercise_open(rec, p):
         expect=413)
 
     # paths no route has, and methods a path does not answer
-    for path in ("/", "/nope", "/v1", "/v1/", "/v1/var/w", "/healthz/", "/v1/params/x"):
+    for path in ("/index.html", "/nope", "/v1", "/v1/", "/v1/var/w", "/healthz/",
+                 "/v1/params/x", "/app.js/", "/web/style.css", "/v1/events/x"):
         rec(p, "GET", path, expect=404)
     rec(p, "POST", "/v1/nope", body=b"x", expect=404)
     rec(p, "HEAD", "/nope", expect=404)
@@ -357,7 +470,9 @@ def exercise_open(rec, p):
                          ("OPTIONS", "/v1/status"), ("DELETE", "/v1/vars/a..b"),
                          ("POST", "/readyz"), ("DELETE", "/v1/config"), ("POST", "/v1/config"),
                          ("GET", "/v1/eval"), ("PUT", "/v1/done"), ("GET", "/v1/shutdown"),
-                         ("HEAD", "/v1/shutdown")):
+                         ("HEAD", "/v1/shutdown"), ("POST", "/"), ("PUT", "/app.js"),
+                         ("DELETE", "/style.css"), ("POST", "/v1/events"),
+                         ("DELETE", "/v1/history"), ("POST", "/metrics")):
         rec(p, method, path, expect=405)
 
 
@@ -420,8 +535,8 @@ def exercise_training(rec, p):
     rec(p, "HEAD", "/readyz", expect=200)
     _, _, b = rec(p, "GET", "/v1/status", expect=200)
     s = json.loads(b)
-    assert (s["ready"], s["mode"], s["optimizer"], s["workers"], s["replicas_to_aggregate"]) == \
-        (True, "sync", "momentum", 2, 2)
+    assert (s["ready"], s["mode"], s["optimizer"], s["waiting_for"], s["replicas_to_aggregate"]) \
+        == (True, "sync", "momentum", [0, 1], 2)
 
     # sync: one-variable gradients are refused, pushes need worker and step
     rec(p, "POST", "/v1/vars/w/grad", body=f32(1, 1), expect=409)
@@ -486,6 +601,11 @@ def exercise_training(rec, p):
     _, _, b = rec(p, "GET", "/v1/status", expect=200)
     assert json.loads(b)["eval"] == {"global_step": 0, "loss": 0.25, "accuracy": 1,
                                      "examples": 0}
+    # the history keeps the report for step 1; the one for step 0 is older
+    _, _, b = rec(p, "GET", "/v1/history", expect=200)
+    hist = json.loads(b)
+    assert [e[:3] for e in hist["eval"]] == [[1, 0.5, 0.75]] and hist["points"] == [], hist
+    exercise_events(rec, p)
 
     # workers finishing: each index counted once
     for worker, want in ((0, 1), (0, 1), (1, 2)):
@@ -534,7 +654,8 @@ def exercise_token(rec, p):
         if method != "POST" or path != "/v1/shutdown":
             rec(p, method, path, body=body, token=TOKEN, expect=200)
     for path in ("/healthz", "/readyz", "/v1/status", "/v1/vars", "/v1/vars/w",
-                 "/v1/vars/w/stats", "/v1/params", "/v1/config"):
+                 "/v1/vars/w/stats", "/v1/params", "/v1/config", "/", "/app.js", "/style.css",
+                 "/metrics", "/v1/history", "/v1/events"):
         rec(p, "GET", path, expect=200)
     rec(p, "DELETE", "/v1/vars/w", expect=405)  # the method check comes before the token
     rec(p, "GET", "/nope", expect=404)
@@ -550,17 +671,28 @@ def exercise_auth_reads(rec, p):
     rec(p, "GET", "/readyz", expect=503)  # open: not ready, rather than 401
     rec(p, "HEAD", "/readyz", expect=503)
     for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
-                 "/v1/vars/missing", "/v1/vars/a..b", "/v1/config"):
+                 "/v1/vars/missing", "/v1/vars/a..b", "/v1/config", "/metrics", "/v1/history",
+                 "/v1/events", "/", "/app.js", "/style.css"):
         rec(p, "GET", path, expect=401)
         rec(p, "HEAD", path, expect=401)
     rec(p, "GET", "/v1/params", query={"min_step": "-1"}, expect=401)  # the token first
+    rec(p, "GET", "/v1/history", query={"since": "x"}, expect=401)
+    rec(p, "HEAD", "/v1/history", query={"since": "x"}, expect=401)
+    rec(p, "GET", "/", headers={"If-None-Match": cksum_etag(os.path.join(ROOT, "web",
+                                                                          "index.html"))},
+        expect=401)
     rec(p, "GET", "/v1/config", token=TOKEN, expect=404)
     rec(p, "PUT", "/v1/config", body=b'{"optimizer":"adam"}', token=TOKEN, expect=200)
     rec(p, "GET", "/readyz", expect=200)
     for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
-                 "/v1/config"):
+                 "/v1/config", "/metrics", "/v1/history"):
         rec(p, "GET", path, token=TOKEN, expect=200)
         rec(p, "HEAD", path, token=TOKEN, expect=200)
+    rec(p, "GET", "/v1/history", query={"since": "x"}, token=TOKEN, expect=400)
+    rec(p, "HEAD", "/v1/history", query={"since": "x"}, token=TOKEN, expect=400)
+    rec(p, "GET", "/v1/events", token="bad", expect=401)
+    exercise_events(rec, p, token=TOKEN)
+    exercise_web(rec, p, token=TOKEN)
     rec(p, "GET", "/v1/vars/w", token="bad", expect=401)
     rec(p, "GET", "/v1/vars/missing", token=TOKEN, expect=404)
 
@@ -675,6 +807,63 @@ def mutations(exchanges):
     ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["eval"] is not None)
     ex["body"]["eval"]["accuracy"] = 1.5
     out.append(("status eval with accuracy over 1", ex))
+    ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["workers"])
+    del ex["body"]["workers"][0]["last_seen_secs_ago"]
+    out.append(("status worker without last_seen_secs_ago", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["workers"] = 2
+    out.append(("status workers as a count", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["waiting_for"] = ["0"]
+    out.append(("status waiting_for with a string", ex))
+    ex = first(is_("GET", "/metrics", 200))
+    ex["content_type"] = "application/json"
+    out.append(("metrics as JSON", ex))
+    ex = first(is_("GET", "/", 200))
+    ex["content_type"] = "text/plain; charset=utf-8"
+    out.append(("page as text/plain", ex))
+    ex = first(is_("GET", "/app.js", 200))
+    del ex["headers"]["etag"]
+    out.append(("script without ETag", ex))
+    ex = first(is_("GET", "/style.css", 200))
+    ex["headers"]["etag"] = '"2a03d11f"'
+    out.append(("style sheet with an ETag without its size", ex))
+    ex = first(is_("GET", "/style.css", 200))
+    ex["headers"]["cache-control"] = "max-age=3600"
+    out.append(("style sheet cached for an hour", ex))
+    ex = first(is_("GET", "/", 304))
+    ex["body_length"] = 4011
+    out.append(("page 304 with a body", ex))
+    ex = first(is_("HEAD", "/app.js", 304))
+    del ex["headers"]["etag"]
+    out.append(("script HEAD 304 without ETag", ex))
+    ex = first(lambda e: is_("GET", "/v1/history", 200)(e) and e["body"]["points"])
+    ex["body"]["points"][0] = ex["body"]["points"][0][:2]
+    out.append(("history point without its time", ex))
+    ex = first(lambda e: is_("GET", "/v1/history", 200)(e) and e["body"]["eval"])
+    ex["body"]["eval"][0][2] = 1.5
+    out.append(("history eval with accuracy over 1", ex))
+    ex = first(is_("GET", "/v1/history", 200))
+    del ex["body"]["eval"]
+    out.append(("history without eval", ex))
+    ex = first(is_("GET", "/v1/history", 200))
+    ex["query"] = {"from": "3"}
+    out.append(("history with an undocumented parameter", ex))
+    ex = first(is_("GET", "/v1/events", 200))
+    ex["content_type"] = "application/json"
+    out.append(("events as JSON", ex))
+    ex = first(lambda e: e.get("from") and e["body"]["shards"])
+    del ex["body"]["shards"]
+    out.append(("event data without shards", ex))
+    ex = first(lambda e: e.get("from") and e["body"]["shards"])
+    ex["body"]["shards"][0]["up"] = "yes"
+    out.append(("event data with a shard up 'yes'", ex))
+    ex = first(lambda e: e.get("from"))
+    ex["body"]["steps_per_sec"] = -1
+    out.append(("event data with negative steps_per_sec", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["examples_per_sec"] = "0"
+    out.append(("status with a string examples_per_sec", ex))
     ex = first(is_("POST", "/v1/grads", 200))
     ex["body"]["outcome"] = "ignored"
     out.append(("grads result with an unknown outcome", ex))
@@ -767,6 +956,19 @@ def test_live_responses_match_spec(start_psd, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     for i, (what, _) in enumerate(muts):
         assert f"FAIL [{i}] " in r.stdout, f"not caught: {what}\n{r.stdout}"
+
+
+def test_event_data_is_status():
+    """The live test validates each stream's first event's data as the body of
+    a GET /v1/status answer: right only while the spec says the data is that
+    schema."""
+    with open(SPEC) as f:
+        raw = yaml.safe_load(f)
+    events = raw["paths"]["/v1/events"]["get"]["responses"]["200"]["content"]
+    status = raw["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]
+    assert list(events) == ["text/event-stream"]
+    assert events["text/event-stream"]["x-event-data"] == \
+        status["application/json"]["schema"] == {"$ref": "#/components/schemas/Status"}
 
 
 def test_route_table_matches_spec():

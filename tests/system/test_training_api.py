@@ -277,8 +277,8 @@ def test_config_validation(start_psd):
     assert configure(p, **cfg) == cfg
     assert get_config(p) == cfg
     s = status(p)
-    assert (s["ready"], s["mode"], s["optimizer"], s["workers"], s["replicas_to_aggregate"],
-            s["learning_rate"]) == (True, "async", "momentum", 2, 1, 0.5)
+    assert (s["ready"], s["mode"], s["optimizer"], s["waiting_for"], s["replicas_to_aggregate"],
+            s["learning_rate"]) == (True, "async", "momentum", [], 1, 0.5)
     # training starts: another configuration is refused, the same one is fine
     st, ans = push(p, {"w": np.ones(3, F32)})
     assert st == 200 and ans["global_step"] == 1
@@ -389,8 +389,9 @@ def test_sync_fewer_replicas_than_workers(start_psd):
     assert push(p, {"w": g[1]}, worker=1, step=0)[1]["outcome"] == "stale"
     assert value(p, "w", (4, 3)).tobytes() == (w - (g[0] + g[2]) * F32(0.5)).astype(F32).tobytes()
     s = status(p)
-    assert (s["global_step"], s["stale_dropped"], s["replicas_to_aggregate"], s["workers"]) == \
-        (1, 1, 2, 3)
+    assert (s["global_step"], s["stale_dropped"], s["replicas_to_aggregate"], s["waiting_for"],
+            [(x["worker"], x["pushes"], x["stale_dropped"]) for x in s["workers"]]) == \
+        (1, 1, 2, [0, 1, 2], [(0, 1, 0), (1, 1, 1), (2, 1, 0)])
 
 
 def test_sync_push_id_replay_is_duplicate(start_psd):
