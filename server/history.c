@@ -645,11 +645,14 @@ static void format_addr(char *out, size_t cap, const cluster_addr *a)
         snprintf(out, cap, "%s:%d", a->host, a->port);
 }
 
-int history_start_shards(struct history *h, const cluster_spec *c, const char *auth_token)
+int history_start_shards(struct history *h, const cluster_spec *c, const char *auth_token,
+                         const char *listening)
 {
     const cluster_job *ps = &c->jobs[JOB_PS];
     int self = c->job == JOB_PS ? c->task_index : -1;
-    if (self >= 0 && self < ps->n)
+    if (listening) /* where it really listens (--port, --bind) */
+        snprintf(h->self_address, sizeof(h->self_address), "%s", listening);
+    else if (self >= 0 && self < ps->n)
         format_addr(h->self_address, sizeof(h->self_address), &ps->tasks[self]);
     if (self != 0 || ps->n < 2 || h->shards)
         return 0;

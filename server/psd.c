@@ -292,6 +292,12 @@ int main(int argc, char **argv)
     sigdelset(&waitmask, SIGTERM);
     sigdelset(&waitmask, SIGINT);
 
+    const char *shown = cfg->bind_host[0] ? cfg->bind_host : self->host;
+    char listening[CLUSTER_HOST_MAX + 16];
+    snprintf(listening, sizeof(listening), strchr(shown, ':') ? "[%s]:%d" : "%s:%d", shown, bound);
+    /* before the server answers anyone: /v1/status reads what this sets */
+    history_start_shards(srv->history, &cfg->cluster, cfg->auth_token, listening);
+
     MHD_set_panic_func(mhd_panic, NULL);
     unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | MHD_ALLOW_SUSPEND_RESUME;
     if (http_threads == 0)
@@ -314,18 +320,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
         return 1;
     }
-    const char *shown = cfg->bind_host[0] ? cfg->bind_host : self->host;
-    if (strchr(shown, ':'))
-        printf("psd: listening on http://[%s]:%d\n", shown, bound);
-    else
-        printf("psd: listening on http://%s:%d\n", shown, bound);
+    printf("psd: listening on http://%s\n", listening);
     fflush(stdout);
     log_info("psd: ps task %d of %d, learning_rate %g, %s, max body %llu bytes%s",
              cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n, (double)lr,
              http_threads ? "epoll thread pool" : "thread per connection",
              (unsigned long long)max_body, cfg->auth_token ? ", writes need a token" : "");
 
-    history_start_shards(srv->history, &cfg->cluster, cfg->auth_token);
 
     while (!stop_requested)
         sigsuspend(&waitmask);
