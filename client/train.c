@@ -273,6 +273,7 @@ int train_worker(const train_config *c)
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     batcher b = {0};
+    json_t *cfg = NULL; /* the chief's configuration, as a worker reads it */
     rc = 1;
     if (!m || !params || !grads || !x || !y || !pc) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
@@ -283,14 +284,28 @@ int train_worker(const train_config *c)
         fprintf(stderr, "workerd: out of memory\n");
         goto out;
     }
+    int sync = c->sync;
+    const char *opt_name = optim_name(c->optim.kind);
     if (c->is_chief) {
         if (chief_setup(c, pc, &sh, params) != 0)
             goto out;
     } else {
         wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+        /* the chief's configuration decides the mode and the optimizer */
+        if (ps_json(pc, 0, "GET", "/v1/config", NULL, 1, &cfg) == PS_OK) {
+            json_t *js = json_object_get(cfg, "sync");
+            if (json_is_boolean(js) && json_is_true(js) != sync) {
+                printf("%s: the chief chose %s training: following it\n", c->name,
+                       json_is_true(js) ? "sync" : "async");
+                sync = json_is_true(js);
+            }
+            const char *o = json_string_value(json_object_get(cfg, "optimizer"));
+            if (o)
+                opt_name = o;
+        }
     }
     printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; cpu backend (OpenBLAS %s, %d thread%s)\n",
-           c->name, c->sync ? "sync" : "async", optim_name(c->optim.kind), c->n_trainers,
+           c->name, sync ? "sync" : "async", opt_name, c->n_trainers,
            c->batch_size, (long long)c->train_steps, mlp_cpu_blas_core(), c->threads,
            c->threads == 1 ? "" : "s");
     fflush(stdout);
@@ -303,7 +318,7 @@ int train_worker(const train_config *c)
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
     for (;;) {
-        int prc = shards_pull(&sh, params, c->sync ? want : -1, 30000, &step);
+        int prc = shards_pull(&sh, params, sync ? want : -1, 30000, &step);
         if (prc != PS_OK) {
             if (prc == PS_ENET && last_step + c->n_trainers >= c->train_steps) {
                 printf("%s: the ps stopped at the end of training\n", c->name);
@@ -316,7 +331,7 @@ int train_worker(const train_config *c)
         last_step = step;
         if (step >= c->train_steps)
             break;
-        if (c->sync && step < want)
+        if (sync && step < want)
             continue; /* the long poll timed out: the step is not complete yet */
         batcher_next(&b, c->batch_size, ds.n_features, x, y);
         double loss;
@@ -341,22 +356,22 @@ int train_worker(const train_config *c)
         }
         local++;
         ex_since += c->batch_size;
-        if (c->sync)
+        if (sync)
             want = step + 1;
         else
             last_step = after;
-        progress_update(&bar, c->sync ? step + 1 : after, loss,
+        progress_update(&bar, sync ? step + 1 : after, loss,
                         (double)(local * c->batch_size) / (now_secs() - t_start));
         if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
             double t = now_secs();
             printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
-                   (long long)local, (long long)(c->sync ? step : after), loss,
+                   (long long)local, (long long)(sync ? step : after), loss,
                    (double)ex_since / (t - t_log));
             fflush(stdout);
             t_log = t;
             ex_since = 0;
         }
-        if (!c->sync && after >= c->train_steps)
+        if (!sync && after >= c->train_steps)
             break;
     }
     progress_clear(&bar);
@@ -387,6 +402,7 @@ int train_worker(const train_config *c)
         }
     }
 out:
+    json_decref(cfg);
     free(b.order);
     shards_free(&sh);
     ps_client_free(pc);
