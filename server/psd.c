@@ -251,6 +251,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    /* Block the stop signals in every thread (before any is created); main waits for them in sigsuspend. */
+    sigset_t stopset, waitmask;
+    sigemptyset(&stopset);
+    sigaddset(&stopset, SIGTERM);
+    sigaddset(&stopset, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stopset, &waitmask);
+    sigdelset(&waitmask, SIGTERM);
+    sigdelset(&waitmask, SIGINT);
+
     pthread_mutex_init(&srv->info_mu, NULL);
     srv->waiters = waiters_new(0);
     srv->metrics = metrics_new();
@@ -277,20 +292,6 @@ int main(int argc, char **argv)
         return 1;
     }
 
-    struct sigaction sa = {0};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN);
-    /* Block the stop signals in every thread; main waits for them in sigsuspend. */
-    sigset_t stopset, waitmask;
-    sigemptyset(&stopset);
-    sigaddset(&stopset, SIGTERM);
-    sigaddset(&stopset, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &stopset, &waitmask);
-    sigdelset(&waitmask, SIGTERM);
-    sigdelset(&waitmask, SIGINT);
 
     const char *shown = cfg->bind_host[0] ? cfg->bind_host : self->host;
     char listening[CLUSTER_HOST_MAX + 16];

@@ -27,10 +27,10 @@ json_t *status_json(server *srv)
                           srv->cfg.cluster.task_index, "global_step", (json_int_t)step,
                           "last_loss", has_loss ? json_real(loss) : json_null(), "variables", n,
                           "bytes", (json_int_t)bytes, "uptime_secs", up, "requests_served",
-                          (json_int_t)atomic_load(&srv->requests), "learning_rate",
-                          (double)srv->store.learning_rate);
+                          (json_int_t)atomic_load(&srv->requests), "learning_rate", 0.0);
     store_config c;
     int ready = store_get_config(&srv->store, &c);
+    json_object_set_new(o, "learning_rate", json_real(c.optim.learning_rate));
     json_object_set_new(o, "ready", json_boolean(ready));
     json_object_set_new(o, "mode", json_string(c.sync ? "sync" : "async"));
     json_object_set_new(o, "optimizer", json_string(optim_name(c.optim.kind)));

@@ -139,6 +139,8 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
         blob *old = v->data;
         s->bytes = s->bytes - (uint64_t)v->numel * 4 + (uint64_t)numel * 4;
         v->data = data;
+        if (!tensor_shape_equal(shape, &v->shape) && s->n_pending)
+            pending_clear(s); /* sync gradients computed for the old shape */
         if (numel != v->numel) { /* optimizer state no longer fits */
             free(v->slots);
             v->slots = NULL;
@@ -343,8 +345,8 @@ static int aggregate(store *s)
     for (int p = 0; p < s->n_pending; p++)
         for (int k = 0; k < s->pending[p].f.n_tensors; k++) {
             int i = find(s, s->pending[p].f.tensors[k].name);
-            if (i < 0)
-                continue; /* cannot happen: variables are never removed */
+            if (i < 0 || !tensor_shape_equal(&s->pending[p].f.tensors[k].shape, &s->vars[i].shape))
+                continue; /* cannot happen: variables are never removed, reshaping drops these */
             if (cnt[i]++ == 0)
                 idx[n++] = i;
             if (s->vars[i].numel > maxn)
@@ -366,8 +368,8 @@ static int aggregate(store *s)
         int first = 1;
         for (int p = 0; p < s->n_pending; p++) {
             int t = st_find(&s->pending[p].f, v->name);
-            if (t < 0)
-                continue;
+            if (t < 0 || !tensor_shape_equal(&s->pending[p].f.tensors[t].shape, &v->shape))
+                continue; /* (store_put drops pending gradients of a reshaped variable) */
             const float *g = (const float *)(s->pending[p].data + s->pending[p].f.tensors[t].begin);
             if (first)
                 memcpy(s->scratch, g, (size_t)v->numel * 4);
@@ -444,8 +446,9 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
             rc = STORE_EINVAL;
             goto out;
         }
-        if (meta->worker >= STORE_MAX_WORKERS) {
-            snprintf(err, errlen, "worker %lld is over the limit of %d", meta->worker, STORE_MAX_WORKERS);
+        if (meta->worker >= s->config.workers) {
+            snprintf(err, errlen, "worker %lld is not one of the %d workers of this sync run",
+                     meta->worker, s->config.workers);
             rc = STORE_EINVAL;
             goto out;
         }

@@ -171,25 +171,29 @@ enum MHD_Result h_eval_post(request *r)
     json_t *j = body_json(r, err, sizeof(err));
     if (!j)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    double loss, acc, step = 0, ex = 0;
+    double loss = 0, acc = 0;
+    json_t *js = json_object_get(j, "global_step"), *je = json_object_get(j, "examples");
     int ok = num_field(j, "loss", &loss) == 1 && num_field(j, "accuracy", &acc) == 1 &&
-             num_field(j, "global_step", &step) >= 0 && num_field(j, "examples", &ex) >= 0 &&
-             isfinite(loss) && loss >= 0 && acc >= 0 && acc <= 1 && step >= 0 && ex >= 0;
+             (!js || (json_is_integer(js) && json_integer_value(js) >= 0)) &&
+             (!je || (json_is_integer(je) && json_integer_value(je) >= 0)) &&
+             isfinite(loss) && loss >= 0 && acc >= 0 && acc <= 1;
+    int64_t step = ok && js ? json_integer_value(js) : 0;
+    int64_t ex = ok && je ? json_integer_value(je) : 0;
     json_decref(j);
     if (!ok)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "eval report needs loss >= 0 and accuracy in [0, 1]; global_step and "
-                                "examples are optional non-negative numbers");
+                                "examples are optional non-negative integers");
     server *srv = r->srv;
     pthread_mutex_lock(&srv->info_mu);
     srv->eval.has = 1;
     srv->eval.loss = loss;
     srv->eval.accuracy = acc;
-    srv->eval.global_step = (int64_t)step;
-    srv->eval.examples = (int64_t)ex;
+    srv->eval.global_step = step;
+    srv->eval.examples = ex;
     clock_gettime(CLOCK_MONOTONIC, &srv->eval.at);
     pthread_mutex_unlock(&srv->info_mu);
-    history_record_eval(srv->history, (int64_t)step, loss, acc);
+    history_record_eval(srv->history, step, loss, acc);
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "recorded"));
 }
 

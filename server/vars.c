@@ -102,6 +102,9 @@ static int wants_json(request *r, int *bad)
 }
 
 /* values[] as JSON text: %.9g round-trips a float32; NaN and Inf become null. */
+/* A JSON answer costs ~16 bytes per value, twice: cap what one request can ask. */
+#define JSON_MAX_VALUES (1 << 20)
+
 static char *values_json(const float *x, int64_t n, size_t *len)
 {
     size_t cap = (size_t)n * 16 + 16, at = 0;
@@ -179,6 +182,13 @@ enum MHD_Result h_var_get(request *r)
     }
     const float *x = (const float *)v.data->data + off;
     enum MHD_Result rc;
+    if (json && cnt > JSON_MAX_VALUES) {
+        store_snap_release(&v);
+        return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
+                                "%lld values are too many for JSON (at most %d): use the raw form, or "
+                                "?offset=K&count=M",
+                                (long long)cnt, JSON_MAX_VALUES);
+    }
     if (json) {
         size_t vl = 0;
         char *vals = values_json(x, cnt, &vl);

@@ -619,3 +619,44 @@ def test_reconfiguring_drops_gradients_pending_under_the_old_config(start_psd):
     assert ans["outcome"] == "applied"
     # only the push made under the new configuration counts
     assert np.array_equal(value(p, "w", (4, 3)), (w - F32(0.5) * F32(2)).astype(F32))
+
+
+# ------------------------------------------------- found in review, kept fixed
+
+def test_reshaping_a_variable_drops_its_pending_sync_gradients(start_psd):
+    p, w, b = sync_psd(start_psd, workers=2)
+    assert push(p, {"w": np.ones((4, 3), F32)}, worker=0, step=0)[1]["outcome"] == "pending"
+    big = np.zeros(1 << 16, F32)
+    st, _, _ = http("PUT", p.url + "/v1/vars/w", big.tobytes(), {"X-Shape": str(big.size)})
+    assert st == 200
+    assert status(p)["pending_gradients"] == 0
+    st, ans = push(p, {"b": np.ones(3, F32)}, worker=1, step=0)
+    assert st == 200 and ans["outcome"] == "pending"  # worker 0's gradient went with the old shape
+    assert np.array_equal(value(p, "w", (big.size,)), big)
+
+
+def test_sync_refuses_a_worker_outside_the_run(start_psd):
+    p, w, b = sync_psd(start_psd, workers=2)
+    st, ans = push(p, {"w": np.ones((4, 3), F32)}, worker=2, step=0)
+    assert st == 400 and "worker 2" in ans["error"]
+    assert status(p)["global_step"] == 0 and status(p)["pending_gradients"] == 0
+
+
+def test_eval_steps_must_be_integers(start_psd):
+    p = start_psd()
+    for bad in ({"loss": 1, "accuracy": 0.5, "global_step": 1e300},
+                {"loss": 1, "accuracy": 0.5, "global_step": 1.5},
+                {"loss": 1, "accuracy": 0.5, "examples": -1}):
+        st, _, body = http("POST", p.url + "/v1/eval", json.dumps(bad).encode())
+        assert st == 400, (bad, body)
+    assert status(p)["eval"] is None
+
+
+def test_json_values_are_capped(start_psd):
+    p = start_psd()
+    n = (1 << 20) + 1
+    put_var(p.url, "big", np.zeros(n, F32))
+    st, _, body = http("GET", p.url + "/v1/vars/big?format=json")
+    assert st == 413 and "offset" in json.loads(body)["error"]
+    st, _, body = http("GET", p.url + "/v1/vars/big?format=json&offset=5&count=3")
+    assert st == 200 and json.loads(body)["values"] == [0, 0, 0]
