@@ -55,6 +55,7 @@ for p in $PIDS; do wait "$p" 2>/dev/null; done
 PIDS=""
 tail -n 2 "$LOGDIR/evaluator.log" | sed 's/^/demo: /'
 if [ $status = 0 ]; then
+  grep "training done" "$LOGDIR/worker0.log" | sed 's/^worker 0: /demo: final model: /'
   echo "demo: done. Model: $LOGDIR/model.safetensors; logs: $LOGDIR/"
 else
   echo "demo: training did not finish; see the logs in $LOGDIR/" >&2
