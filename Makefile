@@ -18,7 +18,7 @@ LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c \
@@ -78,7 +78,7 @@ $(BIN)/test_mlp: $(BUILD)/tests/unit/test_mlp.o $(MLP_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
 # Loss and gradients of given inputs, for the numpy comparison (tests/system/test_mlp_numpy.py).
-$(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MLP_OBJ)
+$(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MLP_OBJ) $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
@@ -87,7 +87,7 @@ $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 
 bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp
 
-$(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MLP_OBJ)
+$(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MLP_OBJ) $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
 

@@ -5,10 +5,10 @@
  * magic is passed through), so one reader serves NAME and NAME.gz. Pixels are
  * converted chunk by chunk straight into the float array: no byte-sized copy of
  * the whole file is kept. */
+#include "errmsg.h"
 #include "idx.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,20 +20,6 @@
 #define CHUNK (1u << 18)                 /* bytes per gzread */
 #define MAX_ITEMS ((uint64_t)1 << 32)    /* bytes of data one file may declare */
 
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
 int idx_find(const char *dir, const char *name, char *path, size_t pathlen, char *err,
              size_t errlen)
 {
@@ -41,7 +27,7 @@ int idx_find(const char *dir, const char *name, char *path, size_t pathlen, char
     const char *sep = (dir[0] && dir[strlen(dir) - 1] != '/') ? "/" : "";
     int n = snprintf(path, pathlen, "%s%s%s", dir, sep, name);
     if (n < 0 || (size_t)n + 3 >= pathlen)
-        return fail(err, errlen, "idx: %s%s%s: path too long", dir, sep, name);
+        return errmsg(err, errlen, "idx: %s%s%s: path too long", dir, sep, name);
     if (stat(path, &st) == 0)
         return 0;
     int first_errno = errno;
@@ -50,8 +36,8 @@ int idx_find(const char *dir, const char *name, char *path, size_t pathlen, char
         return 0;
     path[n] = '\0';
     if (first_errno == ENOENT && errno == ENOENT)
-        return fail(err, errlen, "idx: %s: not found (nor %s.gz)", path, name);
-    return fail(err, errlen, "idx: %s: %s", path, strerror(first_errno != ENOENT ? first_errno : errno));
+        return errmsg(err, errlen, "idx: %s: not found (nor %s.gz)", path, name);
+    return errmsg(err, errlen, "idx: %s: %s", path, strerror(first_errno != ENOENT ? first_errno : errno));
 }
 
 /* Read exactly len bytes. 0; 1 when the file ended first (*got says where);
@@ -101,11 +87,11 @@ static int read_fail(const char *path, int rc, size_t got, size_t want, const ch
 {
     if (rc == 1 || zerrnum == Z_BUF_ERROR) {
         if (zerrnum == Z_BUF_ERROR) /* zlib reads ahead: where it ended is not known */
-            return fail(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
-        return fail(err, errlen, "idx: %s: truncated: expected %zu bytes (%s), the file ends after %zu",
+            return errmsg(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
+        return errmsg(err, errlen, "idx: %s: truncated: expected %zu bytes (%s), the file ends after %zu",
                     path, want, what, got);
     }
-    return fail(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
+    return errmsg(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
 }
 
 /* Open, check the magic, read ndim dims. */
@@ -115,7 +101,7 @@ static int open_header(const char *path, uint32_t magic, int ndim, gzFile *out, 
     errno = 0;
     gzFile f = gzopen(path, "rb");
     if (!f)
-        return fail(err, errlen, "idx: %s: %s", path, errno ? strerror(errno) : "cannot open");
+        return errmsg(err, errlen, "idx: %s: %s", path, errno ? strerror(errno) : "cannot open");
     gzbuffer(f, CHUNK);
     unsigned char h[4 + 4 * 3];
     size_t hlen = 4 + 4 * (size_t)ndim, got = 0;
@@ -131,7 +117,7 @@ static int open_header(const char *path, uint32_t magic, int ndim, gzFile *out, 
     uint32_t m = (uint32_t)h[0] << 24 | (uint32_t)h[1] << 16 | (uint32_t)h[2] << 8 | h[3];
     if (m != magic) {
         gzclose(f);
-        return fail(err, errlen, "idx: %s: bad magic 0x%08x (expected 0x%08x, %s)", path, m, magic,
+        return errmsg(err, errlen, "idx: %s: bad magic 0x%08x (expected 0x%08x, %s)", path, m, magic,
                     magic == IDX_MAGIC_IMAGES ? "uint8 images, 3 dims" : "uint8 labels, 1 dim");
     }
     rc = read_exact(f, h + 4, hlen - 4, &got, &zerrnum, &zmsg);
@@ -145,7 +131,7 @@ static int open_header(const char *path, uint32_t magic, int ndim, gzFile *out, 
         dims[i] = (uint32_t)d[0] << 24 | (uint32_t)d[1] << 16 | (uint32_t)d[2] << 8 | d[3];
         if (dims[i] == 0) {
             gzclose(f);
-            return fail(err, errlen, "idx: %s: dimension %d is 0", path, i);
+            return errmsg(err, errlen, "idx: %s: dimension %d is 0", path, i);
         }
     }
     *out = f;
@@ -158,14 +144,14 @@ static int check_end(gzFile f, const char *path, uint64_t declared, char *err, s
     unsigned char extra[1];
     int r = gzread(f, extra, 1);
     if (r > 0)
-        return fail(err, errlen, "idx: %s: trailing bytes after the %llu bytes of data the header declares",
+        return errmsg(err, errlen, "idx: %s: trailing bytes after the %llu bytes of data the header declares",
                     path, (unsigned long long)declared);
     int zerrnum = Z_OK;
     const char *zmsg = gzerror(f, &zerrnum);
     if (zerrnum == Z_BUF_ERROR) /* returned 0 or -1: the gzip trailer is cut */
-        return fail(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
+        return errmsg(err, errlen, "idx: %s: truncated: the gzip stream ends early", path);
     if (r < 0 || zerrnum != Z_OK)
-        return fail(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
+        return errmsg(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
     return 0;
 }
 
@@ -181,7 +167,7 @@ int idx_read_images(const char *path, float **images, int64_t *n, int *rows, int
     uint64_t total = per * dims[0];
     if (dims[1] > 65535 || dims[2] > 65535 || total > MAX_ITEMS) {
         gzclose(f);
-        return fail(err, errlen, "idx: %s: %ux%ux%u images is too large", path, dims[0], dims[1],
+        return errmsg(err, errlen, "idx: %s: %ux%ux%u images is too large", path, dims[0], dims[1],
                     dims[2]);
     }
 
@@ -197,7 +183,7 @@ int idx_read_images(const char *path, float **images, int64_t *n, int *rows, int
         free(out);
         free(buf);
         gzclose(f);
-        return fail(err, errlen, "idx: %s: out of memory for %llu pixels", path,
+        return errmsg(err, errlen, "idx: %s: out of memory for %llu pixels", path,
                     (unsigned long long)total);
     }
     uint64_t done = 0;
@@ -243,7 +229,7 @@ int idx_read_labels(const char *path, int n_classes, uint8_t **labels, int64_t *
     uint8_t *out = malloc(dims[0]);
     if (!out) {
         gzclose(f);
-        return fail(err, errlen, "idx: %s: out of memory for %u labels", path, dims[0]);
+        return errmsg(err, errlen, "idx: %s: out of memory for %u labels", path, dims[0]);
     }
     size_t got = 0;
     int zerrnum = 0;
@@ -259,7 +245,7 @@ int idx_read_labels(const char *path, int n_classes, uint8_t **labels, int64_t *
         goto fail;
     for (uint32_t i = 0; i < dims[0]; i++)
         if (out[i] >= n_classes) {
-            fail(err, errlen, "idx: %s: label %u at index %u is out of range (0..%d)", path,
+            errmsg(err, errlen, "idx: %s: label %u at index %u is out of range (0..%d)", path,
                  out[i], i, n_classes - 1);
             goto fail;
         }
@@ -294,7 +280,7 @@ static int load_pair(const char *img_path, const char *lab_path, float **images,
     if (idx_read_labels(lab_path, IDX_N_CLASSES, labels, &n_lab, err, errlen) != 0)
         return -1;
     if (n_img != n_lab)
-        return fail(err, errlen, "idx: %s: %lld labels but %s has %lld images", lab_path,
+        return errmsg(err, errlen, "idx: %s: %lld labels but %s has %lld images", lab_path,
                     (long long)n_lab, img_path, (long long)n_img);
     *n = n_img;
     return 0;
@@ -306,9 +292,9 @@ int idx_load_dataset_split(const char *dir, int64_t validation_size, idx_dataset
     char p_tri[4096], p_trl[4096], p_tei[4096], p_tel[4096];
     memset(ds, 0, sizeof(*ds));
     if (!dir || !dir[0])
-        return fail(err, errlen, "idx: no data directory given");
+        return errmsg(err, errlen, "idx: no data directory given");
     if (validation_size < 0)
-        return fail(err, errlen, "idx: validation size %lld is negative", (long long)validation_size);
+        return errmsg(err, errlen, "idx: validation size %lld is negative", (long long)validation_size);
     /* Every file is found before any is read: a missing one fails at once. */
     if (idx_find(dir, IDX_TRAIN_IMAGES, p_tri, sizeof(p_tri), err, errlen) != 0 ||
         idx_find(dir, IDX_TRAIN_LABELS, p_trl, sizeof(p_trl), err, errlen) != 0 ||
@@ -325,12 +311,12 @@ int idx_load_dataset_split(const char *dir, int64_t validation_size, idx_dataset
                   &tcols, err, errlen) != 0)
         goto fail;
     if (trows != rows || tcols != cols) {
-        fail(err, errlen, "idx: %s: %dx%d images but %s has %dx%d", p_tei, trows, tcols, p_tri,
+        errmsg(err, errlen, "idx: %s: %dx%d images but %s has %dx%d", p_tei, trows, tcols, p_tri,
              rows, cols);
         goto fail;
     }
     if (validation_size > n_train) {
-        fail(err, errlen, "idx: %s: %lld training images, fewer than the validation size %lld",
+        errmsg(err, errlen, "idx: %s: %lld training images, fewer than the validation size %lld",
              p_tri, (long long)n_train, (long long)validation_size);
         goto fail;
     }

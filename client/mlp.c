@@ -1,30 +1,16 @@
 /* mlp.c - the model's layout (names, shapes, offsets in one flat buffer), its
  * initialization, and the front door that dispatches to a backend. Nothing here
  * computes the model: see mlp_cpu.c (and mlp_cuda.cu). */
+#include "errmsg.h"
 #include "mlp.h"
 
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "rng.h"
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
 
 static void set_tensor(mlp_tensor *t, const char *name, int ndim, int d0, int d1, size_t offset)
 {
@@ -43,14 +29,14 @@ int mlp_layout_init(mlp_layout *layout, int n_in, const int *hidden, int n_hidde
 {
     memset(layout, 0, sizeof(*layout));
     if (n_hidden < 0 || n_hidden > MLP_MAX_HIDDEN || (n_hidden > 0 && !hidden))
-        return fail(err, errlen, "mlp: %d hidden layers (0..%d allowed)", n_hidden, MLP_MAX_HIDDEN);
+        return errmsg(err, errlen, "mlp: %d hidden layers (0..%d allowed)", n_hidden, MLP_MAX_HIDDEN);
     if (n_in < 1 || n_in > MLP_MAX_DIM)
-        return fail(err, errlen, "mlp: %d inputs (1..%d allowed)", n_in, MLP_MAX_DIM);
+        return errmsg(err, errlen, "mlp: %d inputs (1..%d allowed)", n_in, MLP_MAX_DIM);
     if (n_out < 2 || n_out > MLP_MAX_DIM)
-        return fail(err, errlen, "mlp: %d outputs (2..%d allowed)", n_out, MLP_MAX_DIM);
+        return errmsg(err, errlen, "mlp: %d outputs (2..%d allowed)", n_out, MLP_MAX_DIM);
     for (int i = 0; i < n_hidden; i++)
         if (hidden[i] < 1 || hidden[i] > MLP_MAX_DIM)
-            return fail(err, errlen, "mlp: hidden layer %d has %d units (1..%d allowed)", i,
+            return errmsg(err, errlen, "mlp: hidden layer %d has %d units (1..%d allowed)", i,
                         hidden[i], MLP_MAX_DIM);
 
     int L = n_hidden + 1;
@@ -79,7 +65,7 @@ int mlp_layout_init(mlp_layout *layout, int n_in, const int *hidden, int n_hidde
         set_tensor(&layout->tensors[2 * l + 1], bn, 1, fan_out, 0, off);
         off += layout->tensors[2 * l + 1].numel;
         if (off > MLP_MAX_PARAMS)
-            return fail(err, errlen, "mlp: more than %zu parameters", MLP_MAX_PARAMS);
+            return errmsg(err, errlen, "mlp: more than %zu parameters", MLP_MAX_PARAMS);
     }
     layout->n_tensors = 2 * L;
     layout->n_params = off;
@@ -90,16 +76,16 @@ int mlp_parse_hidden(const char *s, int *hidden, int *n_hidden, char *err, size_
 {
     *n_hidden = 0;
     if (!s)
-        return fail(err, errlen, "mlp: no hidden layer list");
+        return errmsg(err, errlen, "mlp: no hidden layer list");
     const char *p = s;
     while (*p) {
         if (*n_hidden == MLP_MAX_HIDDEN)
-            return fail(err, errlen, "mlp: hidden layers \"%s\": more than %d", s, MLP_MAX_HIDDEN);
+            return errmsg(err, errlen, "mlp: hidden layers \"%s\": more than %d", s, MLP_MAX_HIDDEN);
         char *end;
         errno = 0;
         long v = strtol(p, &end, 10);
         if (end == p || errno || v < 1 || v > MLP_MAX_DIM || (*end && *end != ','))
-            return fail(err, errlen,
+            return errmsg(err, errlen,
                         "mlp: hidden layers \"%s\": want positive unit counts like \"100\" or \"256,128\"",
                         s);
         hidden[(*n_hidden)++] = (int)v;
@@ -107,7 +93,7 @@ int mlp_parse_hidden(const char *s, int *hidden, int *n_hidden, char *err, size_
         if (*p == ',') {
             p++;
             if (!*p)
-                return fail(err, errlen, "mlp: hidden layers \"%s\": trailing comma", s);
+                return errmsg(err, errlen, "mlp: hidden layers \"%s\": trailing comma", s);
         }
     }
     return 0;
@@ -141,11 +127,11 @@ mlp *mlp_new(const mlp_backend *backend, const mlp_layout *layout, int max_batch
              size_t errlen)
 {
     if (!backend || !layout || layout->n_layers < 1) {
-        fail(err, errlen, "mlp: no backend or no layout");
+        errmsg(err, errlen, "mlp: no backend or no layout");
         return NULL;
     }
     if (max_batch < 1) {
-        fail(err, errlen, "mlp: max batch %d (must be >= 1)", max_batch);
+        errmsg(err, errlen, "mlp: max batch %d (must be >= 1)", max_batch);
         return NULL;
     }
     return backend->create(layout, max_batch, err, errlen);

@@ -3,11 +3,11 @@
  * column sums for the bias gradients are fused single-pass loops around them.
  * The workspace is allocated (and touched) once in create(); a step allocates
  * nothing. This is the reference the CUDA backend is tested against. */
+#include "errmsg.h"
 #include "mlp.h"
 
 #include <cblas.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,20 +21,6 @@ typedef struct mlp_cpu {
     float *d[2];
     float *mem; /* owns all of the above */
 } mlp_cpu;
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int fail(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
 
 void mlp_cpu_set_threads(int n)
 {
@@ -62,7 +48,7 @@ static mlp *cpu_create(const mlp_layout *layout, int max_batch, char *err, size_
     float *mem = c ? aligned_alloc(64, bytes) : NULL;
     if (!c || !mem) {
         free(c);
-        fail(err, errlen, "mlp: out of memory for a %zu-byte workspace (batch %d)", bytes, max_batch);
+        errmsg(err, errlen, "mlp: out of memory for a %zu-byte workspace (batch %d)", bytes, max_batch);
         return NULL;
     }
     memset(mem, 0, bytes); /* touch every page now, not in the first step */

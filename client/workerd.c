@@ -9,24 +9,8 @@
 #include "idx.h"
 #include "libps.h"
 #include "mlp.h"
+#include "token.h"
 #include "train.h"
-
-static char *read_token(const char *path)
-{
-    FILE *f = fopen(path, "r");
-    char buf[4096] = "";
-    if (!f)
-        return NULL;
-    char *ok = fgets(buf, sizeof(buf), f);
-    fclose(f);
-    if (!ok)
-        return NULL;
-    char *s = buf;
-    while (*s == ' ' || *s == '\t')
-        s++;
-    s[strcspn(s, " \t\r\n")] = '\0';
-    return *s ? strdup(s) : NULL;
-}
 
 int main(int argc, char **argv)
 {
@@ -130,8 +114,8 @@ int main(int argc, char **argv)
     c.timeout_ms = timeout_ms;
     c.threads = threads;
     mlp_cpu_set_threads(threads);
-    if (token_file && !(c.token = read_token(token_file))) {
-        fprintf(stderr, "workerd: unable to read a token from '%s'\n", token_file);
+    if (token_file && !(c.token = token_load(token_file, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: %s\n", err);
         return 2;
     }
     if (local) {

@@ -1,45 +1,7 @@
 /* auth.c - bearer-token checks for write (and optionally read) routes. */
 #include "auth.h"
 
-#include <ctype.h>
-#include <errno.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-
-char *auth_token_load(const char *path, char *err, size_t errlen)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        snprintf(err, errlen, "unable to open token file '%s': %s", path, strerror(errno));
-        return NULL;
-    }
-    char buf[4096];
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    int too_long = !feof(f);
-    fclose(f);
-    if (too_long) {
-        snprintf(err, errlen, "token file '%s' is over %zu bytes", path, sizeof(buf) - 1);
-        return NULL;
-    }
-    buf[n] = '\0';
-    char *s = buf;
-    while (*s && isspace((unsigned char)*s))
-        s++;
-    size_t l = strlen(s);
-    while (l && isspace((unsigned char)s[l - 1]))
-        s[--l] = '\0';
-    if (l == 0) {
-        snprintf(err, errlen, "token file '%s' is empty", path);
-        return NULL;
-    }
-    for (size_t i = 0; i < l; i++)
-        if (!isgraph((unsigned char)s[i])) {
-            snprintf(err, errlen, "token file '%s' holds a space or control character", path);
-            return NULL;
-        }
-    return strdup(s);
-}
 
 int auth_check(const char *token, const char *hdr)
 {

@@ -14,7 +14,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "auth.h"
+#include "token.h"
 #include "flags.h"
 #include "history.h"
 #include "metrics.h"
@@ -226,7 +226,7 @@ int main(int argc, char **argv)
         return fail(srv, 2);
     }
     server_config *cfg = &srv->cfg;
-    if (auth_file && !(cfg->auth_token = auth_token_load(auth_file, err, sizeof(err)))) {
+    if (auth_file && !(cfg->auth_token = token_load(auth_file, err, sizeof(err)))) {
         fprintf(stderr, "psd: %s\n", err);
         return fail(srv, 2);
     }

@@ -335,3 +335,21 @@ def test_progress_bar_on_a_terminal_log_lines_otherwise(tmp_path):
     assert "ETA" not in out and "\r" not in out
     assert [l.split(" loss")[0] for l in out.splitlines() if " loss " in l and "step" in l][:4] == \
         ["local: step 100", "local: step 200", "local: step 300", "local: step 400"]
+
+
+@needs_data
+def test_workerd_sends_the_token_psd_checks(start_psd, tmp_path):
+    tok = tmp_path / "token"
+    tok.write_text("s3cret-token\n")
+    p = start_psd(f"--auth_token_file={tok}")
+    base = [binary("workerd"), f"--ps_hosts=127.0.0.1:{p.port}", f"--worker_hosts=127.0.0.1:{free_port()}",
+            f"--data_dir={DATA}", "--train_steps=5", "--log_every=0", "--keep_ps"]
+    r = subprocess.run(base + [f"--auth_token_file={tok}"], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stdout.decode()[-2000:] + r.stderr.decode()[-2000:]
+    assert json.loads(http("GET", f"{p.url}/v1/status")[2])["global_step"] >= 5
+    # the same file rules as psd's: an empty token file is refused, one line, exit 2
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    r = subprocess.run(base + [f"--auth_token_file={empty}"], capture_output=True, timeout=60)
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "empty" in err[0], err

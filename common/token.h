@@ -1,0 +1,12 @@
+/* token.h - the bearer token shared by psd (which checks it) and workerd
+ * (which sends it), read from a file (--auth_token_file). */
+#ifndef RESTPS_TOKEN_H
+#define RESTPS_TOKEN_H
+
+#include <stddef.h>
+
+/* Read the token from path (surrounding whitespace stripped). malloc'd, or
+ * NULL with err (missing, unreadable, empty, or a space inside). */
+char *token_load(const char *path, char *err, size_t errlen);
+
+#endif
