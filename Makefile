@@ -18,11 +18,12 @@ LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c \
-             server/metrics.c server/workers.c server/history.c server/events.c server/web.c
+             server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
+             server/checkpoint.c server/saver.c server/checkpoint_routes.c
 CLIENT_SRC = client/libps.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c client/progress.c
 

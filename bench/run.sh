@@ -43,7 +43,7 @@ start_psd() {
   name=$1
   shift
   # shellcheck disable=SC2086
-  bin/psd --port=0 --bind=127.0.0.1 "$@" ${PSD_FLAGS:-} >"$tmp/$name.out" 2>"$tmp/$name.err" &
+  bin/psd --port=0 --bind=127.0.0.1 --logdir= "$@" ${PSD_FLAGS:-} >"$tmp/$name.out" 2>"$tmp/$name.err" &
   pid=$!
   pids="$pids $pid"
   i=0

@@ -14,7 +14,7 @@ run_pair() { # name hidden batch steps
   args="--data_dir=$DATA --hidden_units=$hidden --batch_size=$batch --optimizer=sgd --learning_rate=0.01 --train_steps=$steps --log_every=0"
   local_rate=$(bin/workerd --local $args 2>&1 | rate)
   P=$(fp)
-  bin/psd --ps_hosts=127.0.0.1:$P >/dev/null 2>&1 &
+  bin/psd --ps_hosts=127.0.0.1:$P --logdir= >/dev/null 2>&1 &
   pid=$!
   dist_rate=$(bin/workerd --ps_hosts=127.0.0.1:$P --worker_hosts=127.0.0.1:$(fp) $args 2>&1 | grep finished | rate)
   kill $pid 2>/dev/null; wait $pid 2>/dev/null

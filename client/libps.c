@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cluster.h"
 
@@ -26,6 +27,7 @@ struct ps_client {
     char err[1024];
     long status;
     long extra_timeout_ms; /* added to the next request's limit (long polls) */
+    unsigned seed;         /* backoff jitter */
 };
 
 /* Where an answer goes. */
@@ -96,7 +98,17 @@ ps_client *ps_client_new(const char *const *hosts, int n, const ps_options *opt,
     c->opt.connect_timeout_ms = 3000;
     c->opt.retries = 3;
     c->opt.backoff_ms = 100;
+    c->opt.backoff_max_ms = 2000;
+    {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        c->seed = (unsigned)ts.tv_nsec ^ (unsigned)getpid();
+    }
     if (opt) {
+        if (opt->backoff_max_ms > 0)
+            c->opt.backoff_max_ms = opt->backoff_max_ms;
+        if (opt->retry_ms > 0)
+            c->opt.retry_ms = opt->retry_ms;
         if (opt->timeout_ms > 0)
             c->opt.timeout_ms = opt->timeout_ms;
         if (opt->connect_timeout_ms > 0)
@@ -284,6 +296,8 @@ static int do_request(ps_client *c, int shard, const char *method, const char *p
     long wait = c->opt.backoff_ms;
     int rc = PS_ENET;
     size_t start_len = s->len;
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int attempt = 0;; attempt++) {
         curl_easy_reset(h);
         s->h = h;
@@ -351,10 +365,17 @@ static int do_request(ps_client *c, int shard, const char *method, const char *p
             rc = PS_ENET;
             retryable = mode == RETRY_ANY || cr == CURLE_COULDNT_CONNECT;
         }
-        if (!retryable || attempt >= c->opt.retries)
+        if (!retryable)
             break;
-        sleep_ms(wait);
-        wait *= 2;
+        struct timespec t1;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        long spent = (long)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000);
+        if (attempt >= c->opt.retries && spent >= c->opt.retry_ms)
+            break;
+        /* jitter: uniform in [wait/2, wait] */
+        long w = wait / 2 + (long)(rand_r(&c->seed) % (unsigned)(wait - wait / 2 + 1));
+        sleep_ms(w);
+        wait = wait * 2 > c->opt.backoff_max_ms ? c->opt.backoff_max_ms : wait * 2;
     }
     curl_slist_free_all(hdrs);
     c->extra_timeout_ms = 0;
@@ -563,6 +584,23 @@ int ps_pull_params_wait(ps_client *c, int shard, int64_t min_step, long timeout_
     c->extra_timeout_ms = timeout_ms;
     return pull_params(c, shard, path, buf, cap, len, global_step);
 }
+
+int ps_pull_params_wait_worker(ps_client *c, int shard, int64_t min_step, long timeout_ms,
+                               int worker, void *buf, size_t cap, size_t *len,
+                               int64_t *global_step)
+{
+    char path[128];
+    if (min_step < 0 || timeout_ms < 0 || timeout_ms > 300000 || worker < 0) {
+        set_err(c, "min_step and worker must be >= 0 and timeout_ms in [0, 300000]");
+        return PS_EINVAL;
+    }
+    snprintf(path, sizeof(path), "/v1/params?min_step=%lld&timeout_ms=%ld&worker=%d",
+             (long long)min_step, timeout_ms, worker);
+    c->extra_timeout_ms = timeout_ms;
+    return pull_params(c, shard, path, buf, cap, len, global_step);
+}
+
+void ps_set_retry_ms(ps_client *c, long retry_ms) { c->opt.retry_ms = retry_ms > 0 ? retry_ms : 0; }
 
 int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
                   size_t data_len, const char *push_id, int64_t *global_step, int *duplicate)

@@ -31,6 +31,11 @@ typedef struct ps_options {
     long connect_timeout_ms; /* default 3000 */
     int retries;         /* extra tries on network errors and 503; default 3 */
     long backoff_ms;     /* first wait between tries, doubled each time; default 100 */
+    long backoff_max_ms; /* the wait never grows past this; default 2000 */
+    long retry_ms;       /* also keep trying until this long has passed since the first
+                            try (a ps restarting); 0 (default) = only `retries` */
+    /* Each wait is drawn uniformly from [w/2, w] (jitter), so workers that
+     * lost the same ps do not all come back at the same instant. */
     const char *token;   /* bearer token for writes (and reads), or NULL */
 } ps_options;
 
@@ -87,6 +92,17 @@ int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, co
  * timeout_ms with whatever step it is at (check *global_step). */
 int ps_pull_params_wait(ps_client *c, int shard, int64_t min_step, long timeout_ms, void *buf,
                         size_t cap, size_t *len, int64_t *global_step);
+
+/* ps_pull_params_wait for sync worker `worker`: the shard answers at once
+ * (with its current step) when it does not hold this worker's gradient for
+ * its current step, e.g. after it restarted from a checkpoint, instead of
+ * waiting for a step that cannot come. */
+int ps_pull_params_wait_worker(ps_client *c, int shard, int64_t min_step, long timeout_ms,
+                               int worker, void *buf, size_t cap, size_t *len,
+                               int64_t *global_step);
+
+/* Change the retry time budget (ps_options.retry_ms) from now on. */
+void ps_set_retry_ms(ps_client *c, long retry_ms);
 
 /* What became of a bulk push. */
 enum { PS_PUSH_APPLIED, PS_PUSH_DUPLICATE, PS_PUSH_STALE, PS_PUSH_PENDING };

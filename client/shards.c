@@ -119,17 +119,46 @@ int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, in
             return rc;
         if ((rc = unpack(sh, i, len, params)) != PS_OK)
             return rc;
+        sh->s[i].step = st;
         if (i == 0)
             *step = st;
     }
     return PS_OK;
 }
 
+int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t *step,
+                     int *behind)
+{
+    *behind = 0;
+    for (int i = 0; i < sh->n; i++) {
+        size_t len;
+        int64_t st;
+        shard *s = &sh->s[i];
+        int rc = ps_pull_params_wait_worker(sh->c, i, s->want > 0 ? s->want : 0, timeout_ms,
+                                            worker, s->rx, s->rx_cap, &len, &st);
+        if (rc != PS_OK)
+            return rc;
+        if ((rc = unpack(sh, i, len, params)) != PS_OK)
+            return rc;
+        s->step = st;
+        if (st < s->want)
+            *behind = 1;
+        if (i == 0)
+            *step = st;
+    }
+    return PS_OK;
+}
+
+void shards_rewind(shards *sh)
+{
+    for (int i = 0; i < sh->n; i++)
+        sh->s[i].want = 0;
+}
+
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome)
 {
     char worker[16], stp[32], loss[40], batch[16];
     snprintf(worker, sizeof(worker), "%d", m->worker);
-    snprintf(stp, sizeof(stp), "%lld", (long long)m->step);
     snprintf(loss, sizeof(loss), "%.9g", m->loss);
     snprintf(batch, sizeof(batch), "%d", m->batch_size);
     const char *meta[] = {"worker", worker, "step", stp, "loss", loss, "batch_size", batch};
@@ -140,6 +169,7 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
             d[k] = (st_desc){sh->L->tensors[s->t[k]].name, "F32", &sh->L->tensors[s->t[k]].shape};
         char *head, err[256];
         size_t hl;
+        snprintf(stp, sizeof(stp), "%lld", (long long)s->step);
         if (st_header_build(d, s->n_t, meta, 4, &head, &hl, err, sizeof(err)) != 0) {
             fprintf(stderr, "workerd: %s\n", err);
             return PS_EINVAL;
@@ -160,6 +190,7 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
         free(head);
         if (rc != PS_OK)
             return rc;
+        s->want = s->step + 1;
         if (i == 0) {
             *step = st;
             *outcome = oc;

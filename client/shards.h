@@ -20,6 +20,8 @@ typedef struct shard {
     float *stage;               /* gradients gathered when not contiguous in the buffer */
     int contiguous;             /* the shard's tensors are one run of the buffer */
     size_t first;               /* its offset then */
+    int64_t step;               /* the shard's global_step in the last pull */
+    int64_t want;               /* sync: the step to wait for in the next pull */
 } shard;
 
 typedef struct shards {
@@ -42,6 +44,18 @@ int shards_create(shards *sh, const float *params, int *created, int *existing);
  * long-polls each shard until it reaches min_step (or timeout_ms). */
 int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, int64_t *step);
 
+/* Sync: pull every shard, each long-polling (up to timeout_ms) for the step
+ * after the one this worker last pushed to it. *step = ps 0's step;
+ * *behind = some shard is still below the step it was waited for (the long
+ * poll timed out, or the shard no longer holds this worker's gradient, e.g.
+ * it restarted): the caller computes and pushes for the current steps again. */
+int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t *step,
+                     int *behind);
+
+/* Sync: pull without waiting next time (after a shard refused a gradient
+ * from a step it has not reached: it restarted behind us). */
+void shards_rewind(shards *sh);
+
 typedef struct push_meta {
     int worker;
     int64_t step;
@@ -50,7 +64,8 @@ typedef struct push_meta {
     const char *push_id;
 } push_meta;
 
-/* Push grads to every shard; *step and *outcome are ps 0's answer. */
+/* Push grads to every shard, each stamped with the step pulled from that
+ * shard (m->step is ignored); *step and *outcome are ps 0's answer. */
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome);
 
 #endif

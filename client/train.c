@@ -12,6 +12,7 @@
 #include "train.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,26 @@
 #include "safetensors.h"
 #include "shards.h"
 
+static volatile sig_atomic_t stop_flag;
+
+static void on_stop(int sig)
+{
+    (void)sig;
+    stop_flag = 1;
+}
+
+void train_handle_signals(void)
+{
+    struct sigaction sa = {0};
+    sa.sa_handler = on_stop;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+}
+
+int train_stop_requested(void) { return stop_flag != 0; }
+
 static double now_secs(void)
 {
     struct timespec t;
@@ -36,7 +57,7 @@ static double now_secs(void)
 static void sleep_secs(double s)
 {
     struct timespec t = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+    while (nanosleep(&t, &t) != 0 && errno == EINTR && !stop_flag) {
     }
 }
 
@@ -70,24 +91,27 @@ static int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int t
     return idx_epoch_order(split->n, seed, 0, 0, 1, b->order, &b->count);
 }
 
-/* The next batch; a new epoch (a new shuffle) when the round of N blocks
- * would run past its end (the remainder is left out, as drop_remainder). */
-static void batcher_next(batcher *b, int batch, int n_features, float *x, uint8_t *y)
+/* Batch number k of this task: epoch k / P and block k % P of it, where P =
+ * the rounds of N blocks that fit in an epoch (the remainder is left out, as
+ * drop_remainder). A function of k alone, so a restarted task (sync: k is the
+ * global step) picks up its place in the data where it was. */
+static void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y)
 {
     int64_t round = (int64_t)b->n_trainers * batch;
-    if ((b->k + 1) * round > b->count) {
-        b->epoch++;
+    int64_t per_epoch = b->count / round;
+    uint64_t epoch = (uint64_t)(k / per_epoch);
+    if (epoch != b->epoch) {
+        b->epoch = epoch;
         idx_epoch_order(b->split->n, b->seed, b->epoch, 0, 1, b->order, &b->count);
-        b->k = 0;
     }
-    int64_t at = b->k * round + (int64_t)b->trainer * batch;
+    int64_t at = (k % per_epoch) * round + (int64_t)b->trainer * batch;
     for (int i = 0; i < batch; i++) {
         uint32_t e = b->order[at + i];
         memcpy(x + (size_t)i * n_features, b->split->images + (size_t)e * n_features,
                sizeof(float) * (size_t)n_features);
         y[i] = b->split->labels[e];
     }
-    b->k++;
+    b->k = k + 1;
 }
 
 static int load(const train_config *c, idx_dataset *ds)
@@ -168,7 +192,8 @@ static ps_client *connect_ps(const train_config *c, long timeout_ms)
         if (asprintf(&hosts[i], fmt, ps->tasks[i].host, ps->tasks[i].port) < 0)
             goto out;
     }
-    ps_options o = {.timeout_ms = timeout_ms, .retries = 3, .backoff_ms = 100, .token = c->token};
+    ps_options o = {.timeout_ms = timeout_ms, .retries = 3, .backoff_ms = c->backoff_ms,
+                    .backoff_max_ms = c->backoff_max_ms, .token = c->token};
     pc = ps_client_new((const char *const *)hosts, ps->n, &o, err, sizeof(err));
     if (!pc)
         fprintf(stderr, "workerd: %s\n", err);
@@ -191,6 +216,10 @@ static void wait_for_all(const train_config *c, ps_client *pc, const char *path,
             if (rc == PS_EHTTP && ps_http_status(pc) == 401) {
                 fprintf(stderr, "workerd: %s\n", ps_error(pc));
                 exit(1); /* a wrong token does not fix itself */
+            }
+            if (stop_flag) {
+                printf("%s: stopped by a signal while waiting for %s\n", c->name, what);
+                exit(0);
             }
             if (now_secs() - last_said > 5) {
                 printf("%s: waiting for %s: %s\n", c->name, what, ps_error(pc));
@@ -243,9 +272,11 @@ static void chief_wait_others(const train_config *c, ps_client *pc)
             return;
         int done = (int)json_integer_value(json_object_get(st, "workers_done"));
         json_decref(st);
+        /* workers_done counts the chief too: it said so before waiting */
+        done = done > 0 ? done - 1 : 0;
         if (done >= c->n_trainers - 1)
             return;
-        if (now_secs() - start > 60) {
+        if (now_secs() - start > 60 || stop_flag) {
             printf("%s: %d of %d other tasks said they finished; not waiting longer\n", c->name,
                    done, c->n_trainers - 1);
             return;
@@ -304,6 +335,9 @@ int train_worker(const train_config *c)
                 opt_name = o;
         }
     }
+    /* from here on a ps that stops answering is retried for --ps_retry_secs
+     * (it may be restarting from its checkpoint) */
+    ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
     printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; cpu backend (OpenBLAS %s, %d thread%s)\n",
            c->name, sync ? "sync" : "async", opt_name, c->n_trainers,
            c->batch_size, (long long)c->train_steps, mlp_cpu_blas_core(), c->threads,
@@ -313,14 +347,27 @@ int train_worker(const train_config *c)
     unsigned nonce = 0;
     if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
         nonce = (unsigned)getpid();
-    int64_t step = 0, want = 0, local = 0, last_step = 0, ex_since = 0;
+    int64_t step = 0, local = 0, last_step = 0, ex_since = 0, k = -1;
     double t_log = now_secs(), t_start = t_log;
+    int stopped = 0, near_end = 0;
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
     for (;;) {
-        int prc = shards_pull(&sh, params, sync ? want : -1, 30000, &step);
+        if (train_stop_requested()) {
+            stopped = 1;
+            break;
+        }
+        /* near the end a ps that went away was most likely stopped by the
+         * chief: do not wait the whole retry budget for it */
+        if (!near_end && last_step + c->n_trainers >= c->train_steps) {
+            near_end = 1;
+            ps_set_retry_ms(pc, 2000);
+        }
+        int behind = 0;
+        int prc = sync ? shards_pull_sync(&sh, params, c->trainer, 30000, &step, &behind)
+                       : shards_pull(&sh, params, -1, 0, &step);
         if (prc != PS_OK) {
-            if (prc == PS_ENET && last_step + c->n_trainers >= c->train_steps) {
+            if (prc == PS_ENET && near_end) {
                 printf("%s: the ps stopped at the end of training\n", c->name);
                 rc = 0;
             } else {
@@ -328,12 +375,21 @@ int train_worker(const train_config *c)
             }
             goto out;
         }
+        if (step < last_step - c->n_trainers && !near_end)
+            printf("%s: global step went back from %lld to %lld: a ps restarted from its checkpoint; going on from there\n",
+                   c->name, (long long)last_step, (long long)step);
         last_step = step;
         if (step >= c->train_steps)
             break;
-        if (sync && step < want)
-            continue; /* the long poll timed out: the step is not complete yet */
-        batcher_next(&b, c->batch_size, ds.n_features, x, y);
+        /* the data: sync, batch number = the global step, so a task that
+         * restarts, or recomputes a step a ps lost, takes the same batch;
+         * async, this task's own count, started where the others are */
+        if (k < 0)
+            k = step / c->n_trainers;
+        batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, x, y);
+        k++;
+        (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
+                         shard that holds ours already answers "duplicate" */
         double loss;
         if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
             fprintf(stderr, "workerd: forward/backward failed\n");
@@ -345,8 +401,15 @@ int train_worker(const train_config *c)
         int64_t after;
         int outcome;
         prc = shards_push(&sh, grads, &pm, &after, &outcome);
+        if (prc == PS_EHTTP && ps_http_status(pc) == 409 && sync) {
+            /* a shard is behind the step we computed from: it restarted
+             * from a checkpoint; pull again and compute for its step */
+            printf("%s: %s: pulling again\n", c->name, ps_error(pc));
+            shards_rewind(&sh);
+            continue;
+        }
         if (prc != PS_OK) {
-            if (prc == PS_ENET && last_step + c->n_trainers >= c->train_steps) {
+            if (prc == PS_ENET && near_end) {
                 printf("%s: the ps stopped at the end of training\n", c->name);
                 rc = 0;
             } else {
@@ -356,9 +419,7 @@ int train_worker(const train_config *c)
         }
         local++;
         ex_since += c->batch_size;
-        if (sync)
-            want = step + 1;
-        else
+        if (!sync)
             last_step = after;
         progress_update(&bar, sync ? step + 1 : after, loss,
                         (double)(local * c->batch_size) / (now_secs() - t_start));
@@ -373,6 +434,13 @@ int train_worker(const train_config *c)
         }
         if (!sync && after >= c->train_steps)
             break;
+    }
+    if (stopped) {
+        progress_clear(&bar);
+        printf("%s: stopped by a signal after %lld local steps (global step %lld); a restart goes on from the ps\n",
+               c->name, (long long)local, (long long)last_step);
+        rc = 0;
+        goto out;
     }
     progress_clear(&bar);
     json_t *done = json_pack("{s:i}", "worker", c->trainer);
@@ -432,6 +500,10 @@ int train_evaluator(const train_config *c)
         goto out;
     }
     wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+    /* the evaluator is not part of training: it rides through a short ps
+     * restart, but does not outlive a job that ended by much */
+    double budget = c->eval_secs * 2 > 10 ? c->eval_secs * 2 : 10;
+    ps_set_retry_ms(pc, (long)((budget < c->retry_secs ? budget : c->retry_secs) * 1000));
     int64_t last = -1;
     for (;;) {
         int64_t step;
@@ -462,6 +534,12 @@ int train_evaluator(const train_config *c)
             goto out;
         }
         sleep_secs(c->eval_secs);
+        if (stop_flag) {
+            printf("%s: stopped by a signal; last evaluated global step %lld\n", c->name,
+                   (long long)last);
+            rc = 0;
+            goto out;
+        }
     }
 out:
     shards_free(&sh);
@@ -501,7 +579,7 @@ int train_local(const train_config *c)
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
     for (int64_t step = 0; step < c->train_steps; step++) {
-        batcher_next(&b, c->batch_size, ds.n_features, x, y);
+        batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
         double loss;
         mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss);
         /* every tensor is updated every step, so one pass over the buffer is

@@ -32,8 +32,14 @@ typedef struct train_config {
     int keep_ps;
     const char *token;
     long timeout_ms;
+    double retry_secs;      /* keep retrying a ps that does not answer this long */
+    long backoff_ms, backoff_max_ms;
     int threads;
 } train_config;
+
+/* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */
+void train_handle_signals(void);
+int train_stop_requested(void);
 
 /* Each returns the process exit status: 0 done, 1 failed, 2 bad input (data). */
 int train_worker(const train_config *c);

@@ -364,8 +364,26 @@ static int write_all(int fd, const void *buf, size_t len)
 int st_write_file(const char *path, const st_desc *t, int n, const char *const *meta_kv,
                   int n_meta, const void *data, size_t data_len, char *err, size_t errlen)
 {
+    st_part part = {data, data_len};
+    return st_write_file_parts(path, t, n, meta_kv, n_meta, &part, 1, NULL, NULL, err, errlen);
+}
+
+int st_write_file_parts(const char *path, const st_desc *t, int n, const char *const *meta_kv,
+                        int n_meta, const st_part *parts, int n_parts,
+                        void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen)
+{
     char *head;
     size_t head_len;
+    uint64_t want = 0, have = 0;
+    for (int i = 0; i < n; i++)
+        want += (uint64_t)tensor_shape_numel(t[i].shape) * st_dtype_size(t[i].dtype ? t[i].dtype : "F32");
+    for (int i = 0; i < n_parts; i++)
+        have += parts[i].len;
+    if (want != have) {
+        snprintf(err, errlen, "safetensors: %s: the tensors take %llu bytes, the data holds %llu",
+                 path, (unsigned long long)want, (unsigned long long)have);
+        return -1;
+    }
     if (st_header_build(t, n, meta_kv, n_meta, &head, &head_len, err, errlen) != 0)
         return -1;
     size_t pl = strlen(path);
@@ -375,14 +393,20 @@ int st_write_file(const char *path, const st_desc *t, int n, const char *const *
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    snprintf(tmp, pl + 32, "%s.tmp.%ld", path, (long)getpid());
+    snprintf(tmp, pl + 32, "%s" ST_TEMP_INFIX "%ld", path, (long)getpid());
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     int rc = -1;
     if (fd < 0) {
         snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
         goto out;
     }
-    if (write_all(fd, head, head_len) != 0 || write_all(fd, data, data_len) != 0 || fsync(fd) != 0) {
+    int bad = write_all(fd, head, head_len) != 0;
+    for (int i = 0; !bad && i < n_parts; i++) {
+        bad = write_all(fd, parts[i].data, parts[i].len) != 0;
+        if (!bad && after_part)
+            after_part(ctx, i);
+    }
+    if (bad || fsync(fd) != 0) {
         snprintf(err, errlen, "%s: %s", tmp, strerror(errno));
         close(fd);
         unlink(tmp);

@@ -82,4 +82,19 @@ int st_header_build(const st_desc *t, int n, const char *const *meta_kv, int n_m
 int st_write_file(const char *path, const st_desc *t, int n, const char *const *meta_kv,
                   int n_meta, const void *data, size_t data_len, char *err, size_t errlen);
 
+/* The temp file st_write_file writes first is named path + ST_TEMP_INFIX + pid. */
+#define ST_TEMP_INFIX ".tmp."
+
+/* One piece of the data section. */
+typedef struct st_part {
+    const void *data;
+    size_t len;
+} st_part;
+
+/* st_write_file with the data in pieces (their lengths must sum to the
+ * tensors' sizes). after_part (may be NULL) runs after each piece is written. */
+int st_write_file_parts(const char *path, const st_desc *t, int n, const char *const *meta_kv,
+                        int n_meta, const st_part *parts, int n_parts,
+                        void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen);
+
 #endif

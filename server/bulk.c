@@ -31,9 +31,12 @@ static int query_int(request *r, const char *key, long long *out)
 enum MHD_Result h_params_get(request *r)
 {
     server *srv = r->srv;
-    long long min_step = -1, timeout_ms = LONG_POLL_DEFAULT_MS;
+    long long min_step = -1, timeout_ms = LONG_POLL_DEFAULT_MS, worker = -1;
     if (query_int(r, "min_step", &min_step) < 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_step must be a non-negative integer");
+    if (query_int(r, "worker", &worker) < 0 || worker >= STORE_MAX_WORKERS)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "worker must be an integer from 0 to %d",
+                                STORE_MAX_WORKERS - 1);
     if (query_int(r, "timeout_ms", &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
@@ -42,7 +45,16 @@ enum MHD_Result h_params_get(request *r)
     int64_t step;
     if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
-    if (step < min_step && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
+    /* sync: a worker waiting for the step after the one its gradient is for,
+     * when this shard does not hold that gradient (it restarted from a
+     * checkpoint, say), would wait for nothing: answer now with the current
+     * step, so the worker computes its gradient for it again */
+    int lost = 0;
+    store_config cfg;
+    if (worker >= 0 && step < min_step && !r->parked && store_get_config(&srv->store, &cfg) &&
+        cfg.sync)
+        lost = !store_has_pending(&srv->store, (int)worker);
+    if (step < min_step && !lost && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */
         store_snaps_release(v, n);

@@ -1,6 +1,7 @@
 /* metrics.c - counters for GET /metrics, and the Prometheus text exposition
  * (format 0.0.4) of them and of the shard's state. */
 #include "metrics.h"
+#include "saver.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -336,6 +337,24 @@ enum MHD_Result h_metrics(request *r)
     gauge(&o, "restps_examples_per_second",
           "Examples of applied and pending pushes per second over the last 5 seconds.",
           workers_examples_per_sec(srv->workers));
+    if (srv->saver) {
+        saver_stats cs;
+        saver_get_stats(srv->saver, &cs);
+        if (cs.has_last) {
+            gauge(&o, "restps_checkpoint_age_seconds",
+                  "Seconds since the newest checkpoint was written (or, restored, since its file was).",
+                  cs.age_secs);
+            gauge(&o, "restps_checkpoint_global_step", "The global step the newest checkpoint holds.",
+                  (double)cs.last_step);
+            gauge(&o, "restps_checkpoint_duration_seconds",
+                  "How long the last checkpoint written by this process took.", cs.last_duration_secs);
+        }
+        family(&o, "restps_checkpoints_saved_total", "counter", "Checkpoints written by this process.");
+        put(&o, "restps_checkpoints_saved_total %llu\n", (unsigned long long)cs.saves);
+        family(&o, "restps_checkpoint_failures_total", "counter",
+               "Checkpoint saves that failed (disk full, folder unwritable, ...).");
+        put(&o, "restps_checkpoint_failures_total %llu\n", (unsigned long long)cs.failures);
+    }
     family(&o, "restps_stale_gradients_dropped_total", "counter",
            "Sync pushes dropped because they were computed from an older step.");
     put(&o, "restps_stale_gradients_dropped_total %lld\n", (long long)stale);

@@ -21,6 +21,7 @@
 #include "workers.h"
 #include "log.h"
 #include "routes.h"
+#include "saver.h"
 #include "server.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -130,9 +131,9 @@ static int fail(server *srv, int status)
 int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
-    const char *bind_host = NULL, *auth_file = NULL;
+    const char *bind_host = NULL, *auth_file = NULL, *logdir = "./logs";
     int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
-    int auth_reads = 0, print_routes = 0, sndbuf_kib = -1;
+    int auth_reads = 0, print_routes = 0, sndbuf_kib = -1, save_secs = 60, keep_ckpts = 5;
     float lr = 0.01f;
     uint64_t max_body = 1ULL << 30, pool_mib = 256;
     flag flags[] = {
@@ -152,6 +153,9 @@ int main(int argc, char **argv)
         {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
         {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
         {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
+        {"logdir", FLAG_STRING, &logdir, "folder for checkpoints, as tf.train.Supervisor's logdir; this task's go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start (default ./logs); empty = no checkpoints", 0},
+        {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
+        {"keep_checkpoints", FLAG_INT, &keep_ckpts, "keep the newest this many checkpoints (default 5)", 0},
         {"routes", FLAG_BOOL, &print_routes, "print the HTTP route table and exit", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
@@ -221,6 +225,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --connection_timeout, --max_connections and --max_body_bytes must be positive\n");
         return fail(srv, 2);
     }
+    if (save_secs < 0 || keep_ckpts < 1) {
+        fprintf(stderr, "psd: --save_checkpoint_secs must be >= 0 and --keep_checkpoints >= 1\n");
+        return fail(srv, 2);
+    }
     if (auth_reads && !auth_file) {
         fprintf(stderr, "psd: --auth_reads needs --auth_token_file\n");
         return fail(srv, 2);
@@ -279,6 +287,25 @@ int main(int argc, char **argv)
     srv->store.on_step_ctx = srv;
     /* RESTPS_TEST_SYNTHETIC_HISTORY (history.h): the run goes on from there */
     srv->store.global_step = history_last_step(srv->history);
+    if (logdir[0]) {
+        char dir[4096];
+        ckpt_info ci = {cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n};
+        snprintf(dir, sizeof(dir), "%s/ps-%d", logdir, cfg->cluster.task_index);
+        if (!(srv->saver = saver_new(&srv->store, srv->pool, dir, save_secs, keep_ckpts, &ci))) {
+            fprintf(stderr, "psd: out of memory\n");
+            return 1;
+        }
+        if (saver_restore(srv->saver)) {
+            int n, has_loss;
+            uint64_t bytes;
+            int64_t gs;
+            double loss;
+            store_totals(&srv->store, &n, &bytes, &gs, &has_loss, &loss);
+            history_record(srv->history, gs, has_loss, loss);
+        }
+    } else {
+        log_info("psd: --logdir is empty: no checkpoints");
+    }
     waiters_step(srv->waiters, srv->store.global_step);
     random_instance(srv->instance);
     clock_gettime(CLOCK_MONOTONIC, &srv->started);
@@ -300,7 +327,8 @@ int main(int argc, char **argv)
     history_start_shards(srv->history, &cfg->cluster, cfg->auth_token, listening);
 
     MHD_set_panic_func(mhd_panic, NULL);
-    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | MHD_ALLOW_SUSPEND_RESUME;
+    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | MHD_ALLOW_SUSPEND_RESUME |
+                      MHD_USE_ITC;
     if (http_threads == 0)
         mflags |= MHD_USE_THREAD_PER_CONNECTION;
     else
@@ -321,6 +349,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
         return 1;
     }
+    if (srv->saver && saver_start(srv->saver) != 0) {
+        fprintf(stderr, "psd: cannot start the checkpoint thread\n");
+        return 1;
+    }
     printf("psd: listening on http://%s\n", listening);
     fflush(stdout);
     log_info("psd: ps task %d of %d, learning_rate %g, %s, max body %llu bytes%s",
@@ -334,14 +366,34 @@ int main(int argc, char **argv)
 
     log_info("psd: stopping (%llu requests served)",
              (unsigned long long)atomic_load(&srv->requests));
-    /* answer the parked long polls and a pending shutdown request first */
-    int parked = waiters_count(srv->waiters) + history_stop(srv->history);
+    /* no new connections; answer the parked long polls and SSE streams, let
+     * the requests in flight finish (at most 5 s), then stop */
+    MHD_quiesce_daemon(d);
+    history_stop(srv->history);
     waiters_wake_all(srv->waiters);
-    if (parked || atomic_load(&srv->stopping)) {
-        struct timespec grace = {0, 100 * 1000000L};
-        nanosleep(&grace, NULL);
+    for (int i = 0; i < 500 && atomic_load(&srv->in_flight) > 0; i++) {
+        struct timespec t = {0, 10 * 1000000L};
+        nanosleep(&t, NULL);
     }
+    if (atomic_load(&srv->in_flight) > 0)
+        log_info("psd: %d requests still in flight after 5 s: closing them",
+                 atomic_load(&srv->in_flight));
     MHD_stop_daemon(d);
+    int status = 0;
+    if (srv->saver) {
+        /* nothing changes any more: the last checkpoint holds everything */
+        char path[4096], serr[512];
+        int64_t step;
+        saver_stop(srv->saver);
+        int k = saver_save(srv->saver, 0, path, sizeof(path), &step, serr, sizeof(serr));
+        if (k < 0) {
+            log_error("psd: the final checkpoint failed: %s", serr);
+            status = 1;
+        } else if (k == 1 && step >= 0) {
+            log_info("psd: nothing changed since %s (global step %lld)", path, (long long)step);
+        }
+        saver_free(srv->saver);
+    }
     waiters_free(srv->waiters);
     history_free(srv->history);
     workers_free(srv->workers);
@@ -352,5 +404,5 @@ int main(int argc, char **argv)
     cluster_spec_free(&cfg->cluster);
     free(cfg->auth_token);
     free(srv);
-    return 0;
+    return status;
 }

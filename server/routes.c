@@ -36,6 +36,8 @@ static const route routes[] = {
      "set the training configuration (the chief)"},
     {"POST", "/v1/eval", ROUTE_WRITE | ROUTE_BODY, NULL, h_eval_post, "the evaluator's report"},
     {"POST", "/v1/done", ROUTE_WRITE | ROUTE_BODY, NULL, h_done_post, "a worker finished"},
+    {"GET", "/v1/checkpoint", 0, NULL, h_checkpoint_get, "the newest checkpoint file"},
+    {"POST", "/v1/checkpoint", ROUTE_WRITE, NULL, h_checkpoint_post, "save a checkpoint now"},
     {"POST", "/v1/shutdown", ROUTE_WRITE, NULL, h_shutdown_post, "stop this ps task"},
 };
 #define N_ROUTES (sizeof(routes) / sizeof(routes[0]))
@@ -239,6 +241,7 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
         clock_gettime(CLOCK_MONOTONIC, &ts);
         r->t_start_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
         *req_cls = r;
+        atomic_fetch_add(&r->srv->in_flight, 1);
         /* Refusals go out at once, before any body is read; an accepted
          * request is answered on a later call (libmicrohttpd 0.9.75 closes
          * the connection when a success is queued on the first call). */
@@ -272,6 +275,7 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     free(r);
     *req_cls = NULL;
     atomic_fetch_add(&srv->requests, 1);
+    atomic_fetch_sub(&srv->in_flight, 1);
 }
 
 static int hexval(char c)

@@ -64,5 +64,7 @@ enum MHD_Result h_config_put(request *r);
 enum MHD_Result h_eval_post(request *r);
 enum MHD_Result h_done_post(request *r);
 enum MHD_Result h_shutdown_post(request *r);
+enum MHD_Result h_checkpoint_get(request *r);  /* checkpoint_routes.c */
+enum MHD_Result h_checkpoint_post(request *r);
 
 #endif

@@ -37,6 +37,8 @@ typedef struct server {
     struct workers *workers;   /* each worker's last step, last seen, stale drops (workers.c) */
     struct history *history;   /* global_step and loss over time (history.c) */
     atomic_int stopping;   /* POST /v1/shutdown was accepted */
+    atomic_int in_flight;  /* requests begun and not yet completed */
+    struct saver *saver;   /* checkpoints (saver.c); NULL when --logdir is empty */
     pthread_mutex_t info_mu; /* guards what follows */
     struct {
         int has;

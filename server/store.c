@@ -150,6 +150,7 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
         v->shape = *shape;
         v->numel = numel;
         v->version++;
+        s->changes++;
         *version = v->version;
         *created = 0;
         uint64_t bytes = s->bytes;
@@ -178,6 +179,7 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
     v->version = 1;
     v->data = data;
     s->n++;
+    s->changes++;
     s->bytes += (uint64_t)numel * 4;
     *version = 1;
     *created = 1;
@@ -223,6 +225,7 @@ static void update_into(store *s, store_var *v, blob *dst, const float *g, float
         v->data = dst;
     }
     v->version++;
+    s->changes++;
 }
 
 static void notify(store *s, int64_t step)
@@ -549,6 +552,8 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
                 }
             pending_clear(s);
         }
+        if (!s->configured || memcmp(&s->config, c, sizeof(*c)) != 0)
+            s->changes++;
         s->config = *c;
         s->learning_rate = c->optim.learning_rate;
         s->configured = 1;
@@ -576,4 +581,120 @@ void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, 
     *has_loss = s->has_loss;
     *last_loss = s->last_loss;
     pthread_rwlock_unlock(&s->lock);
+}
+
+int store_save(store *s, store_saved *out)
+{
+    memset(out, 0, sizeof(*out));
+    pthread_rwlock_rdlock(&s->lock);
+    out->vars = calloc((size_t)(s->n ? s->n : 1), sizeof(store_saved_var));
+    if (!out->vars) {
+        pthread_rwlock_unlock(&s->lock);
+        return STORE_ENOMEM;
+    }
+    for (int i = 0; i < s->n; i++) {
+        const store_var *v = &s->vars[i];
+        store_saved_var *o = &out->vars[i];
+        memcpy(o->name, v->name, sizeof(o->name));
+        o->shape = v->shape;
+        o->numel = v->numel;
+        o->version = v->version;
+        o->updates = v->updates;
+        o->data = blob_ref(v->data);
+        out->n = i + 1;
+        if (v->n_slots > 0) {
+            size_t nb = (size_t)v->n_slots * (size_t)v->numel * sizeof(float);
+            if (!(o->slots = malloc(nb))) {
+                pthread_rwlock_unlock(&s->lock);
+                store_saved_free(out);
+                return STORE_ENOMEM;
+            }
+            memcpy(o->slots, v->slots, nb);
+            o->n_slots = v->n_slots;
+        }
+    }
+    out->global_step = s->global_step;
+    out->config = s->config;
+    out->configured = s->configured;
+    out->has_loss = s->has_loss;
+    out->last_loss = s->last_loss;
+    out->stale_dropped = s->stale_dropped;
+    out->pushes_applied = s->pushes_applied;
+    out->changes = s->changes;
+    pthread_rwlock_unlock(&s->lock);
+    return STORE_OK;
+}
+
+void store_saved_free(store_saved *sv)
+{
+    for (int i = 0; i < sv->n; i++) {
+        blob_unref(sv->vars[i].data);
+        free(sv->vars[i].slots);
+    }
+    free(sv->vars);
+    memset(sv, 0, sizeof(*sv));
+}
+
+uint64_t store_changes(store *s)
+{
+    pthread_rwlock_rdlock(&s->lock);
+    uint64_t c = s->changes;
+    pthread_rwlock_unlock(&s->lock);
+    return c;
+}
+
+int store_restore(store *s, store_saved *sv)
+{
+    store_var *vars = calloc((size_t)(sv->n ? sv->n : 1), sizeof(store_var));
+    if (!vars)
+        return STORE_ENOMEM;
+    uint64_t bytes = 0;
+    for (int i = 0; i < sv->n; i++) {
+        store_saved_var *o = &sv->vars[i];
+        store_var *v = &vars[i];
+        memcpy(v->name, o->name, sizeof(v->name));
+        v->shape = o->shape;
+        v->numel = o->numel;
+        v->version = o->version;
+        v->updates = o->updates;
+        v->data = o->data;
+        v->slots = o->slots;
+        v->n_slots = o->n_slots;
+        o->data = NULL;
+        o->slots = NULL;
+        bytes += (uint64_t)v->numel * 4;
+    }
+    pthread_rwlock_wrlock(&s->lock);
+    for (int i = 0; i < s->n; i++) {
+        blob_unref(s->vars[i].data);
+        free(s->vars[i].slots);
+    }
+    free(s->vars);
+    pending_clear(s);
+    s->vars = vars;
+    s->cap = sv->n ? sv->n : 1;
+    s->n = sv->n;
+    s->bytes = bytes;
+    s->global_step = sv->global_step;
+    s->config = sv->config;
+    s->learning_rate = sv->config.optim.learning_rate;
+    s->configured = sv->configured;
+    s->has_loss = sv->has_loss;
+    s->last_loss = sv->last_loss;
+    s->stale_dropped = sv->stale_dropped;
+    s->pushes_applied = sv->pushes_applied;
+    s->changes = sv->changes;
+    pthread_rwlock_unlock(&s->lock);
+    pool_follow(s, bytes);
+    return STORE_OK;
+}
+
+int store_has_pending(store *s, int worker)
+{
+    pthread_rwlock_rdlock(&s->lock);
+    int has = 0;
+    for (int i = 0; i < s->n_pending && !has; i++)
+        has = s->pending[i].worker == worker;
+    pthread_rwlock_unlock(&s->lock);
+    return has;
 }

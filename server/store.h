@@ -106,7 +106,33 @@ typedef struct store {
         int64_t step;
     } pushes[STORE_PUSH_IDS];
     int push_next;
+    uint64_t changes;         /* bumped by every change a checkpoint would hold */
 } store;
+
+/* One variable as a checkpoint holds it. */
+typedef struct store_saved_var {
+    char name[TENSOR_NAME_MAX + 1];
+    tensor_shape shape;
+    int64_t numel;
+    uint64_t version;
+    int64_t updates;
+    blob *data;   /* a reference */
+    float *slots; /* n_slots arrays of numel floats, malloc'd (a copy), or NULL */
+    int n_slots;
+} store_saved_var;
+
+/* What a checkpoint of the shard holds: taken at one instant, or read back. */
+typedef struct store_saved {
+    int64_t global_step;
+    store_config config;
+    int configured;
+    int has_loss;
+    double last_loss;
+    int64_t stale_dropped, pushes_applied;
+    uint64_t changes;
+    int n;
+    store_saved_var *vars; /* sorted by name */
+} store_saved;
 
 int store_init(store *s, float learning_rate, bufpool *pool);
 void store_destroy(store *s);
@@ -159,6 +185,21 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
 int store_configure(store *s, const store_config *c, char *err, size_t errlen);
 /* 1 and *out when configured. */
 int store_get_config(store *s, store_config *out);
+
+/* A consistent copy of everything a checkpoint holds, taken under the read
+ * lock: references to the variables' current blobs (no copy: the store never
+ * writes a blob someone else holds) and copies of the optimizer state. */
+int store_save(store *s, store_saved *out);
+void store_saved_free(store_saved *sv);
+/* The store's change counter (a save is needed when it moved). */
+uint64_t store_changes(store *s);
+
+/* Replace the whole store with a checkpoint's contents (at start-up, before
+ * anyone is served). Takes the blobs and slots of sv (left empty). */
+int store_restore(store *s, store_saved *sv);
+
+/* Sync: 1 when worker's gradient for the current step is kept (pending). */
+int store_has_pending(store *s, int worker);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

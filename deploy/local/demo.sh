@@ -27,7 +27,7 @@ cleanup() {
 trap 'echo; echo "demo: stopping everything"; cleanup; exit 130' INT TERM
 trap cleanup EXIT
 
-bin/psd --job_name=ps --task_index=0 $CLUSTER >"$LOGDIR/ps0.log" 2>&1 &
+bin/psd --job_name=ps --task_index=0 $CLUSTER --logdir="$LOGDIR" >"$LOGDIR/ps0.log" 2>&1 &
 PIDS="$PIDS $!"
 bin/workerd --job_name=worker --task_index=1 $CLUSTER $TRAIN >"$LOGDIR/worker1.log" 2>&1 &
 PIDS="$PIDS $!"

@@ -18,6 +18,14 @@ BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
 
 
+@pytest.fixture(autouse=True)
+def _own_cwd(tmp_path, monkeypatch):
+    """Each test runs in its own empty folder, so a psd started without
+    --logdir writes its checkpoints (./logs/ps-N) there and never restores
+    another test's."""
+    monkeypatch.chdir(tmp_path)
+
+
 def binary(name):
     path = os.path.join(BIN, name)
     if not os.path.exists(path):
@@ -28,9 +36,12 @@ def binary(name):
 class Psd:
     """One psd process started with --port=0 (unless args say otherwise)."""
 
-    def __init__(self, args=(), env=None, port0=True):
+    def __init__(self, args=(), env=None, port0=True, own_logdir=True):
         self.stderr = tempfile.NamedTemporaryFile(prefix="psd-", suffix=".err", delete=False)
         argv = [binary("psd")] + (["--port=0"] if port0 else []) + list(args)
+        if own_logdir and not any(a.startswith("--logdir") for a in args):
+            # a fresh folder: two psd of one test never restore each other's checkpoints
+            argv.append("--logdir=" + tempfile.mkdtemp(prefix="psd-logs-", dir=os.getcwd()))
         e = dict(os.environ)
         e.pop("TF_CONFIG", None)
         if env:
@@ -70,8 +81,8 @@ class Psd:
 def start_psd():
     started = []
 
-    def start(*args, env=None, port0=True):
-        p = Psd(args, env=env, port0=port0)
+    def start(*args, env=None, port0=True, own_logdir=True):
+        p = Psd(args, env=env, port0=port0, own_logdir=own_logdir)
         started.append(p)
         return p
 

@@ -60,7 +60,8 @@ def test_route_table_has_the_contract():
             ("POST", "/v1/shutdown", True, False), ("GET", "/", False, False),
             ("GET", "/app.js", False, False), ("GET", "/style.css", False, False),
             ("GET", "/metrics", False, False), ("GET", "/v1/history", False, False),
-            ("GET", "/v1/events", False, False)}
+            ("GET", "/v1/events", False, False), ("GET", "/v1/checkpoint", False, False),
+            ("POST", "/v1/checkpoint", True, False)}
     assert want <= set(ROUTES)
 
 
@@ -97,6 +98,9 @@ def recipe(method, path):
             same_but(b, a, "workers_done")
     if (method, path) == ("POST", "/v1/shutdown"):
         return p, [], None, 202, STOPS
+    if (method, path) == ("POST", "/v1/checkpoint"):
+        # a save changes nothing of the state; the new file is served at once
+        return p, [], None, 200, lambda b, a: a == b and a["checkpoint_step"] == a["global_step"]
     if method == "GET" and path in READ_TYPES:
         return p, [], None, 200, lambda b, a: a == b
     raise AssertionError(f"no request recipe for route {method} {path}: add one to test_auth.py")
@@ -111,7 +115,7 @@ READ_TYPES = {
     "/v1/params": "application/octet-stream", "/v1/config": "application/json",
     "/": "text/html", "/app.js": "text/javascript", "/style.css": "text/css",
     "/metrics": "text/plain", "/v1/history": "application/json",
-    "/v1/events": "text/event-stream",
+    "/v1/events": "text/event-stream", "/v1/checkpoint": "application/octet-stream",
 }
 
 
@@ -174,14 +178,22 @@ def seeded(start_psd, token_file, *extra):
     st, _, body = http("PUT", p.url + "/v1/config", json.dumps(CONFIG).encode(),
                        {"Authorization": "Bearer " + TOKEN})
     assert st == 200, body
+    st, _, body = http("POST", p.url + "/v1/checkpoint", None, {"Authorization": "Bearer " + TOKEN})
+    assert st == 200, body  # so GET /v1/checkpoint has a file to serve
     before = snapshot_auth(p)
     assert before["ready"] and before["config"]["optimizer"] == "sgd"
     return p, before
 
 
 def snapshot_auth(p):
-    """snapshot() for a server that may need the token for reads too."""
-    return snapshot(p.url, {"Authorization": "Bearer " + TOKEN})
+    """snapshot() for a server that may need the token for reads too, with the
+    step of the newest checkpoint."""
+    h = {"Authorization": "Bearer " + TOKEN}
+    snap = snapshot(p.url, h)
+    st, _, body = http("GET", p.url + "/v1/status", headers=h)
+    last = json.loads(body)["checkpoint"]["last"]
+    snap["checkpoint_step"] = last["global_step"] if last else None
+    return snap
 
 
 BAD_AUTH = {

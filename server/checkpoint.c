@@ -1,0 +1,547 @@
+/* checkpoint.c - the checkpoint file format (see checkpoint.h). */
+#include "checkpoint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "crc32c.h"
+#include "safetensors.h"
+
+static const char *const slot_names[3][2] = {{NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}};
+
+int ckpt_path(const char *dir, int64_t step, char *out, size_t cap)
+{
+    int k = snprintf(out, cap, "%s/" CKPT_PREFIX "%lld" CKPT_SUFFIX, dir, (long long)step);
+    return k < 0 || (size_t)k >= cap ? -1 : 0;
+}
+
+/* CRC-32C over the metadata except meta_crc32c: keys in byte order, each
+ * entry as key NUL value NUL. */
+static int meta_cmp(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static uint32_t meta_crc(const char *const *kv, int n)
+{
+    const char **keys = malloc(sizeof(char *) * (size_t)(n ? n : 1));
+    uint32_t c = 0;
+    if (!keys)
+        return 0;
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (strcmp(kv[2 * i], "meta_crc32c") != 0)
+            keys[m++] = kv[2 * i];
+    qsort(keys, (size_t)m, sizeof(char *), meta_cmp);
+    for (int i = 0; i < m; i++) {
+        const char *v = NULL;
+        for (int j = 0; j < n; j++)
+            if (kv[2 * j] == keys[i])
+                v = kv[2 * j + 1];
+        c = crc32c_update(c, keys[i], strlen(keys[i]) + 1);
+        c = crc32c_update(c, v, strlen(v) + 1);
+    }
+    free(keys);
+    return c;
+}
+
+static json_t *config_to_json(const store_saved *sv)
+{
+    if (!sv->configured)
+        return json_null();
+    const store_config *c = &sv->config;
+    return json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:b,s:i,s:i}", "optimizer",
+                     optim_name(c->optim.kind), "learning_rate", (double)c->optim.learning_rate,
+                     "momentum", (double)c->optim.momentum, "beta1", (double)c->optim.beta1,
+                     "beta2", (double)c->optim.beta2, "epsilon", (double)c->optim.epsilon, "sync",
+                     c->sync, "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
+                     c->workers);
+}
+
+static char *dump(json_t *j)
+{
+    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_ENCODE_ANY) : NULL;
+    json_decref(j);
+    return s;
+}
+
+int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
+               void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen)
+{
+    int nt = 0;
+    for (int i = 0; i < sv->n; i++)
+        nt += 1 + sv->vars[i].n_slots;
+    st_desc *d = calloc((size_t)(nt ? nt : 1), sizeof(st_desc));
+    st_part *parts = calloc((size_t)(nt ? nt : 1), sizeof(st_part));
+    char **names = calloc((size_t)(nt ? nt : 1), sizeof(char *));
+    json_t *vars = json_object(), *crcs = json_object(), *placed = json_array();
+    char *s_config = NULL, *s_vars = NULL, *s_place = NULL, *s_state = NULL, *s_crc = NULL;
+    int rc = -1;
+    if (!d || !parts || !names || !vars || !crcs || !placed)
+        goto oom;
+    int k = 0;
+    for (int i = 0; i < sv->n; i++) {
+        const store_saved_var *v = &sv->vars[i];
+        size_t nb = (size_t)v->numel * 4;
+        json_t *slots = json_array();
+        if (!slots)
+            goto oom;
+        d[k] = (st_desc){v->name, "F32", &v->shape};
+        parts[k] = (st_part){v->data->data, nb};
+        char hex[9];
+        snprintf(hex, sizeof(hex), "%08x", crc32c(v->data->data, nb));
+        json_object_set_new(crcs, v->name, json_string(hex));
+        k++;
+        for (int j = 0; j < v->n_slots; j++) {
+            const char *sn = sv->configured ? slot_names[sv->config.optim.kind][j] : NULL;
+            if (!sn) {
+                json_decref(slots);
+                snprintf(err, errlen, "variable '%s' has optimizer state its optimizer does not use",
+                         v->name);
+                goto out;
+            }
+            if (asprintf(&names[k], "%s:%s", v->name, sn) < 0) {
+                names[k] = NULL;
+                json_decref(slots);
+                goto oom;
+            }
+            const float *p = v->slots + (size_t)j * (size_t)v->numel;
+            d[k] = (st_desc){names[k], "F32", &v->shape};
+            parts[k] = (st_part){p, nb};
+            snprintf(hex, sizeof(hex), "%08x", crc32c(p, nb));
+            json_object_set_new(crcs, names[k], json_string(hex));
+            json_array_append_new(slots, json_string(sn));
+            k++;
+        }
+        json_object_set_new(vars, v->name,
+                            json_pack("{s:I,s:I,s:o}", "version", (json_int_t)v->version, "updates",
+                                      (json_int_t)v->updates, "slots", slots));
+        json_array_append_new(placed, json_string(v->name));
+    }
+    s_config = dump(config_to_json(sv));
+    s_vars = dump(vars);
+    vars = NULL;
+    s_place = dump(json_pack("{s:i,s:i,s:o}", "ps_task", info->task_index, "ps_tasks",
+                             info->ps_tasks, "variables", placed));
+    placed = NULL;
+    s_state = dump(json_pack("{s:o,s:I,s:I}", "last_loss",
+                             sv->has_loss ? json_real(sv->last_loss) : json_null(),
+                             "stale_dropped", (json_int_t)sv->stale_dropped, "pushes_applied",
+                             (json_int_t)sv->pushes_applied));
+    s_crc = dump(crcs);
+    crcs = NULL;
+    if (!s_config || !s_vars || !s_place || !s_state || !s_crc)
+        goto oom;
+    char step[32], task[32], nps[16], when[32], mcrc[9];
+    snprintf(step, sizeof(step), "%lld", (long long)sv->global_step);
+    snprintf(task, sizeof(task), "ps:%d", info->task_index);
+    snprintf(nps, sizeof(nps), "%d", info->ps_tasks);
+    time_t now = time(NULL);
+    struct tm tmv;
+    gmtime_r(&now, &tmv);
+    strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tmv);
+    const char *meta[] = {"format", CKPT_FORMAT, "format_version", CKPT_FORMAT_VERSION,
+                          "global_step", step, "task", task, "ps_tasks", nps, "saved_at", when,
+                          "config", s_config, "variables", s_vars, "placement", s_place,
+                          "state", s_state, "crc32c", s_crc, "meta_crc32c", mcrc};
+    int n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2);
+    snprintf(mcrc, sizeof(mcrc), "%08x", meta_crc(meta, n_meta));
+    rc = st_write_file_parts(path, d, nt, meta, n_meta, parts, nt, after_part, ctx, err, errlen);
+    goto out;
+oom:
+    snprintf(err, errlen, "out of memory writing %s", path);
+out:
+    json_decref(vars);
+    json_decref(crcs);
+    json_decref(placed);
+    free(s_config);
+    free(s_vars);
+    free(s_place);
+    free(s_state);
+    free(s_crc);
+    if (names)
+        for (int i = 0; i < nt; i++)
+            free(names[i]);
+    free(names);
+    free(parts);
+    free(d);
+    return rc;
+}
+
+/* The whole file into a malloc'd buffer. */
+static unsigned char *slurp(const char *path, size_t *len, char *err, size_t errlen)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "not a regular file");
+        close(fd);
+        return NULL;
+    }
+    unsigned char *buf = malloc(st.st_size ? (size_t)st.st_size : 1);
+    if (!buf) {
+        snprintf(err, errlen, "out of memory for %lld bytes", (long long)st.st_size);
+        close(fd);
+        return NULL;
+    }
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            snprintf(err, errlen, "read failed after %zu bytes: %s", got,
+                     r < 0 ? strerror(errno) : "end of file");
+            free(buf);
+            close(fd);
+            return NULL;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    *len = got;
+    return buf;
+}
+
+static json_t *meta_json(const st_file *f, const char *key, char *err, size_t errlen)
+{
+    const char *s = st_meta_get(f, key);
+    if (!s) {
+        snprintf(err, errlen, "metadata '%s' is missing", key);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *j = json_loads(s, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &je);
+    if (!j)
+        snprintf(err, errlen, "metadata '%s' is not JSON: %s", key, je.text);
+    return j;
+}
+
+static int parse_config(json_t *j, store_saved *out, char *err, size_t errlen)
+{
+    if (json_is_null(j)) {
+        out->configured = 0;
+        return 0;
+    }
+    const char *opt = json_string_value(json_object_get(j, "optimizer"));
+    optim_kind kind;
+    json_t *sync = json_object_get(j, "sync"), *r = json_object_get(j, "replicas_to_aggregate"),
+           *w = json_object_get(j, "workers");
+    if (!opt || optim_from_name(opt, &kind) != 0 || !json_is_boolean(sync) ||
+        !json_is_integer(r) || !json_is_integer(w) || json_integer_value(w) < 1 ||
+        json_integer_value(w) > STORE_MAX_WORKERS || json_integer_value(r) < 1 ||
+        json_integer_value(r) > json_integer_value(w)) {
+        snprintf(err, errlen, "metadata 'config' is not a training configuration");
+        return -1;
+    }
+    store_config *c = &out->config;
+    memset(c, 0, sizeof(*c));
+    c->optim.kind = kind;
+    c->optim.learning_rate = (float)json_number_value(json_object_get(j, "learning_rate"));
+    c->optim.momentum = (float)json_number_value(json_object_get(j, "momentum"));
+    c->optim.beta1 = (float)json_number_value(json_object_get(j, "beta1"));
+    c->optim.beta2 = (float)json_number_value(json_object_get(j, "beta2"));
+    c->optim.epsilon = (float)json_number_value(json_object_get(j, "epsilon"));
+    c->sync = json_is_true(sync);
+    c->replicas_to_aggregate = (int)json_integer_value(r);
+    c->workers = (int)json_integer_value(w);
+    if (!(c->optim.learning_rate > 0)) {
+        snprintf(err, errlen, "metadata 'config' has no positive learning_rate");
+        return -1;
+    }
+    out->configured = 1;
+    return 0;
+}
+
+static int var_cmp(const void *a, const void *b)
+{
+    return strcmp(((const store_saved_var *)a)->name, ((const store_saved_var *)b)->name);
+}
+
+int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    size_t len = 0;
+    char why[256];
+    unsigned char *buf = slurp(path, &len, why, sizeof(why));
+    if (!buf) {
+        snprintf(err, errlen, "%s", why);
+        return -1;
+    }
+    st_file f;
+    memset(&f, 0, sizeof(f));
+    json_t *config = NULL, *vars = NULL, *crcs = NULL, *state = NULL;
+    int rc = -1;
+    if (st_parse(buf, len, &f, why, sizeof(why)) != 0) {
+        snprintf(err, errlen, "%s (file is %zu bytes)", why, len);
+        goto out;
+    }
+    const char *fmt = st_meta_get(&f, "format"), *ver = st_meta_get(&f, "format_version");
+    if (!fmt || strcmp(fmt, CKPT_FORMAT) != 0 || !ver) {
+        snprintf(err, errlen, "not a restps checkpoint (metadata 'format' is %s%s%s)",
+                 fmt ? "'" : "", fmt ? fmt : "missing", fmt ? "'" : "");
+        goto out;
+    }
+    if (strcmp(ver, CKPT_FORMAT_VERSION) != 0) {
+        snprintf(err, errlen, "format_version '%s' is not one this psd reads (%s)", ver,
+                 CKPT_FORMAT_VERSION);
+        goto out;
+    }
+    const char **kv = malloc(sizeof(char *) * 2 * (size_t)(f.n_meta ? f.n_meta : 1));
+    if (!kv) {
+        snprintf(err, errlen, "out of memory");
+        goto out;
+    }
+    for (int i = 0; i < f.n_meta; i++) {
+        kv[2 * i] = f.meta[i].key;
+        kv[2 * i + 1] = f.meta[i].value;
+    }
+    uint32_t mc = meta_crc(kv, f.n_meta);
+    free(kv);
+    const char *mcs = st_meta_get(&f, "meta_crc32c");
+    char mhex[9];
+    snprintf(mhex, sizeof(mhex), "%08x", mc);
+    if (!mcs || strcmp(mcs, mhex) != 0) {
+        snprintf(err, errlen, "metadata checksum does not match (file says %s, metadata gives %s)",
+                 mcs ? mcs : "nothing", mhex);
+        goto out;
+    }
+    const char *step_s = st_meta_get(&f, "global_step");
+    char *end = NULL;
+    long long step = step_s ? strtoll(step_s, &end, 10) : -1;
+    if (!step_s || *end || step < 0) {
+        snprintf(err, errlen, "metadata 'global_step' is not a step");
+        goto out;
+    }
+    out->global_step = step;
+    if (!(config = meta_json(&f, "config", err, errlen)) || parse_config(config, out, err, errlen) ||
+        !(vars = meta_json(&f, "variables", err, errlen)) ||
+        !(crcs = meta_json(&f, "crc32c", err, errlen)) ||
+        !(state = meta_json(&f, "state", err, errlen)))
+        goto out;
+    if (!json_is_object(vars) || !json_is_object(crcs) || !json_is_object(state)) {
+        snprintf(err, errlen, "metadata 'variables', 'crc32c' and 'state' must be JSON objects");
+        goto out;
+    }
+    /* every tensor's checksum */
+    for (int t = 0; t < f.n_tensors; t++) {
+        const st_tensor *ti = &f.tensors[t];
+        const char *want = json_string_value(json_object_get(crcs, ti->name));
+        char hex[9];
+        snprintf(hex, sizeof(hex), "%08x",
+                 crc32c(buf + f.data_start + ti->begin, (size_t)(ti->end - ti->begin)));
+        if (!want || strcmp(want, hex) != 0) {
+            snprintf(err, errlen, "tensor '%s': checksum does not match (file says %s, data gives %s)",
+                     ti->name, want ? want : "nothing", hex);
+            goto out;
+        }
+        if (strcmp(ti->dtype, "F32") != 0) {
+            snprintf(err, errlen, "tensor '%s' has dtype %s, checkpoints hold F32", ti->name,
+                     ti->dtype);
+            goto out;
+        }
+    }
+    size_t nv = json_object_size(vars);
+    out->vars = calloc(nv ? nv : 1, sizeof(store_saved_var));
+    if (!out->vars) {
+        snprintf(err, errlen, "out of memory");
+        goto out;
+    }
+    int used = 0;
+    const char *name;
+    json_t *info;
+    json_object_foreach(vars, name, info) {
+        store_saved_var *v = &out->vars[out->n];
+        int t = st_find(&f, name);
+        json_t *ver_j = json_object_get(info, "version"), *upd = json_object_get(info, "updates"),
+               *slots = json_object_get(info, "slots");
+        char nerr[128];
+        if (t < 0 || tensor_name_check(name, nerr, sizeof(nerr)) != 0 || !json_is_integer(ver_j) ||
+            !json_is_integer(upd) || !json_is_array(slots)) {
+            snprintf(err, errlen, "variable '%.64s': %s", name,
+                     t < 0 ? "no tensor holds it" : "its metadata is not {version, updates, slots}");
+            goto out;
+        }
+        const st_tensor *ti = &f.tensors[t];
+        snprintf(v->name, sizeof(v->name), "%s", name);
+        v->shape = ti->shape;
+        v->numel = tensor_shape_numel(&ti->shape);
+        v->version = (uint64_t)json_integer_value(ver_j);
+        v->updates = json_integer_value(upd);
+        size_t nb = (size_t)v->numel * 4;
+        if (!(v->data = blob_new(pool, nb))) {
+            snprintf(err, errlen, "out of memory");
+            goto out;
+        }
+        out->n++;
+        memcpy(v->data->data, buf + f.data_start + ti->begin, nb);
+        used++;
+        int ns = (int)json_array_size(slots);
+        int need = out->configured ? optim_slots(out->config.optim.kind) : 0;
+        if (ns != 0 && ns != need) {
+            snprintf(err, errlen, "variable '%s' has %d optimizer slots, %s needs %d", name, ns,
+                     out->configured ? optim_name(out->config.optim.kind) : "no optimizer", need);
+            goto out;
+        }
+        if (ns > 0 && !(v->slots = malloc((size_t)ns * nb))) {
+            snprintf(err, errlen, "out of memory");
+            goto out;
+        }
+        v->n_slots = ns;
+        for (int j = 0; j < ns; j++) {
+            const char *want = slot_names[out->config.optim.kind][j];
+            const char *sn = json_string_value(json_array_get(slots, (size_t)j));
+            char tn[TENSOR_NAME_MAX + 32];
+            snprintf(tn, sizeof(tn), "%s:%s", name, want);
+            int st = sn && strcmp(sn, want) == 0 ? st_find(&f, tn) : -1;
+            if (st < 0 || !tensor_shape_equal(&f.tensors[st].shape, &v->shape)) {
+                snprintf(err, errlen, "variable '%s': optimizer slot '%s' is missing or has another shape",
+                         name, want);
+                goto out;
+            }
+            memcpy(v->slots + (size_t)j * (size_t)v->numel, buf + f.data_start + f.tensors[st].begin,
+                   nb);
+            used++;
+        }
+    }
+    if (used != f.n_tensors) {
+        snprintf(err, errlen, "%d tensors are neither a variable nor a slot of one",
+                 f.n_tensors - used);
+        goto out;
+    }
+    qsort(out->vars, (size_t)out->n, sizeof(store_saved_var), var_cmp);
+    json_t *ll = json_object_get(state, "last_loss");
+    out->has_loss = json_is_number(ll);
+    out->last_loss = out->has_loss ? json_number_value(ll) : 0;
+    out->stale_dropped = json_integer_value(json_object_get(state, "stale_dropped"));
+    out->pushes_applied = json_integer_value(json_object_get(state, "pushes_applied"));
+    rc = 0;
+out:
+    if (rc != 0)
+        store_saved_free(out);
+    json_decref(config);
+    json_decref(vars);
+    json_decref(crcs);
+    json_decref(state);
+    st_file_free(&f);
+    free(buf);
+    return rc;
+}
+
+/* The step in a checkpoint's file name, or -1 when it is not one. */
+static int64_t step_of(const char *name)
+{
+    size_t pl = strlen(CKPT_PREFIX), sl = strlen(CKPT_SUFFIX), n = strlen(name);
+    if (n <= pl + sl || strncmp(name, CKPT_PREFIX, pl) != 0 || strcmp(name + n - sl, CKPT_SUFFIX) != 0)
+        return -1;
+    int64_t v = 0;
+    for (size_t i = pl; i < n - sl; i++) {
+        if (name[i] < '0' || name[i] > '9' || v > (INT64_MAX - 9) / 10)
+            return -1;
+        v = v * 10 + (name[i] - '0');
+    }
+    return v;
+}
+
+static int entry_cmp(const void *a, const void *b)
+{
+    int64_t x = ((const ckpt_entry *)a)->step, y = ((const ckpt_entry *)b)->step;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int ckpt_list(const char *dir, ckpt_entry **out, int *n, char *err, size_t errlen)
+{
+    *out = NULL;
+    *n = 0;
+    DIR *d = opendir(dir);
+    if (!d) {
+        if (errno == ENOENT)
+            return 0;
+        snprintf(err, errlen, "%s: %s", dir, strerror(errno));
+        return -1;
+    }
+    ckpt_entry *v = NULL;
+    int cnt = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t step = step_of(e->d_name);
+        if (step < 0)
+            continue;
+        if (cnt == cap) {
+            cap = cap ? 2 * cap : 16;
+            ckpt_entry *nv = realloc(v, sizeof(*v) * (size_t)cap);
+            if (!nv)
+                goto oom;
+            v = nv;
+        }
+        if (asprintf(&v[cnt].path, "%s/%s", dir, e->d_name) < 0)
+            goto oom;
+        v[cnt++].step = step;
+    }
+    closedir(d);
+    qsort(v, (size_t)cnt, sizeof(*v), entry_cmp);
+    *out = v;
+    *n = cnt;
+    return 0;
+oom:
+    closedir(d);
+    ckpt_list_free(v, cnt);
+    snprintf(err, errlen, "out of memory listing %s", dir);
+    return -1;
+}
+
+void ckpt_list_free(ckpt_entry *e, int n)
+{
+    for (int i = 0; i < n; i++)
+        free(e[i].path);
+    free(e);
+}
+
+int ckpt_remove_temps(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return 0;
+    int removed = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (strncmp(e->d_name, CKPT_PREFIX, strlen(CKPT_PREFIX)) != 0 ||
+            !strstr(e->d_name, CKPT_SUFFIX ST_TEMP_INFIX))
+            continue;
+        char *p;
+        if (asprintf(&p, "%s/%s", dir, e->d_name) < 0)
+            continue;
+        if (unlink(p) == 0)
+            removed++;
+        free(p);
+    }
+    closedir(d);
+    return removed;
+}
+
+int ckpt_prune(const char *dir, int keep)
+{
+    ckpt_entry *e;
+    int n, removed = 0;
+    char err[256];
+    if (ckpt_list(dir, &e, &n, err, sizeof(err)) != 0)
+        return 0;
+    for (int i = keep; i < n; i++)
+        if (unlink(e[i].path) == 0)
+            removed++;
+    ckpt_list_free(e, n);
+    return removed;
+}

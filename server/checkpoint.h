@@ -1,0 +1,67 @@
+/* checkpoint.h - a ps shard on disk: the checkpoint file format, writing it
+ * atomically, reading it back with every check, and the folder of them.
+ *
+ * A checkpoint is one safetensors file, <dir>/model.ckpt-<global_step>.safetensors:
+ * - every variable under its own name, F32;
+ * - the optimizer's state beside it as "<name>:<slot>" (momentum's
+ *   "momentum", adam's "adam_m" and "adam_v"); ':' never occurs in a
+ *   variable name, so the two cannot collide;
+ * - __metadata__ (all strings): format "restps-checkpoint", format_version
+ *   "1", global_step, task ("ps:0"), ps_tasks, saved_at (UTC, ISO 8601),
+ *   config (JSON: the training configuration, or null before the chief sent
+ *   one), variables (JSON: name -> {version, updates, slots: [...]}),
+ *   placement (JSON: this ps task, the number of ps tasks, its variables),
+ *   state (JSON: last_loss, stale_dropped, pushes_applied), crc32c (JSON:
+ *   tensor name -> CRC-32C of its bytes, 8 hex digits), and meta_crc32c: the
+ *   CRC-32C of every other metadata entry, in byte order of the keys, each as
+ *   key NUL value NUL.
+ * A file validates when its header parses (offsets inside the file, tiling
+ * the data), both checksums match, and every variable has the slots its
+ * optimizer needs. */
+#ifndef RESTPS_CHECKPOINT_H
+#define RESTPS_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "store.h"
+
+#define CKPT_PREFIX "model.ckpt-"
+#define CKPT_SUFFIX ".safetensors"
+#define CKPT_FORMAT "restps-checkpoint"
+#define CKPT_FORMAT_VERSION "1"
+
+typedef struct ckpt_info {
+    int task_index; /* this ps task */
+    int ps_tasks;   /* how many the cluster has */
+} ckpt_info;
+
+/* <dir>/model.ckpt-<step>.safetensors into out. -1 when it does not fit. */
+int ckpt_path(const char *dir, int64_t step, char *out, size_t cap);
+
+/* Write sv atomically to path (temp file, fsync, rename, fsync of the
+ * folder); path is untouched on failure. after_part: see st_write_file_parts. */
+int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
+               void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen);
+
+/* Read and validate path; on success *out holds it (blobs from pool; free
+ * with store_saved_free). -1 with err saying what was wrong otherwise. */
+int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size_t errlen);
+
+typedef struct ckpt_entry {
+    char *path;   /* owned */
+    int64_t step; /* from the file name */
+} ckpt_entry;
+
+/* The checkpoints in dir, newest (highest step) first. A missing folder is an
+ * empty list. -1 with err when it cannot be read. */
+int ckpt_list(const char *dir, ckpt_entry **out, int *n, char *err, size_t errlen);
+void ckpt_list_free(ckpt_entry *e, int n);
+
+/* Remove temp files left by writes that never finished; how many. */
+int ckpt_remove_temps(const char *dir);
+
+/* Keep the newest `keep` checkpoints, remove the rest; how many removed. */
+int ckpt_prune(const char *dir, int keep);
+
+#endif

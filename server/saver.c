@@ -1,0 +1,370 @@
+/* saver.c - restore at start, periodic and requested saves (see saver.h). */
+#include "saver.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+
+struct saver {
+    store *st;
+    bufpool *pool;
+    char dir[PATH_MAX];
+    int interval, keep;
+    ckpt_info info;
+    long pause_ms; /* test hook */
+
+    pthread_t thread;
+    int running;
+    pthread_mutex_t mu; /* guards what follows and the thread's wake-ups */
+    pthread_cond_t cv;
+    int stop;
+
+    pthread_mutex_t save_mu; /* one save at a time */
+    uint64_t saved_changes;  /* the store's change counter in the newest checkpoint */
+    int has_saved;
+
+    /* status, under mu */
+    int has_last;
+    char last_path[PATH_MAX];
+    int64_t last_step;
+    uint64_t last_bytes;
+    double last_duration;
+    struct timespec last_at; /* CLOCK_REALTIME of the write (or the file's mtime when restored) */
+    int restored;
+    char restored_path[PATH_MAX];
+    int64_t restored_step;
+    int invalid_set_aside;
+    uint64_t saves, failures, consecutive_failures;
+    char last_error[512];
+    struct timespec last_error_at;
+};
+
+static double since(const struct timespec *t)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    return (double)(now.tv_sec - t->tv_sec) + (double)(now.tv_nsec - t->tv_nsec) / 1e9;
+}
+
+saver *saver_new(store *st, bufpool *pool, const char *dir, int interval_secs, int keep,
+                 const ckpt_info *info)
+{
+    saver *sv = calloc(1, sizeof(*sv));
+    if (!sv)
+        return NULL;
+    sv->st = st;
+    sv->pool = pool;
+    snprintf(sv->dir, sizeof(sv->dir), "%s", dir);
+    sv->interval = interval_secs;
+    sv->keep = keep;
+    sv->info = *info;
+    const char *p = getenv("RESTPS_TEST_SAVE_PAUSE_MS");
+    sv->pause_ms = p ? atol(p) : 0;
+    pthread_mutex_init(&sv->mu, NULL);
+    pthread_mutex_init(&sv->save_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&sv->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return sv;
+}
+
+/* mkdir -p */
+static int make_dirs(const char *dir, char *err, size_t errlen)
+{
+    char p[PATH_MAX];
+    snprintf(p, sizeof(p), "%s", dir);
+    for (char *s = p + 1;; s++) {
+        if (*s == '/' || *s == '\0') {
+            char c = *s;
+            *s = '\0';
+            if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+                snprintf(err, errlen, "cannot create %s: %s", p, strerror(errno));
+                return -1;
+            }
+            *s = c;
+            if (!c)
+                break;
+        }
+    }
+    struct stat stt;
+    if (stat(dir, &stt) != 0 || !S_ISDIR(stt.st_mode)) {
+        snprintf(err, errlen, "%s is not a folder", dir);
+        return -1;
+    }
+    return 0;
+}
+
+int saver_restore(saver *sv)
+{
+    char err[512];
+    if (make_dirs(sv->dir, err, sizeof(err)) != 0) {
+        log_error("psd: checkpoints: %s; psd serves anyway and retries at each save", err);
+        return 0;
+    }
+    int temps = ckpt_remove_temps(sv->dir);
+    if (temps)
+        log_info("psd: checkpoints: removed %d temp file%s left by a write that never finished",
+                 temps, temps == 1 ? "" : "s");
+    ckpt_entry *e;
+    int n;
+    if (ckpt_list(sv->dir, &e, &n, err, sizeof(err)) != 0) {
+        log_error("psd: checkpoints: %s", err);
+        return 0;
+    }
+    int restored = 0;
+    for (int i = 0; i < n && !restored; i++) {
+        store_saved saved;
+        if (ckpt_read(e[i].path, sv->pool, &saved, err, sizeof(err)) != 0) {
+            char aside[PATH_MAX + 16];
+            snprintf(aside, sizeof(aside), "%s.invalid", e[i].path);
+            int moved = rename(e[i].path, aside) == 0;
+            log_error("psd: checkpoints: passing over %s: %s%s%s", e[i].path, err,
+                      moved ? "; set aside as " : "", moved ? aside : "");
+            sv->invalid_set_aside += moved;
+            continue;
+        }
+        if (saved.global_step != e[i].step)
+            log_info("psd: checkpoints: %s holds global step %lld (its name says %lld)", e[i].path,
+                     (long long)saved.global_step, (long long)e[i].step);
+        int64_t step = saved.global_step;
+        int nv = saved.n;
+        uint64_t changes = saved.changes;
+        if (store_restore(sv->st, &saved) != STORE_OK) {
+            log_error("psd: checkpoints: out of memory restoring %s", e[i].path);
+            store_saved_free(&saved);
+            break;
+        }
+        store_saved_free(&saved);
+        struct stat stt;
+        pthread_mutex_lock(&sv->mu);
+        sv->has_last = 1;
+        snprintf(sv->last_path, sizeof(sv->last_path), "%s", e[i].path);
+        sv->last_step = step;
+        if (stat(e[i].path, &stt) == 0) {
+            sv->last_at = stt.st_mtim;
+            sv->last_bytes = (uint64_t)stt.st_size;
+        } else
+            clock_gettime(CLOCK_REALTIME, &sv->last_at);
+        sv->restored = 1;
+        snprintf(sv->restored_path, sizeof(sv->restored_path), "%s", e[i].path);
+        sv->restored_step = step;
+        pthread_mutex_unlock(&sv->mu);
+        sv->saved_changes = changes;
+        sv->has_saved = 1;
+        log_info("psd: checkpoints: restored %s: global step %lld, %d variable%s", e[i].path,
+                 (long long)step, nv, nv == 1 ? "" : "s");
+        restored = 1;
+    }
+    if (!restored)
+        log_info("psd: checkpoints: %s in %s; starting empty", n ? "no valid checkpoint" : "none yet",
+                 sv->dir);
+    ckpt_list_free(e, n);
+    return restored;
+}
+
+static void pause_hook(void *ctx, int i)
+{
+    saver *sv = ctx;
+    if (i == 0 && sv->pause_ms > 0) {
+        log_info("psd: checkpoints: test hook: pausing the write for %ld ms", sv->pause_ms);
+        struct timespec t = {sv->pause_ms / 1000, (sv->pause_ms % 1000) * 1000000L};
+        while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+        }
+    }
+}
+
+int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char *err,
+               size_t errlen)
+{
+    pthread_mutex_lock(&sv->save_mu);
+    store_saved snap;
+    int rc = -1;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (store_save(sv->st, &snap) != STORE_OK) {
+        snprintf(err, errlen, "out of memory taking the snapshot");
+        goto failed;
+    }
+    if (!force && ((sv->has_saved && snap.changes == sv->saved_changes) ||
+                   (!sv->has_saved && snap.changes == 0))) {
+        store_saved_free(&snap);
+        pthread_mutex_lock(&sv->mu);
+        if (sv->has_last) {
+            snprintf(path, cap, "%s", sv->last_path);
+            *step = sv->last_step;
+        } else {
+            snprintf(path, cap, "%s", "");
+            *step = -1;
+        }
+        pthread_mutex_unlock(&sv->mu);
+        pthread_mutex_unlock(&sv->save_mu);
+        return 1;
+    }
+    char p[PATH_MAX];
+    if (make_dirs(sv->dir, err, errlen) != 0 ||
+        (ckpt_path(sv->dir, snap.global_step, p, sizeof(p)) != 0 &&
+         snprintf(err, errlen, "%s: path too long", sv->dir) > 0) ||
+        ckpt_write(p, &snap, &sv->info, pause_hook, sv, err, errlen) != 0) {
+        store_saved_free(&snap);
+        goto failed;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    uint64_t bytes = 0;
+    for (int i = 0; i < snap.n; i++)
+        bytes += (uint64_t)snap.vars[i].numel * 4 * (uint64_t)(1 + snap.vars[i].n_slots);
+    double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    sv->saved_changes = snap.changes;
+    sv->has_saved = 1;
+    int64_t gs = snap.global_step;
+    store_saved_free(&snap);
+    pthread_mutex_lock(&sv->mu);
+    sv->has_last = 1;
+    snprintf(sv->last_path, sizeof(sv->last_path), "%s", p);
+    sv->last_step = gs;
+    sv->last_bytes = bytes;
+    sv->last_duration = secs;
+    clock_gettime(CLOCK_REALTIME, &sv->last_at);
+    sv->saves++;
+    sv->consecutive_failures = 0;
+    pthread_mutex_unlock(&sv->mu);
+    int pruned = sv->keep > 0 ? ckpt_prune(sv->dir, sv->keep) : 0;
+    log_info("psd: checkpoints: saved global step %lld to %s (%.1f MB in %.3f s)%s", (long long)gs,
+             p, (double)bytes / 1e6, secs, pruned ? "; removed older ones" : "");
+    snprintf(path, cap, "%s", p);
+    *step = gs;
+    rc = 0;
+    pthread_mutex_unlock(&sv->save_mu);
+    return rc;
+failed:
+    pthread_mutex_lock(&sv->mu);
+    sv->failures++;
+    sv->consecutive_failures++;
+    snprintf(sv->last_error, sizeof(sv->last_error), "%s", err);
+    clock_gettime(CLOCK_REALTIME, &sv->last_error_at);
+    pthread_mutex_unlock(&sv->mu);
+    log_error("psd: checkpoints: save failed: %s (the previous checkpoint is intact; retrying at the next interval)",
+              err);
+    pthread_mutex_unlock(&sv->save_mu);
+    return -1;
+}
+
+static void *loop(void *arg)
+{
+    saver *sv = arg;
+    pthread_mutex_lock(&sv->mu);
+    while (!sv->stop) {
+        struct timespec at;
+        clock_gettime(CLOCK_MONOTONIC, &at);
+        at.tv_sec += sv->interval;
+        while (!sv->stop && pthread_cond_timedwait(&sv->cv, &sv->mu, &at) != ETIMEDOUT) {
+        }
+        if (sv->stop)
+            break;
+        pthread_mutex_unlock(&sv->mu);
+        char path[PATH_MAX], err[512];
+        int64_t step;
+        saver_save(sv, 0, path, sizeof(path), &step, err, sizeof(err));
+        pthread_mutex_lock(&sv->mu);
+    }
+    pthread_mutex_unlock(&sv->mu);
+    return NULL;
+}
+
+int saver_start(saver *sv)
+{
+    if (sv->interval <= 0)
+        return 0;
+    if (pthread_create(&sv->thread, NULL, loop, sv) != 0)
+        return -1;
+    sv->running = 1;
+    return 0;
+}
+
+void saver_stop(saver *sv)
+{
+    if (!sv || !sv->running)
+        return;
+    pthread_mutex_lock(&sv->mu);
+    sv->stop = 1;
+    pthread_cond_broadcast(&sv->cv);
+    pthread_mutex_unlock(&sv->mu);
+    pthread_join(sv->thread, NULL);
+    sv->running = 0;
+}
+
+void saver_free(saver *sv)
+{
+    if (!sv)
+        return;
+    saver_stop(sv);
+    pthread_mutex_destroy(&sv->mu);
+    pthread_mutex_destroy(&sv->save_mu);
+    pthread_cond_destroy(&sv->cv);
+    free(sv);
+}
+
+int saver_latest(saver *sv, char *path, size_t cap, int64_t *step)
+{
+    pthread_mutex_lock(&sv->mu);
+    int ok = sv->has_last;
+    if (ok) {
+        snprintf(path, cap, "%s", sv->last_path);
+        *step = sv->last_step;
+    }
+    pthread_mutex_unlock(&sv->mu);
+    return ok ? 0 : -1;
+}
+
+json_t *saver_status_json(saver *sv)
+{
+    pthread_mutex_lock(&sv->mu);
+    json_t *o = json_pack("{s:s,s:i,s:i,s:I,s:I,s:I}", "dir", sv->dir, "interval_secs",
+                          sv->interval, "keep", sv->keep, "saves", (json_int_t)sv->saves,
+                          "failures", (json_int_t)sv->failures, "consecutive_failures",
+                          (json_int_t)sv->consecutive_failures);
+    if (sv->has_last)
+        json_object_set_new(o, "last",
+                            json_pack("{s:s,s:I,s:f,s:I,s:f}", "file", sv->last_path,
+                                      "global_step", (json_int_t)sv->last_step, "age_secs",
+                                      since(&sv->last_at), "bytes", (json_int_t)sv->last_bytes,
+                                      "duration_secs", sv->last_duration));
+    else
+        json_object_set_new(o, "last", json_null());
+    if (sv->restored)
+        json_object_set_new(o, "restored_from",
+                            json_pack("{s:s,s:I}", "file", sv->restored_path, "global_step",
+                                      (json_int_t)sv->restored_step));
+    else
+        json_object_set_new(o, "restored_from", json_null());
+    json_object_set_new(o, "invalid_set_aside", json_integer(sv->invalid_set_aside));
+    if (sv->failures)
+        json_object_set_new(o, "last_error",
+                            json_pack("{s:s,s:f}", "message", sv->last_error, "age_secs",
+                                      since(&sv->last_error_at)));
+    else
+        json_object_set_new(o, "last_error", json_null());
+    pthread_mutex_unlock(&sv->mu);
+    return o;
+}
+
+void saver_get_stats(saver *sv, saver_stats *out)
+{
+    pthread_mutex_lock(&sv->mu);
+    out->has_last = sv->has_last;
+    out->age_secs = sv->has_last ? since(&sv->last_at) : 0;
+    out->last_step = sv->last_step;
+    out->last_duration_secs = sv->last_duration;
+    out->saves = sv->saves;
+    out->failures = sv->failures;
+    pthread_mutex_unlock(&sv->mu);
+}
