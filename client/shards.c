@@ -126,25 +126,29 @@ int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, in
     return PS_OK;
 }
 
-int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t *step,
-                     int *behind)
+int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
+                     int64_t *step, int *behind)
 {
     *behind = 0;
+    int over = 0;
     for (int i = 0; i < sh->n; i++) {
         size_t len;
         int64_t st;
         shard *s = &sh->s[i];
-        int rc = ps_pull_params_wait_worker(sh->c, i, s->want > 0 ? s->want : 0, timeout_ms,
-                                            worker, s->rx, s->rx_cap, &len, &st);
+        int64_t want = s->want > 0 && !over ? s->want : 0;
+        int rc = ps_pull_params_wait_worker(sh->c, i, want, timeout_ms, worker, s->rx, s->rx_cap,
+                                            &len, &st);
         if (rc != PS_OK)
             return rc;
         if ((rc = unpack(sh, i, len, params)) != PS_OK)
             return rc;
         s->step = st;
-        if (st < s->want)
+        if (st < want)
             *behind = 1;
-        if (i == 0)
+        if (i == 0) {
             *step = st;
+            over = st >= last_step;
+        }
     }
     return PS_OK;
 }

@@ -49,8 +49,11 @@ int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, in
  * *behind = some shard is still below the step it was waited for (the long
  * poll timed out, or the shard no longer holds this worker's gradient, e.g.
  * it restarted): the caller computes and pushes for the current steps again. */
-int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t *step,
-                     int *behind);
+int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
+                     int64_t *step, int *behind);
+/* (last_step: once ps 0 is there, training is over: the other shards are
+ * read as they are, without waiting, since they may stand at other steps
+ * after one of them restarted.) */
 
 /* Sync: pull without waiting next time (after a shard refused a gradient
  * from a step it has not reached: it restarted behind us). */

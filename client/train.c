@@ -364,7 +364,8 @@ int train_worker(const train_config *c)
             ps_set_retry_ms(pc, 2000);
         }
         int behind = 0;
-        int prc = sync ? shards_pull_sync(&sh, params, c->trainer, 30000, &step, &behind)
+        int prc = sync ? shards_pull_sync(&sh, params, c->trainer, 30000, c->train_steps, &step,
+                                          &behind)
                        : shards_pull(&sh, params, -1, 0, &step);
         if (prc != PS_OK) {
             if (prc == PS_ENET && near_end) {

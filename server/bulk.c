@@ -41,19 +41,21 @@ enum MHD_Result h_params_get(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
     store_snap *v;
-    int n;
+    int n, pending = 0;
     int64_t step;
-    if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
+    if (store_get_all_pending(&srv->store, &v, &n, &step, (int)worker, &pending) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
     /* sync: a worker waiting for the step after the one its gradient is for,
      * when this shard does not hold that gradient (it restarted from a
      * checkpoint, say), would wait for nothing: answer now with the current
-     * step, so the worker computes its gradient for it again */
+     * step, so the worker computes its gradient for it again. (The step and
+     * the pending gradients are read in one instant: a step that completes in
+     * between would otherwise look like a lost gradient.) */
     int lost = 0;
     store_config cfg;
     if (worker >= 0 && step < min_step && !r->parked && store_get_config(&srv->store, &cfg) &&
         cfg.sync)
-        lost = !store_has_pending(&srv->store, (int)worker);
+        lost = !pending;
     if (step < min_step && !lost && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */

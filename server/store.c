@@ -93,7 +93,18 @@ int store_peek(store *s, const char *name, tensor_shape *shape)
 
 int store_get_all(store *s, store_snap **out, int *n, int64_t *global_step)
 {
+    return store_get_all_pending(s, out, n, global_step, -1, NULL);
+}
+
+int store_get_all_pending(store *s, store_snap **out, int *n, int64_t *global_step, int worker,
+                          int *pending)
+{
     pthread_rwlock_rdlock(&s->lock);
+    if (pending) {
+        *pending = 0;
+        for (int i = 0; i < s->n_pending; i++)
+            *pending |= s->pending[i].worker == worker;
+    }
     store_snap *v = malloc(sizeof(store_snap) * (size_t)(s->n ? s->n : 1));
     if (!v) {
         pthread_rwlock_unlock(&s->lock);
@@ -689,12 +700,3 @@ int store_restore(store *s, store_saved *sv)
     return STORE_OK;
 }
 
-int store_has_pending(store *s, int worker)
-{
-    pthread_rwlock_rdlock(&s->lock);
-    int has = 0;
-    for (int i = 0; i < s->n_pending && !has; i++)
-        has = s->pending[i].worker == worker;
-    pthread_rwlock_unlock(&s->lock);
-    return has;
-}

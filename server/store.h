@@ -198,8 +198,10 @@ uint64_t store_changes(store *s);
  * anyone is served). Takes the blobs and slots of sv (left empty). */
 int store_restore(store *s, store_saved *sv);
 
-/* Sync: 1 when worker's gradient for the current step is kept (pending). */
-int store_has_pending(store *s, int worker);
+/* store_get_all, and in the same instant whether worker's gradient for the
+ * current step is kept (*pending; sync). */
+int store_get_all_pending(store *s, store_snap **out, int *n, int64_t *global_step, int worker,
+                          int *pending);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

@@ -11,6 +11,9 @@
 - `psd --routes` and the spec list the same paths and methods, and the write
   routes are the ones whose security requires the bearer token.
 
+Checkpoints downloaded from GET /v1/checkpoint are read back with
+tests/system/ckpt_check.py (an independent reader of the format).
+
 Needs the Node packages of tests/contract (`make deps`); skips without them.
 """
 import copy
@@ -28,6 +31,7 @@ import urllib.parse
 import pytest
 import yaml
 
+import ckpt_check
 from conftest import ROOT, binary
 
 SPEC = os.path.join(ROOT, "openapi", "openapi.yaml")
@@ -226,6 +230,42 @@ def exercise_events(rec, p, token=None):
     return status
 
 
+# The __metadata__ keys of a checkpoint (the spec's Checkpoint schema).
+CHECKPOINT_META = {"format", "format_version", "global_step", "task", "ps_tasks", "saved_at",
+                   "config", "variables", "placement", "state", "crc32c", "meta_crc32c"}
+
+
+def exercise_checkpoint(rec, p, token=None, read_token=None):
+    """POST /v1/checkpoint, then GET and HEAD the file it wrote, read back with
+    ckpt_check (which checks both checksums). Returns (the POST's answer,
+    the metadata, the tensors)."""
+    _, _, b = rec(p, "POST", "/v1/checkpoint", token=token, expect=200)
+    saved = json.loads(b)
+    step, name = saved["global_step"], saved["file"]
+    assert name == f"model.ckpt-{step}.safetensors", saved
+    assert saved["path"].endswith("/ps-0/" + name), saved
+    _, h, body = rec(p, "GET", "/v1/checkpoint", token=read_token, expect=200)
+    assert (h["content-type"], h["x-global-step"], h["x-checkpoint"],
+            h["content-disposition"]) == ("application/octet-stream", str(step), name,
+                                          f'attachment; filename="{name}"'), h
+    with open(saved["path"], "rb") as f:
+        assert f.read() == body, "GET /v1/checkpoint is not the file POST wrote"
+    with open("downloaded.safetensors", "wb") as f:
+        f.write(body)
+    meta, tensors = ckpt_check.read("downloaded.safetensors")
+    assert set(meta) == CHECKPOINT_META, sorted(meta)
+    assert (meta["format"], meta["format_version"], meta["global_step"], meta["task"],
+            meta["ps_tasks"]) == ("restps-checkpoint", "1", str(step), "ps:0", "1"), meta
+    assert set(json.loads(meta["placement"])["variables"]) == set(json.loads(meta["variables"]))
+    _, h, b = rec(p, "HEAD", "/v1/checkpoint", token=read_token, expect=200)
+    assert (h["x-global-step"], h["content-length"], b) == (str(step), str(len(body)), b""), h
+    _, _, b = rec(p, "GET", "/v1/status", token=read_token, expect=200)
+    ck = json.loads(b)["checkpoint"]
+    assert (ck["last"]["file"], ck["last"]["global_step"]) == (saved["path"], step), ck
+    assert ck["saves"] >= 1 and ck["last_error"] is None, ck
+    return saved, meta, tensors
+
+
 def exercise_open(rec, p):
     """Every route on a psd without a token, --max_body_bytes=4096."""
     # health
@@ -246,6 +286,10 @@ def exercise_open(rec, p):
     _, _, b = rec(p, "GET", "/v1/vars", expect=200)
     assert json.loads(b)["vars"] == []
     rec(p, "HEAD", "/v1/vars", expect=200)
+    # no checkpoint yet (and none comes by itself: nothing changed)
+    assert s["checkpoint"]["last"] is None and s["checkpoint"]["saves"] == 0, s
+    rec(p, "GET", "/v1/checkpoint", expect=404)
+    rec(p, "HEAD", "/v1/checkpoint", expect=404)
 
     # PUT: created, replaced, create-only, names with '/', a scalar, chunked
     w = f32(1, 2, 3, 4, 5, 6)
@@ -397,6 +441,18 @@ def exercise_open(rec, p):
         expect=413)
     rec(p, "GET", "/v1/vars", expect=200)
 
+    # a checkpoint of the shard now: the variables, no optimizer state (sgd)
+    _, _, params = rec(p, "GET", "/v1/params", expect=200)
+    pmeta, ptensors = read_safetensors(params)
+    saved, meta, tensors = exercise_checkpoint(rec, p)
+    assert saved["global_step"] == int(pmeta["global_step"]) and set(tensors) == set(ptensors)
+    assert list(tensors["w"].ravel()) == list(ptensors["w"][2]) and meta["config"] == "null"
+    # saved again although nothing changed; a body is ignored
+    _, _, b = rec(p, "POST", "/v1/checkpoint", body=b"ignored", expect=200)
+    assert json.loads(b)["file"] == saved["file"]
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    assert json.loads(b)["checkpoint"]["saves"] == 2
+
     # the history: a point per step since the first push with a loss
     _, _, b = rec(p, "GET", "/v1/history", expect=200)
     hist = json.loads(b)
@@ -428,10 +484,19 @@ def exercise_open(rec, p):
     _, h, _ = rec(p, "HEAD", "/v1/params", query={"min_step": str(step + 1),
                                                    "timeout_ms": "200"}, expect=200)
     assert h["x-global-step"] == str(step) and time.monotonic() - t0 >= 0.19
+    # async: worker changes nothing (the long poll waits for its timeout)
+    t0 = time.monotonic()
+    _, h, _ = rec(p, "GET", "/v1/params", query={"min_step": str(step + 1),
+                                                  "timeout_ms": "200", "worker": "0"},
+                  expect=200)
+    assert h["x-global-step"] == str(step) and time.monotonic() - t0 >= 0.19
+    rec(p, "GET", "/v1/params", query={"worker": "4095"}, expect=200)
     for q in ({"min_step": "-1"}, {"min_step": "x"}, {"min_step": ""}, {"timeout_ms": "300001"},
-              {"timeout_ms": "-5"}, {"timeout_ms": "1.5"}):
+              {"timeout_ms": "-5"}, {"timeout_ms": "1.5"}, {"worker": "4096"}, {"worker": "-1"},
+              {"worker": "x"}, {"worker": ""}, {"worker": "0.5"}):
         rec(p, "GET", "/v1/params", query=q, expect=400)
     rec(p, "HEAD", "/v1/params", query={"min_step": "1e3"}, expect=400)
+    rec(p, "HEAD", "/v1/params", query={"worker": "99999"}, expect=400)
 
     # the training routes before the chief: not ready, no configuration
     rec(p, "GET", "/readyz", expect=503)
@@ -460,7 +525,8 @@ def exercise_open(rec, p):
 
     # paths no route has, and methods a path does not answer
     for path in ("/index.html", "/nope", "/v1", "/v1/", "/v1/var/w", "/healthz/",
-                 "/v1/params/x", "/app.js/", "/web/style.css", "/v1/events/x"):
+                 "/v1/params/x", "/app.js/", "/web/style.css", "/v1/events/x",
+                 "/v1/checkpoint/x", "/v1/checkpoints"):
         rec(p, "GET", path, expect=404)
     rec(p, "POST", "/v1/nope", body=b"x", expect=404)
     rec(p, "HEAD", "/nope", expect=404)
@@ -472,7 +538,8 @@ def exercise_open(rec, p):
                          ("GET", "/v1/eval"), ("PUT", "/v1/done"), ("GET", "/v1/shutdown"),
                          ("HEAD", "/v1/shutdown"), ("POST", "/"), ("PUT", "/app.js"),
                          ("DELETE", "/style.css"), ("POST", "/v1/events"),
-                         ("DELETE", "/v1/history"), ("POST", "/metrics")):
+                         ("DELETE", "/v1/history"), ("POST", "/metrics"),
+                         ("DELETE", "/v1/checkpoint"), ("PUT", "/v1/checkpoint")):
         rec(p, method, path, expect=405)
 
 
@@ -587,6 +654,12 @@ def exercise_training(rec, p):
         expect=409)
     rec(p, "PUT", "/v1/config", body=json.dumps(cfg).encode(), expect=200)
 
+    # a checkpoint holds the configuration and the optimizer's state
+    saved, meta, tensors = exercise_checkpoint(rec, p)
+    assert saved["global_step"] == 1 and json.loads(meta["config"]) == cfg, meta
+    assert json.loads(meta["variables"])["w"]["slots"] == ["momentum"], meta
+    assert list(tensors["w:momentum"].ravel()) == [3, 6], tensors
+
     # the evaluator
     _, _, b = rec(p, "POST", "/v1/eval", body=json.dumps(
         {"loss": 0.5, "accuracy": 0.75, "global_step": 1, "examples": 10000}).encode(),
@@ -627,6 +700,68 @@ def exercise_training(rec, p):
     assert p.proc.wait(timeout=10) == 0
 
 
+def exercise_restart(rec, p):
+    """A psd started on exercise_training's --logdir: it restored the
+    checkpoint written at the stop (step 1, sync, two workers), but not the
+    gradients pending then. A worker's long poll for the next step with
+    `worker` is answered at once while the shard holds no gradient of its."""
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    s = json.loads(b)
+    ck = s["checkpoint"]
+    assert (s["global_step"], s["mode"], s["ready"], s["pending_gradients"]) == \
+        (1, "sync", True, 0), s
+    assert ck["restored_from"]["global_step"] == 1 and ck["saves"] == 0, ck
+    assert ck["last"]["file"] == ck["restored_from"]["file"], ck
+    _, h, _ = rec(p, "GET", "/v1/checkpoint", expect=200)
+    assert h["x-global-step"] == "1" and ck["last"]["file"].endswith("/" + h["x-checkpoint"])
+    t0 = time.monotonic()
+    _, h, _ = rec(p, "GET", "/v1/params", query={"min_step": "2", "timeout_ms": "10000",
+                                                  "worker": "0"}, expect=200)
+    assert h["x-global-step"] == "1" and time.monotonic() - t0 < 5
+    _, _, b = rec(p, "POST", "/v1/grads", body=safetensors(
+        {"w": ("F32", [2], f32(1, 1))}, {"worker": "0", "step": "1"}), expect=200)
+    assert json.loads(b)["outcome"] == "pending"
+    # worker 0's gradient is there again: its poll waits (here, for its timeout)
+    t0 = time.monotonic()
+    _, h, _ = rec(p, "GET", "/v1/params", query={"min_step": "2", "timeout_ms": "300",
+                                                  "worker": "0"}, expect=200)
+    assert h["x-global-step"] == "1" and 0.29 <= time.monotonic() - t0 < 3
+    # worker 1's is not
+    t0 = time.monotonic()
+    _, h, _ = rec(p, "HEAD", "/v1/params", query={"min_step": "2", "timeout_ms": "10000",
+                                                   "worker": "1"}, expect=200)
+    assert h["x-global-step"] == "1" and time.monotonic() - t0 < 5
+
+
+def exercise_no_checkpoints(rec, p):
+    """--logdir= (empty): no checkpoints; GET says 404, POST 409."""
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    assert json.loads(b)["checkpoint"] is None
+    rec(p, "GET", "/v1/checkpoint", expect=404)
+    rec(p, "HEAD", "/v1/checkpoint", expect=404)
+    rec(p, "POST", "/v1/checkpoint", expect=409)
+    _, _, b = rec(p, "GET", "/metrics", expect=200)
+    assert b"restps_checkpoint" not in b
+
+
+def exercise_checkpoint_failure(rec, p):
+    """A --logdir that cannot be created (a file is in its place): the save
+    fails with 500, is counted, and psd serves on."""
+    _, _, b = rec(p, "POST", "/v1/checkpoint", expect=500)
+    error = json.loads(b)["error"]
+    assert error.endswith("(the previous checkpoint is intact)"), error
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    ck = json.loads(b)["checkpoint"]
+    assert (ck["saves"], ck["failures"], ck["consecutive_failures"], ck["last"]) == \
+        (0, 1, 1, None), ck
+    assert error == f"checkpoint failed: {ck['last_error']['message']} " \
+        "(the previous checkpoint is intact)", ck
+    rec(p, "GET", "/v1/checkpoint", expect=404)
+    _, _, b = rec(p, "GET", "/metrics", expect=200)
+    assert b"\nrestps_checkpoint_failures_total 1\n" in b and \
+        b"restps_checkpoint_age_seconds" not in b, b
+
+
 def exercise_token(rec, p):
     """--auth_token_file: writes need the token, reads do not."""
     w = f32(1, 2)
@@ -648,6 +783,7 @@ def exercise_token(rec, p):
     for method, path, body in (("PUT", "/v1/config", b"{}"),
                                ("POST", "/v1/eval", b'{"loss":1,"accuracy":0.5}'),
                                ("POST", "/v1/done", b'{"worker":0}'),
+                               ("POST", "/v1/checkpoint", None),
                                ("POST", "/v1/shutdown", None)):
         rec(p, method, path, body=body, expect=401)
         rec(p, method, path, body=body, token="wrong", expect=401)
@@ -655,7 +791,7 @@ def exercise_token(rec, p):
             rec(p, method, path, body=body, token=TOKEN, expect=200)
     for path in ("/healthz", "/readyz", "/v1/status", "/v1/vars", "/v1/vars/w",
                  "/v1/vars/w/stats", "/v1/params", "/v1/config", "/", "/app.js", "/style.css",
-                 "/metrics", "/v1/history", "/v1/events"):
+                 "/metrics", "/v1/history", "/v1/events", "/v1/checkpoint"):
         rec(p, "GET", path, expect=200)
     rec(p, "DELETE", "/v1/vars/w", expect=405)  # the method check comes before the token
     rec(p, "GET", "/nope", expect=404)
@@ -665,6 +801,7 @@ def exercise_token(rec, p):
 
 def exercise_auth_reads(rec, p):
     """--auth_token_file --auth_reads: every route but /healthz needs the token."""
+    rec(p, "GET", "/v1/checkpoint", token=TOKEN, expect=404)  # nothing changed: none
     rec(p, "PUT", "/v1/vars/w", body=f32(3), headers={"X-Shape": "1"}, token=TOKEN, expect=201)
     rec(p, "GET", "/healthz", expect=200)
     rec(p, "HEAD", "/healthz", expect=200)
@@ -672,10 +809,11 @@ def exercise_auth_reads(rec, p):
     rec(p, "HEAD", "/readyz", expect=503)
     for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
                  "/v1/vars/missing", "/v1/vars/a..b", "/v1/config", "/metrics", "/v1/history",
-                 "/v1/events", "/", "/app.js", "/style.css"):
+                 "/v1/events", "/", "/app.js", "/style.css", "/v1/checkpoint"):
         rec(p, "GET", path, expect=401)
         rec(p, "HEAD", path, expect=401)
     rec(p, "GET", "/v1/params", query={"min_step": "-1"}, expect=401)  # the token first
+    rec(p, "GET", "/v1/params", query={"worker": "x"}, expect=401)
     rec(p, "GET", "/v1/history", query={"since": "x"}, expect=401)
     rec(p, "HEAD", "/v1/history", query={"since": "x"}, expect=401)
     rec(p, "GET", "/", headers={"If-None-Match": cksum_etag(os.path.join(ROOT, "web",
@@ -695,6 +833,9 @@ def exercise_auth_reads(rec, p):
     exercise_web(rec, p, token=TOKEN)
     rec(p, "GET", "/v1/vars/w", token="bad", expect=401)
     rec(p, "GET", "/v1/vars/missing", token=TOKEN, expect=404)
+    rec(p, "POST", "/v1/checkpoint", expect=401)
+    exercise_checkpoint(rec, p, token=TOKEN, read_token=TOKEN)
+    rec(p, "GET", "/v1/checkpoint", token="bad", expect=401)
 
 
 def documented_pairs(spec):
@@ -900,6 +1041,47 @@ def mutations(exchanges):
     ex = first(lambda e: is_("GET", "/v1/params", 200)(e) and "min_step" in e["query"])
     ex["query"] = {"min_steps": ex["query"]["min_step"]}
     out.append(("misspelt long-poll parameter", ex))
+    ex = first(lambda e: is_("GET", "/v1/params", 200)(e) and "worker" in e["query"])
+    ex["query"]["workers"] = ex["query"].pop("worker")
+    out.append(("misspelt worker parameter", ex))
+    ex = first(is_("GET", "/v1/checkpoint", 200))
+    del ex["headers"]["x-global-step"]
+    out.append(("checkpoint without X-Global-Step", ex))
+    ex = first(is_("GET", "/v1/checkpoint", 200))
+    ex["headers"]["x-checkpoint"] = "model.ckpt-1.bin"
+    out.append(("checkpoint with another file name", ex))
+    ex = first(is_("HEAD", "/v1/checkpoint", 200))
+    ex["headers"]["content-disposition"] = "inline"
+    out.append(("checkpoint shown inline", ex))
+    ex = first(is_("GET", "/v1/checkpoint", 200))
+    ex["content_type"] = "application/json"
+    out.append(("checkpoint as JSON", ex))
+    ex = first(is_("GET", "/v1/checkpoint", 404))
+    ex["status"] = 409
+    out.append(("checkpoint download answered 409", ex))
+    ex = first(is_("POST", "/v1/checkpoint", 200))
+    ex["body"]["global_step"] = str(ex["body"]["global_step"])
+    out.append(("saved checkpoint with a string global_step", ex))
+    ex = first(is_("POST", "/v1/checkpoint", 200))
+    del ex["body"]["path"]
+    out.append(("saved checkpoint without its path", ex))
+    ex = first(is_("POST", "/v1/checkpoint", 500))
+    ex["status"] = 503
+    out.append(("failed save answered 503", ex))
+    ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["checkpoint"])
+    del ex["body"]["checkpoint"]["saves"]
+    out.append(("status checkpoint without saves", ex))
+    ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["checkpoint"] and
+               e["body"]["checkpoint"]["last"])
+    ex["body"]["checkpoint"]["last"]["global_step"] = -1
+    out.append(("status checkpoint with a negative step", ex))
+    ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["checkpoint"] and
+               e["body"]["checkpoint"]["last_error"])
+    ex["body"]["checkpoint"]["last_error"] = "disk full"
+    out.append(("status checkpoint error as a string", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    del ex["body"]["checkpoint"]
+    out.append(("status without checkpoint", ex))
     return out
 
 
@@ -930,7 +1112,13 @@ def test_live_responses_match_spec(start_psd, tmp_path):
     token_file.write_text(TOKEN + "\n")
     rec = Recorder()
     exercise_open(rec, start_psd("--max_body_bytes=4096"))
-    exercise_training(rec, start_psd())
+    logdir = tmp_path / "training-logs"
+    exercise_training(rec, start_psd(f"--logdir={logdir}"))
+    exercise_restart(rec, start_psd(f"--logdir={logdir}"))
+    exercise_no_checkpoints(rec, start_psd("--logdir="))
+    not_a_folder = tmp_path / "not-a-folder"
+    not_a_folder.write_text("")
+    exercise_checkpoint_failure(rec, start_psd(f"--logdir={not_a_folder}"))
     exercise_token(rec, start_psd(f"--auth_token_file={token_file}"))
     exercise_auth_reads(rec, start_psd(f"--auth_token_file={token_file}", "--auth_reads"))
 
@@ -997,7 +1185,7 @@ def test_route_table_matches_spec():
     assert {p for m, p in ops if m == "HEAD"} == heads, "HEAD must be documented on every GET path"
 
     # the write routes that take no body (so no Content-Length check, no 413)
-    no_body = {("POST", "/v1/shutdown")}
+    no_body = {("POST", "/v1/shutdown"), ("POST", "/v1/checkpoint")}
     bearer_only = [{"bearer": []}]
     optional = [{}, {"bearer": []}]
     for (method, path), op in ops.items():
