@@ -23,9 +23,10 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
-             server/checkpoint.c server/saver.c server/checkpoint_routes.c
+             server/checkpoint.c server/saver.c server/checkpoint_routes.c \
+             server/membership.c
 CLIENT_SRC = client/libps.c
-WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c client/progress.c
+WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c client/progress.c client/heartbeat.c
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(BUILD)/web_assets.o

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "heartbeat.h"
 #include "progress.h"
 #include "rng.h"
 #include "safetensors.h"
@@ -305,6 +306,7 @@ int train_worker(const train_config *c)
     shards sh = {0};
     batcher b = {0};
     json_t *cfg = NULL; /* the chief's configuration, as a worker reads it */
+    heartbeat *hb = NULL;
     rc = 1;
     if (!m || !params || !grads || !x || !y || !pc) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
@@ -338,6 +340,14 @@ int train_worker(const train_config *c)
     /* from here on a ps that stops answering is retried for --ps_retry_secs
      * (it may be restarting from its checkpoint) */
     ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
+    if (sync) {
+        /* the lease on every ps: a long step is not a dead worker */
+        ps_client *hpc = connect_ps(c, 5000);
+        hb = hpc ? heartbeat_start(hpc, c->trainer, 1000) : NULL;
+    }
+    int64_t max_local = c->num_epochs > 0
+                            ? (int64_t)(c->num_epochs * (double)(b.count / ((int64_t)c->n_trainers * c->batch_size)))
+                            : -1;
     printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; cpu backend (OpenBLAS %s, %d thread%s)\n",
            c->name, sync ? "sync" : "async", opt_name, c->n_trainers,
            c->batch_size, (long long)c->train_steps, mlp_cpu_blas_core(), c->threads,
@@ -349,12 +359,16 @@ int train_worker(const train_config *c)
         nonce = (unsigned)getpid();
     int64_t step = 0, local = 0, last_step = 0, ex_since = 0, k = -1;
     double t_log = now_secs(), t_start = t_log;
-    int stopped = 0, near_end = 0;
+    int stopped = 0, near_end = 0, ran_out = 0;
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
     for (;;) {
         if (train_stop_requested()) {
             stopped = 1;
+            break;
+        }
+        if (max_local >= 0 && local >= max_local) {
+            ran_out = 1;
             break;
         }
         /* near the end a ps that went away was most likely stopped by the
@@ -396,6 +410,8 @@ int train_worker(const train_config *c)
             fprintf(stderr, "workerd: forward/backward failed\n");
             goto out;
         }
+        if (c->step_delay_ms > 0) /* test hook: a slow worker */
+            sleep_secs((double)c->step_delay_ms / 1000.0);
         char id[64];
         snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)local);
         push_meta pm = {c->trainer, step, loss, c->batch_size, id};
@@ -436,6 +452,11 @@ int train_worker(const train_config *c)
         if (!sync && after >= c->train_steps)
             break;
     }
+    heartbeat_stop(hb);
+    hb = NULL;
+    if (ran_out)
+        printf("%s: its data ended after %g epochs (%lld local steps, global step %lld): leaving the job\n",
+               c->name, c->num_epochs, (long long)local, (long long)last_step);
     if (stopped) {
         progress_clear(&bar);
         printf("%s: stopped by a signal after %lld local steps (global step %lld); a restart goes on from the ps\n",
@@ -444,8 +465,10 @@ int train_worker(const train_config *c)
         goto out;
     }
     progress_clear(&bar);
+    /* every ps: a sync step no longer waits for this worker */
     json_t *done = json_pack("{s:i}", "worker", c->trainer);
-    ps_json(pc, 0, "POST", "/v1/done", done, 1, NULL);
+    for (int i = 0; i < ps_shards(pc); i++)
+        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
     json_decref(done);
     double secs = now_secs() - t_start;
     printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
@@ -471,6 +494,7 @@ int train_worker(const train_config *c)
         }
     }
 out:
+    heartbeat_stop(hb);
     json_decref(cfg);
     free(b.order);
     shards_free(&sh);

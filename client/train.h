@@ -35,6 +35,8 @@ typedef struct train_config {
     double retry_secs;      /* keep retrying a ps that does not answer this long */
     long backoff_ms, backoff_max_ms;
     int threads;
+    double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
+    int step_delay_ms;      /* test hook: sleep this long in each step */
 } train_config;
 
 /* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */

@@ -21,7 +21,8 @@ int main(int argc, char **argv)
     int log_every = 100, keep_ps = 0, local = 0, threads = 1;
     uint64_t train_steps = 10000, seed = 1;
     float lr = 0.01f, momentum = 0.9f, recovery_wait = 1, eval_secs = 10, retry_secs = 120;
-    int backoff_ms = 100, backoff_max_ms = 2000;
+    int backoff_ms = 100, backoff_max_ms = 2000, step_delay_ms = 0;
+    float num_epochs = 0;
     flag flags[] = {
         {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
@@ -48,6 +49,8 @@ int main(int argc, char **argv)
         {"threads", FLAG_INT, &threads, "OpenBLAS threads (default 1: the safe choice beside other busy processes)", 0},
         {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with", 0},
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
+        {"num_epochs", FLAG_FLOAT, &num_epochs, "leave the job after this many epochs of this task's own batches, as an input pipeline that runs out (default 0: no end; the others go on)", 0},
+        {"step_delay_ms", FLAG_INT, &step_delay_ms, "test hook: sleep this long in every step, as a slow worker (default 0)", 0},
         {"ps_retry_secs", FLAG_FLOAT, &retry_secs, "once training runs, keep retrying a ps that does not answer for this long, e.g. while it restarts from its checkpoint (default 120; the evaluator waits at most 2 x --eval_secs, 10 at least)", 0},
         {"ps_backoff_ms", FLAG_INT, &backoff_ms, "first wait before retrying a ps, doubled each time, with jitter (default 100)", 0},
         {"ps_backoff_max_ms", FLAG_INT, &backoff_max_ms, "longest wait between retries (default 2000)", 0},
@@ -93,10 +96,12 @@ int main(int argc, char **argv)
     }
     if (!(lr > 0) || !(momentum >= 0 && momentum < 1) || batch < 1 || batch > 1000000 ||
         threads < 1 || timeout_ms < 1 || recovery_wait <= 0 || eval_secs <= 0 || train_steps < 1 ||
-        !(retry_secs >= 0) || backoff_ms < 1 || backoff_max_ms < backoff_ms) {
+        !(retry_secs >= 0) || backoff_ms < 1 || backoff_max_ms < backoff_ms || !(num_epochs >= 0) ||
+        step_delay_ms < 0) {
         fprintf(stderr, "workerd: --learning_rate, --batch_size, --train_steps, --threads, --timeout_ms, "
                         "--recovery_wait_secs, --eval_secs and --ps_backoff_ms must be positive, "
-                        "--ps_retry_secs >= 0, --ps_backoff_max_ms >= --ps_backoff_ms, --momentum in [0, 1)\n");
+                        "--ps_retry_secs, --num_epochs and --step_delay_ms >= 0, --ps_backoff_max_ms >= --ps_backoff_ms, "
+                        "--momentum in [0, 1)\n");
         return 2;
     }
     optim_defaults(&c.optim, kind, lr);
@@ -119,6 +124,8 @@ int main(int argc, char **argv)
     c.keep_ps = keep_ps;
     c.timeout_ms = timeout_ms;
     c.retry_secs = retry_secs;
+    c.num_epochs = num_epochs;
+    c.step_delay_ms = step_delay_ms;
     c.backoff_ms = backoff_ms;
     c.backoff_max_ms = backoff_max_ms;
     c.threads = threads;

@@ -40,6 +40,8 @@ enum MHD_Result h_params_get(request *r)
     if (query_int(r, "timeout_ms", &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
+    if (worker >= 0)
+        store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
     store_snap *v;
     int n, pending = 0;
     int64_t step;

@@ -492,7 +492,8 @@ int ckpt_list(const char *dir, ckpt_entry **out, int *n, char *err, size_t errle
         v[cnt++].step = step;
     }
     closedir(d);
-    qsort(v, (size_t)cnt, sizeof(*v), entry_cmp);
+    if (cnt > 1)
+        qsort(v, (size_t)cnt, sizeof(*v), entry_cmp);
     *out = v;
     *n = cnt;
     return 0;

@@ -48,6 +48,7 @@ enum MHD_Result h_checkpoint_get(request *r)
     MHD_add_response_header(resp, "Content-Disposition", disp);
     MHD_add_response_header(resp, "X-Global-Step", step_s);
     MHD_add_response_header(resp, "X-Checkpoint", base);
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
     r->status = MHD_HTTP_OK;
     r->bytes_out = strcmp(r->method, "HEAD") == 0 ? 0 : (uint64_t)st.st_size;
     enum MHD_Result rc = MHD_queue_response(r->conn, MHD_HTTP_OK, resp);

@@ -22,6 +22,7 @@
 #include "log.h"
 #include "routes.h"
 #include "saver.h"
+#include "membership.h"
 #include "server.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -134,6 +135,7 @@ int main(int argc, char **argv)
     const char *bind_host = NULL, *auth_file = NULL, *logdir = "./logs";
     int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
     int auth_reads = 0, print_routes = 0, sndbuf_kib = -1, save_secs = 60, keep_ckpts = 5;
+    float lease_secs = 10;
     float lr = 0.01f;
     uint64_t max_body = 1ULL << 30, pool_mib = 256;
     flag flags[] = {
@@ -156,6 +158,7 @@ int main(int argc, char **argv)
         {"logdir", FLAG_STRING, &logdir, "folder for checkpoints, as tf.train.Supervisor's logdir; this task's go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start (default ./logs); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
         {"keep_checkpoints", FLAG_INT, &keep_ckpts, "keep the newest this many checkpoints (default 5)", 0},
+        {"worker_lease_secs", FLAG_FLOAT, &lease_secs, "sync: a worker not heard from for this long no longer holds up a step (it counts again from its next request; default 10)", 0},
         {"routes", FLAG_BOOL, &print_routes, "print the HTTP route table and exit", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
@@ -225,6 +228,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --connection_timeout, --max_connections and --max_body_bytes must be positive\n");
         return fail(srv, 2);
     }
+    if (!(lease_secs >= 0.5 && lease_secs <= 86400)) {
+        fprintf(stderr, "psd: --worker_lease_secs must be from 0.5 to 86400, got %g\n", (double)lease_secs);
+        return fail(srv, 2);
+    }
     if (save_secs < 0 || keep_ckpts < 1) {
         fprintf(stderr, "psd: --save_checkpoint_secs must be >= 0 and --keep_checkpoints >= 1\n");
         return fail(srv, 2);
@@ -283,6 +290,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
+    srv->store.lease_ms = (int64_t)(lease_secs * 1000);
     srv->store.on_step = on_step;
     srv->store.on_step_ctx = srv;
     /* RESTPS_TEST_SYNTHETIC_HISTORY (history.h): the run goes on from there */
@@ -349,6 +357,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
         return 1;
     }
+    if (!(srv->membership = membership_start(srv))) {
+        fprintf(stderr, "psd: cannot start the membership thread\n");
+        return 1;
+    }
     if (srv->saver && saver_start(srv->saver) != 0) {
         fprintf(stderr, "psd: cannot start the checkpoint thread\n");
         return 1;
@@ -379,6 +391,7 @@ int main(int argc, char **argv)
         log_info("psd: %d requests still in flight after 5 s: closing them",
                  atomic_load(&srv->in_flight));
     MHD_stop_daemon(d);
+    membership_stop(srv->membership);
     int status = 0;
     if (srv->saver) {
         /* nothing changes any more: the last checkpoint holds everything */

@@ -38,6 +38,9 @@ static const route routes[] = {
     {"POST", "/v1/done", ROUTE_WRITE | ROUTE_BODY, NULL, h_done_post, "a worker finished"},
     {"GET", "/v1/checkpoint", 0, NULL, h_checkpoint_get, "the newest checkpoint file"},
     {"POST", "/v1/checkpoint", ROUTE_WRITE, NULL, h_checkpoint_post, "save a checkpoint now"},
+    {"GET", "/v1/sync", 0, NULL, h_sync, "the sync step in progress: gradients in, workers waited for"},
+    {"POST", "/v1/heartbeat", ROUTE_WRITE | ROUTE_BODY, NULL, h_heartbeat,
+     "a worker renews its lease"},
     {"POST", "/v1/shutdown", ROUTE_WRITE, NULL, h_shutdown_post, "stop this ps task"},
 };
 #define N_ROUTES (sizeof(routes) / sizeof(routes[0]))

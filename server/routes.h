@@ -66,5 +66,7 @@ enum MHD_Result h_done_post(request *r);
 enum MHD_Result h_shutdown_post(request *r);
 enum MHD_Result h_checkpoint_get(request *r);  /* checkpoint_routes.c */
 enum MHD_Result h_checkpoint_post(request *r);
+enum MHD_Result h_sync(request *r);       /* membership.c */
+enum MHD_Result h_heartbeat(request *r);
 
 #endif

@@ -219,9 +219,8 @@ int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char
         goto failed;
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
-    uint64_t bytes = 0;
-    for (int i = 0; i < snap.n; i++)
-        bytes += (uint64_t)snap.vars[i].numel * 4 * (uint64_t)(1 + snap.vars[i].n_slots);
+    struct stat fst;
+    uint64_t bytes = stat(p, &fst) == 0 ? (uint64_t)fst.st_size : 0; /* the file's size, as after a restore */
     double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
     sv->saved_changes = snap.changes;
     sv->has_saved = 1;

@@ -39,6 +39,7 @@ typedef struct server {
     atomic_int stopping;   /* POST /v1/shutdown was accepted */
     atomic_int in_flight;  /* requests begun and not yet completed */
     struct saver *saver;   /* checkpoints (saver.c); NULL when --logdir is empty */
+    struct membership *membership; /* the sync step's ticker (membership.c) */
     pthread_mutex_t info_mu; /* guards what follows */
     struct {
         int has;

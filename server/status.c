@@ -2,6 +2,7 @@
 #include <time.h>
 
 #include "history.h"
+#include "membership.h"
 #include "saver.h"
 #include "routes.h"
 #include "workers.h"
@@ -53,6 +54,7 @@ json_t *status_json(server *srv)
     else
         json_object_set_new(o, "eval", json_null());
     pthread_mutex_unlock(&srv->info_mu);
+    json_object_set_new(o, "sync", membership_json(srv));
     json_object_set_new(o, "checkpoint", srv->saver ? saver_status_json(srv->saver) : json_null());
     workers_status(srv->workers, &srv->store, o);
     history_status(srv->history, o);

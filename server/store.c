@@ -4,8 +4,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static void pending_clear(store *s);
+static int replicas_needed(const store *s);
 
 int store_init(store *s, float learning_rate, bufpool *pool)
 {
@@ -23,7 +25,40 @@ int store_init(store *s, float learning_rate, bufpool *pool)
     optim_defaults(&s->config.optim, OPTIM_SGD, learning_rate);
     s->config.replicas_to_aggregate = 1;
     s->config.workers = 1;
+    s->lease_ms = 10000;
+    s->step_started_ms = store_now_ms();
     return STORE_OK;
+}
+
+int64_t store_now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+void store_touch(store *s, int worker)
+{
+    if (worker < 0 || worker >= STORE_MAX_WORKERS)
+        return;
+    atomic_store(&s->lease_until[worker], store_now_ms() + s->lease_ms);
+    atomic_store(&s->left[worker], 0);
+}
+
+void store_leave(store *s, int worker)
+{
+    if (worker < 0 || worker >= STORE_MAX_WORKERS)
+        return;
+    atomic_store(&s->left[worker], 1);
+}
+
+/* Workers of the run whose lease is running. */
+static int live_workers(const store *s, int64_t now)
+{
+    int live = 0;
+    for (int w = 0; w < s->config.workers; w++)
+        live += !atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now;
+    return live;
 }
 
 void store_destroy(store *s)
@@ -341,6 +376,7 @@ static void pending_clear(store *s)
         st_file_free(&s->pending[i].f);
     }
     s->n_pending = 0;
+    s->first_pending_ms = 0;
 }
 
 /* Sync: the step has its replicas. Sum each variable's gradients in worker
@@ -408,6 +444,8 @@ static int aggregate(store *s)
     s->global_step++;
     s->pushes_applied++;
     pending_clear(s);
+    s->step_started_ms = store_now_ms();
+    s->first_pending_ms = 0;
 out:
     free(idx);
     free(cnt);
@@ -415,10 +453,25 @@ out:
     return rc;
 }
 
-/* Gradients a sync step needs right now. */
+int store_sync_tick(store *s)
+{
+    pthread_rwlock_wrlock(&s->lock);
+    int stepped = s->config.sync && s->n_pending > 0 && s->n_pending >= replicas_needed(s) &&
+                  aggregate(s) == STORE_OK;
+    int64_t step = s->global_step;
+    pthread_rwlock_unlock(&s->lock);
+    if (stepped)
+        notify(s, step);
+    return stepped;
+}
+
+/* Gradients a sync step needs right now: min(R, live workers), at least 1. */
 static int replicas_needed(const store *s)
 {
     int r = s->config.replicas_to_aggregate;
+    int live = live_workers(s, store_now_ms());
+    if (live < r)
+        r = live;
     return r > 0 ? r : 1;
 }
 
@@ -437,6 +490,8 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
                      f->tensors[k].name, f->tensors[k].dtype);
             return STORE_EINVAL;
         }
+    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS)
+        store_touch(s, (int)meta->worker); /* a push renews its worker's lease */
     pthread_rwlock_wrlock(&s->lock);
     int rc = STORE_OK, stepped = 0;
     int *idx = NULL;
@@ -504,7 +559,8 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
         p->data = data;
         p->has_loss = meta->has_loss;
         p->loss = meta->loss;
-        s->n_pending++;
+        if (s->n_pending++ == 0)
+            s->first_pending_ms = store_now_ms();
         push_remember(s, meta->push_id, s->global_step);
         *outcome = STORE_PUSH_PENDING;
         if (s->n_pending >= replicas_needed(s)) {
@@ -565,6 +621,12 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
         }
         if (!s->configured || memcmp(&s->config, c, sizeof(*c)) != 0)
             s->changes++;
+        /* every worker of the run starts with a lease */
+        int64_t until = store_now_ms() + s->lease_ms;
+        for (int w = 0; w < c->workers; w++) {
+            atomic_store(&s->lease_until[w], until);
+            atomic_store(&s->left[w], 0);
+        }
         s->config = *c;
         s->learning_rate = c->optim.learning_rate;
         s->configured = 1;
@@ -695,6 +757,13 @@ int store_restore(store *s, store_saved *sv)
     s->stale_dropped = sv->stale_dropped;
     s->pushes_applied = sv->pushes_applied;
     s->changes = sv->changes;
+    /* the workers get a lease from now, as at configuration */
+    int64_t now = store_now_ms();
+    for (int w = 0; w < s->config.workers && w < STORE_MAX_WORKERS; w++) {
+        atomic_store(&s->lease_until[w], now + s->lease_ms);
+        atomic_store(&s->left[w], 0);
+    }
+    s->step_started_ms = now;
     pthread_rwlock_unlock(&s->lock);
     pool_follow(s, bytes);
     return STORE_OK;

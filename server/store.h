@@ -107,6 +107,13 @@ typedef struct store {
     } pushes[STORE_PUSH_IDS];
     int push_next;
     uint64_t changes;         /* bumped by every change a checkpoint would hold */
+    /* sync membership: each worker's lease (CLOCK_MONOTONIC ms it runs
+     * until), renewed by its requests; a worker that said it finished left */
+    int64_t lease_ms;
+    _Atomic int64_t lease_until[STORE_MAX_WORKERS];
+    _Atomic unsigned char left[STORE_MAX_WORKERS];
+    int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
+    int64_t first_pending_ms; /* when its first gradient came (0 none) */
 } store;
 
 /* One variable as a checkpoint holds it. */
@@ -202,6 +209,21 @@ int store_restore(store *s, store_saved *sv);
  * current step is kept (*pending; sync). */
 int store_get_all_pending(store *s, store_snap **out, int *n, int64_t *global_step, int worker,
                           int *pending);
+
+/* Membership (sync). A worker's lease runs lease_ms from its last request
+ * that named it (a push, a long poll with worker=, a heartbeat); configuring
+ * gives every worker a fresh lease. A step needs min(replicas_to_aggregate,
+ * live workers) gradients (at least 1), so a dead or finished worker never
+ * holds the others up; a worker whose lease ran out counts again from its
+ * next request. */
+void store_touch(store *s, int worker);
+/* The worker finished (or stops): it leaves the run now. */
+void store_leave(store *s, int worker);
+/* Complete the current sync step if the live workers' gradients are in
+ * (called periodically: leases run out between pushes). 1 when it stepped. */
+int store_sync_tick(store *s);
+/* Monotonic milliseconds, the clock of the leases. */
+int64_t store_now_ms(void);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

@@ -211,6 +211,8 @@ enum MHD_Result h_done_post(request *r)
     if (!ok)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
     server *srv = r->srv;
+    store_leave(&srv->store, idx); /* a step no longer waits for it */
+    store_sync_tick(&srv->store);
     pthread_mutex_lock(&srv->info_mu);
     if (!srv->done[idx]) {
         srv->done[idx] = 1;

@@ -11,9 +11,11 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
 import ckpt_check
@@ -59,14 +61,14 @@ class Job:
         self.procs = {}
         self.export = str(self.dir / "model.safetensors")
 
-    def start_psd(self, env=None, task=0):
+    def start_psd(self, env=None, task=0, extra=()):
         e = dict(os.environ)
         e.pop("TF_CONFIG", None)
         e.update(env or {})
         self.psd_runs += 1
         err = str(self.dir / f"psd{task}-{self.psd_runs}.err")
         p = subprocess.Popen([binary("psd"), f"--ps_hosts={self.ps}", f"--task_index={task}",
-                              f"--logdir={self.logdir}", "--save_checkpoint_secs=1"],
+                              f"--logdir={self.logdir}", "--save_checkpoint_secs=1", *extra],
                              stdout=subprocess.PIPE, stderr=open(err, "w"), env=e)
         line = p.stdout.readline().decode()
         assert line.startswith("psd: listening on "), (line, open(err).read())
@@ -352,3 +354,38 @@ def test_sync_model_is_the_same_with_one_two_and_three_ps_tasks(jobs):
         models[name] = uninterrupted(jobs, args, n_ps=n_ps, name=name)[1]
     assert models["two"] == models["two-again"]
     assert models["one"] == models["two"] == models["three"]
+
+
+def parse_safetensors(b):
+    """{name: ndarray}, metadata: the format parsed here by hand."""
+    (n,) = struct.unpack("<Q", b[:8])
+    h = json.loads(b[8:8 + n])
+    meta = h.pop("__metadata__", {})
+    d = b[8 + n:]
+    return {k: np.frombuffer(d[v["data_offsets"][0]:v["data_offsets"][1]], "<f4").reshape(v["shape"])
+            for k, v in h.items()}, meta
+
+
+def test_export_holds_every_shard_as_a_bulk_pull_reads_it(jobs):
+    job = jobs("export", 1, ["--sync=1", "--hidden_units=32,16", "--train_steps=200", "--seed=2",
+                             "--log_every=0", "--keep_ps"], n_ps=2)
+    job.start_psd(task=0)
+    job.start_psd(task=1)
+    outs = job.finish([job.worker(0)])
+    assert outs[0][0] == 0, outs[0][1][-3000:]
+    exported, meta = parse_safetensors(open(job.export, "rb").read())
+    assert meta["global_step"] == "200"
+    pulled = {}
+    for url in (job.url, f"http://127.0.0.1:{job.ports[1]}"):
+        st, _, body = http("GET", url + "/v1/params")
+        assert st == 200
+        t, m = parse_safetensors(body)
+        assert m["global_step"] == "200"
+        assert not set(t) & set(pulled)  # each variable lives on one shard
+        pulled.update(t)
+    assert set(exported) == set(pulled) == {"hid0_w", "hid0_b", "hid1_w", "hid1_b", "sm_w", "sm_b"}
+    for k in exported:
+        assert exported[k].shape == pulled[k].shape and exported[k].tobytes() == pulled[k].tobytes(), k
+    for p in (job.psd, job.others[1]):
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0

@@ -1,0 +1,141 @@
+/* membership.c - the sync step's membership (see membership.h). */
+#include "membership.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "routes.h"
+
+struct membership {
+    server *srv;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int stop;
+};
+
+static void *tick(void *arg)
+{
+    struct membership *m = arg;
+    pthread_mutex_lock(&m->mu);
+    while (!m->stop) {
+        struct timespec at;
+        clock_gettime(CLOCK_MONOTONIC, &at);
+        at.tv_nsec += 100 * 1000000L;
+        if (at.tv_nsec >= 1000000000L) {
+            at.tv_sec++;
+            at.tv_nsec -= 1000000000L;
+        }
+        while (!m->stop && pthread_cond_timedwait(&m->cv, &m->mu, &at) != ETIMEDOUT) {
+        }
+        if (m->stop)
+            break;
+        pthread_mutex_unlock(&m->mu);
+        store_sync_tick(&m->srv->store);
+        pthread_mutex_lock(&m->mu);
+    }
+    pthread_mutex_unlock(&m->mu);
+    return NULL;
+}
+
+struct membership *membership_start(server *srv)
+{
+    struct membership *m = calloc(1, sizeof(*m));
+    if (!m)
+        return NULL;
+    m->srv = srv;
+    pthread_mutex_init(&m->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&m->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&m->thread, NULL, tick, m) != 0) {
+        pthread_mutex_destroy(&m->mu);
+        pthread_cond_destroy(&m->cv);
+        free(m);
+        return NULL;
+    }
+    return m;
+}
+
+void membership_stop(struct membership *m)
+{
+    if (!m)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->stop = 1;
+    pthread_cond_broadcast(&m->cv);
+    pthread_mutex_unlock(&m->mu);
+    pthread_join(m->thread, NULL);
+    pthread_mutex_destroy(&m->mu);
+    pthread_cond_destroy(&m->cv);
+    free(m);
+}
+
+json_t *membership_json(server *srv)
+{
+    store *s = &srv->store;
+    int64_t now = store_now_ms();
+    pthread_rwlock_rdlock(&s->lock);
+    int sync = s->configured && s->config.sync;
+    json_t *have = json_array(), *waiting = json_array(), *dead = json_array(),
+           *left = json_array();
+    int live = 0;
+    for (int w = 0; w < s->config.workers; w++) {
+        int pending = 0;
+        for (int i = 0; i < s->n_pending; i++)
+            pending |= s->pending[i].worker == w;
+        int gone = atomic_load(&s->left[w]), alive = atomic_load(&s->lease_until[w]) > now;
+        live += !gone && alive;
+        if (pending)
+            json_array_append_new(have, json_integer(w));
+        else if (gone)
+            json_array_append_new(left, json_integer(w));
+        else if (!alive)
+            json_array_append_new(dead, json_integer(w));
+        else if (sync)
+            json_array_append_new(waiting, json_integer(w));
+    }
+    int r = s->config.replicas_to_aggregate;
+    int needed = live < r ? live : r;
+    json_t *o = json_pack(
+        "{s:s,s:I,s:i,s:i,s:i,s:i,s:o,s:o,s:o,s:o,s:f,s:f,s:f}", "mode", sync ? "sync" : "async",
+        "global_step", (json_int_t)s->global_step, "workers", s->config.workers,
+        "replicas_to_aggregate", r, "live_workers", live, "needed", needed > 0 ? needed : 1,
+        "have", have, "waiting_for", waiting, "dead", dead, "left", left, "lease_secs",
+        (double)s->lease_ms / 1000.0, "step_secs", (double)(now - s->step_started_ms) / 1000.0,
+        "waiting_secs",
+        s->first_pending_ms ? (double)(now - s->first_pending_ms) / 1000.0 : 0.0);
+    pthread_rwlock_unlock(&s->lock);
+    return o;
+}
+
+enum MHD_Result h_sync(request *r)
+{
+    return http_reply_json(r, MHD_HTTP_OK, membership_json(r->srv));
+}
+
+enum MHD_Result h_heartbeat(request *r)
+{
+    json_error_t je;
+    json_t *j = json_loadb((const char *)r->body->data, r->body->len, JSON_REJECT_DUPLICATES, &je);
+    json_t *w = j ? json_object_get(j, "worker") : NULL;
+    int ok = json_is_integer(w) && json_integer_value(w) >= 0 &&
+             json_integer_value(w) < STORE_MAX_WORKERS;
+    int idx = ok ? (int)json_integer_value(w) : 0;
+    json_decref(j);
+    if (!ok)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
+    store_touch(&r->srv->store, idx);
+    int n, has_loss;
+    uint64_t bytes;
+    int64_t step;
+    double loss;
+    store_totals(&r->srv->store, &n, &bytes, &step, &has_loss, &loss);
+    return http_reply_json(r, MHD_HTTP_OK,
+                           json_pack("{s:I,s:f}", "global_step", (json_int_t)step, "lease_secs",
+                                     (double)r->srv->store.lease_ms / 1000.0));
+}

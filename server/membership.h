@@ -1,0 +1,22 @@
+/* membership.h - which workers a sync step waits for: a ticker that
+ * completes a step once the workers still alive have pushed (leases run out
+ * between pushes), POST /v1/heartbeat (a worker renews its lease while it
+ * computes), and GET /v1/sync (the step in progress: whom it has gradients
+ * from, whom it waits for, for how long). The leases themselves live in the
+ * store (store_touch, store_leave). */
+#ifndef RESTPS_MEMBERSHIP_H
+#define RESTPS_MEMBERSHIP_H
+
+#include <jansson.h>
+
+#include "server.h"
+
+struct membership;
+/* Starts the ticker thread (every 100 ms). NULL when it cannot. */
+struct membership *membership_start(server *srv);
+void membership_stop(struct membership *m);
+
+/* The /v1/sync object (also "sync" in ps 0's /v1/status). */
+json_t *membership_json(server *srv);
+
+#endif

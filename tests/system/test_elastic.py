@@ -1,0 +1,108 @@
+"""Sync training that never hangs on a worker (issue 4, the elastic part):
+each worker holds a lease on the ps; a step needs min(replicas_to_aggregate,
+live workers) gradients. A worker killed with -9 stops holding up the steps
+once its lease runs out and counts again when it comes back; a worker whose
+data ends leaves cleanly; with backup workers (replicas_to_aggregate < workers)
+a slow worker does not slow the steps."""
+import json
+import time
+
+import pytest
+
+from conftest import http
+from test_recovery import ASAN, accuracy_of, jobs, no_sanitizer_report  # noqa: F401 (fixture)
+
+LEASE = "2"
+
+
+def sync_state(job):
+    st, _, body = http("GET", job.url + "/v1/sync")
+    assert st == 200, body
+    return json.loads(body)
+
+
+def rate(job, secs):
+    a, t0 = job.step(), time.time()
+    time.sleep(secs)
+    return (job.step() - a) / (time.time() - t0)
+
+
+def test_a_killed_sync_worker_stops_holding_up_the_steps_and_rejoins(jobs):
+    steps = 1500 if ASAN else 6000
+    args = ["--sync=1", "--hidden_units=32", "--batch_size=50", f"--train_steps={steps}",
+            "--log_every=0", "--seed=4"]
+    job = jobs("kill-worker", 3, args)
+    job.start_psd(extra=[f"--worker_lease_secs={LEASE}"])
+    w2 = job.worker(2)
+    others = [job.worker(1), job.worker(0)]
+    at = job.wait_step(steps // 10)
+    w2.kill()
+    w2.wait()
+    t_kill = time.time()
+    # the step waits for worker 2 until its lease runs out, then goes on
+    moved = job.wait_step(job.step() + 20, timeout=30)
+    waited = time.time() - t_kill
+    s = sync_state(job)
+    assert 2 in s["dead"] and s["live_workers"] == 2 and s["needed"] == 2, s
+    print(f"worker 2 killed at step {at}: steps went on {waited:.2f} s later "
+          f"(lease {LEASE} s), at step {moved}")
+    assert waited <= float(LEASE) + 3
+    # restart it: it rejoins and counts again
+    w2b = job.worker(2)
+    t0 = time.time()
+    while True:
+        s = sync_state(job)
+        if 2 not in s["dead"] and s["live_workers"] == 3:
+            break
+        assert time.time() - t0 < 60, s
+        time.sleep(0.05)
+    outs = job.finish(others + [w2b])
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
+        no_sanitizer_report(out)
+    assert job.psd.wait(timeout=30) == 0
+    assert accuracy_of(outs[1][1]) >= 0.7
+
+
+def test_a_worker_whose_data_ends_leaves_and_nobody_hangs(jobs):
+    steps = 800 if ASAN else 3000
+    args = ["--sync=1", "--hidden_units=32", "--batch_size=50", f"--train_steps={steps}",
+            "--log_every=0"]
+    job = jobs("data-ends", 3, args)
+    job.start_psd()  # the default lease: leaving must not wait for it
+    short = job.worker(2, "--num_epochs=0.5")
+    others = [job.worker(1), job.worker(0)]
+    t0 = time.time()
+    outs = job.finish([short] + others, timeout=300)
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
+    assert "its data ended after 0.5 epochs" in outs[0][1]
+    assert "training done at global step" in outs[2][1]
+    print(f"3 sync workers, one leaving after half an epoch: done in {time.time() - t0:.1f} s")
+
+
+def test_backup_workers_keep_the_step_rate_of_the_fast_ones(jobs):
+    """3 workers, one 40 ms slower per step. Without backup workers every step
+    waits for it; with replicas_to_aggregate=2 the first two gradients make the
+    step and the slow one's come too late (dropped as stale)."""
+    args = ["--sync=1", "--hidden_units=32", "--batch_size=50", "--train_steps=1000000",
+            "--log_every=0"]
+    rates = {}
+    for r in (3, 2):
+        job = jobs(f"backup-{r}", 3, args + [f"--replicas_to_aggregate={r}"])
+        job.start_psd()
+        procs = [job.worker(2, "--step_delay_ms=40"), job.worker(1), job.worker(0, "--keep_ps")]
+        job.wait_step(20)
+        rates[r] = rate(job, 3)
+        st, _, body = http("GET", job.url + "/v1/status")
+        stale = json.loads(body)["stale_dropped"]
+        for p in procs:
+            p.kill()
+            p.wait()
+        if r == 2:
+            assert stale > 0  # the slow worker's gradients came late
+    ratio = rates[2] / rates[3]
+    print(f"steps/s with a slow worker: all 3 aggregated {rates[3]:.0f}, "
+          f"2 of 3 (one backup) {rates[2]:.0f}: {ratio:.1f}x")
+    assert rates[3] < 1000 / 40 + 2  # each step waited for the slow one
+    assert ratio >= 3
