@@ -26,7 +26,7 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c
 CLIENT_SRC = client/libps.c
-WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c client/progress.c client/heartbeat.c
+WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(BUILD)/web_assets.o

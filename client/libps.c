@@ -28,6 +28,8 @@ struct ps_client {
     long status;
     long extra_timeout_ms; /* added to the next request's limit (long polls) */
     unsigned seed;         /* backoff jitter */
+    CURLM *multi;          /* requests to every shard at once */
+    int (*abort_fn)(void); /* nonzero: stop waiting (a signal asked the program to stop) */
 };
 
 /* Where an answer goes. */
@@ -143,6 +145,8 @@ void ps_client_free(ps_client *c)
 {
     if (!c)
         return;
+    if (c->multi)
+        curl_multi_cleanup(c->multi);
     for (int i = 0; c->h && i < c->n; i++)
         if (c->h[i])
             curl_easy_cleanup(c->h[i]);
@@ -254,6 +258,15 @@ static size_t on_read(char *p, size_t size, size_t nmemb, void *ud)
     return done;
 }
 
+static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un)
+{
+    (void)dt, (void)dn, (void)ut, (void)un;
+    ps_client *c = ud;
+    return c->abort_fn && c->abort_fn() ? 1 : 0;
+}
+
+void ps_set_abort(ps_client *c, int (*fn)(void)) { c->abort_fn = fn; }
+
 static void sleep_ms(long ms)
 {
     struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
@@ -261,111 +274,217 @@ static void sleep_ms(long ms)
     }
 }
 
-/* One request with retries. method: "GET", "PUT", "POST". extra: NULL-ended
- * header lines. src may be NULL. The answer lands in s. */
-static int do_request(ps_client *c, int shard, const char *method, const char *path,
-                      const char *const *extra, source *src, sink *s, enum retry_mode mode)
-{
-    if (shard < 0 || shard >= c->n) {
-        set_err(c, "shard %d out of range (the cluster has %d ps tasks)", shard, c->n);
-        return PS_EINVAL;
-    }
-    CURL *h = c->h[shard];
+/* One request of a batch: what it sends, where its answer lands, how it ended. */
+typedef struct xfer {
+    int shard;
+    const char *method, *path;
+    const char *const *extra; /* NULL-ended header lines */
+    source *src;              /* may be NULL */
+    sink *s;
+    enum retry_mode mode;
     char url[CLUSTER_HOST_MAX + 32 + 512];
-    if ((size_t)snprintf(url, sizeof(url), "%s%s", c->base[shard], path) >= sizeof(url)) {
-        set_err(c, "path too long: %.100s", path);
-        return PS_EINVAL;
-    }
-    struct curl_slist *hdrs = NULL, *t;
-#define ADD_HEADER(x)                                                                              \
-    do {                                                                                           \
-        if (!(t = curl_slist_append(hdrs, (x)))) {                                                 \
-            curl_slist_free_all(hdrs);                                                             \
-            set_err(c, "out of memory");                                                           \
-            return PS_ENOMEM;                                                                      \
-        }                                                                                          \
-        hdrs = t;                                                                                  \
-    } while (0)
-    ADD_HEADER("Expect:");
-    if (c->auth)
-        ADD_HEADER(c->auth);
-    for (int i = 0; extra && extra[i]; i++)
-        ADD_HEADER(extra[i]);
-#undef ADD_HEADER
+    struct curl_slist *hdrs;
+    size_t start_len;
+    int rc, done, retry;
+    long status;
+    char err[1024];
+} xfer;
 
+/* The request's URL and header list; PS_OK or an error in x->err. */
+static int xfer_prepare(ps_client *c, xfer *x)
+{
+    if (x->shard < 0 || x->shard >= c->n) {
+        snprintf(x->err, sizeof(x->err), "shard %d out of range (the cluster has %d ps tasks)",
+                 x->shard, c->n);
+        return x->rc = PS_EINVAL;
+    }
+    if ((size_t)snprintf(x->url, sizeof(x->url), "%s%s", c->base[x->shard], x->path) >= sizeof(x->url)) {
+        snprintf(x->err, sizeof(x->err), "path too long: %.100s", x->path);
+        return x->rc = PS_EINVAL;
+    }
+    const char *fixed[] = {"Expect:", c->auth};
+    for (int i = 0; i < 2; i++) {
+        if (!fixed[i])
+            continue;
+        struct curl_slist *t = curl_slist_append(x->hdrs, fixed[i]);
+        if (!t)
+            goto oom;
+        x->hdrs = t;
+    }
+    for (int i = 0; x->extra && x->extra[i]; i++) {
+        struct curl_slist *t = curl_slist_append(x->hdrs, x->extra[i]);
+        if (!t)
+            goto oom;
+        x->hdrs = t;
+    }
+    x->start_len = x->s->len;
+    return x->rc = PS_OK;
+oom:
+    snprintf(x->err, sizeof(x->err), "out of memory");
+    return x->rc = PS_ENOMEM;
+}
+
+/* Set the shard's handle up for one try of x. */
+static CURL *xfer_setup(ps_client *c, xfer *x)
+{
+    CURL *h = c->h[x->shard];
+    sink *s = x->s;
+    curl_easy_reset(h);
+    s->h = h;
+    s->len = x->start_len;
+    s->overflow = 0;
+    s->errlen = 0;
+    s->errbody[0] = '\0';
+    curl_easy_setopt(h, CURLOPT_URL, x->url);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, x->hdrs);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_write);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, s);
+    curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(h, CURLOPT_HEADERDATA, s);
+    curl_easy_setopt(h, CURLOPT_BUFFERSIZE, 1L << 20);
+    curl_easy_setopt(h, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
+    curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, c->opt.timeout_ms + c->extra_timeout_ms);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, c->opt.connect_timeout_ms);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_PROXY, ""); /* a cluster is never behind http_proxy */
+    curl_easy_setopt(h, CURLOPT_PRIVATE, x);
+    if (c->abort_fn) {
+        curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+        curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, on_progress);
+        curl_easy_setopt(h, CURLOPT_XFERINFODATA, c);
+    }
+    if (x->src) {
+        x->src->idx = 0;
+        x->src->pos = 0;
+        curl_off_t total = (curl_off_t)(x->src->len[0] + x->src->len[1]);
+        curl_easy_setopt(h, CURLOPT_READFUNCTION, on_read);
+        curl_easy_setopt(h, CURLOPT_READDATA, x->src);
+        if (strcmp(x->method, "PUT") == 0) {
+            curl_easy_setopt(h, CURLOPT_UPLOAD, 1L);
+            curl_easy_setopt(h, CURLOPT_INFILESIZE_LARGE, total);
+        } else {
+            curl_easy_setopt(h, CURLOPT_POST, 1L);
+            curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, total);
+        }
+    } else if (strcmp(x->method, "GET") != 0) {
+        curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, x->method);
+    }
+    return h;
+}
+
+/* How one try of x ended: x->rc, x->status, x->err, x->retry. */
+static void xfer_judge(ps_client *c, xfer *x, CURLcode cr)
+{
+    long code = 0;
+    curl_easy_getinfo(c->h[x->shard], CURLINFO_RESPONSE_CODE, &code);
+    x->status = code;
+    x->retry = 0;
+    if (cr == CURLE_OK && code < 300) {
+        x->rc = PS_OK;
+        x->done = 1;
+        return;
+    }
+    x->done = 1;
+    if (x->s->overflow) {
+        snprintf(x->err, sizeof(x->err), "%s: %s %s: the answer does not fit the buffer of %zu bytes",
+                 c->label[x->shard], x->method, x->path, x->s->cap);
+        x->rc = PS_ETOOBIG;
+        return;
+    }
+    if (cr == CURLE_OK) {
+        /* the server answered with an error: quote its message */
+        const char *msg = x->s->errbody;
+        json_t *j = json_loads(x->s->errbody, 0, NULL);
+        if (j && json_is_string(json_object_get(j, "error")))
+            msg = json_string_value(json_object_get(j, "error"));
+        snprintf(x->err, sizeof(x->err), "%.100s: %s %.200s: HTTP %ld: %.600s", c->label[x->shard], x->method,
+                 x->path, code, msg);
+        json_decref(j);
+        x->rc = PS_EHTTP;
+        x->retry = code == 503 && x->mode == RETRY_ANY;
+    } else {
+        snprintf(x->err, sizeof(x->err), "%s: %s %s: %s", c->label[x->shard], x->method, x->path,
+                 curl_easy_strerror(cr));
+        x->rc = PS_ENET;
+        x->retry = x->mode == RETRY_ANY || cr == CURLE_COULDNT_CONNECT;
+    }
+}
+
+/* One try of every x not done yet: one at a time when it is one, else all at
+ * once over libcurl's multi interface (one connection per shard). */
+static void xfer_try(ps_client *c, xfer *xs, int n)
+{
+    int todo = 0, last = -1;
+    for (int i = 0; i < n; i++)
+        if (!xs[i].done) {
+            todo++;
+            last = i;
+        }
+    if (todo == 1) {
+        CURL *h = xfer_setup(c, &xs[last]);
+        xfer_judge(c, &xs[last], curl_easy_perform(h));
+        return;
+    }
+    if (!c->multi && !(c->multi = curl_multi_init())) {
+        for (int i = 0; i < n; i++)
+            if (!xs[i].done) {
+                xs[i].done = 1;
+                xs[i].rc = PS_ENOMEM;
+                snprintf(xs[i].err, sizeof(xs[i].err), "out of memory (libcurl multi)");
+            }
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        if (!xs[i].done)
+            curl_multi_add_handle(c->multi, xfer_setup(c, &xs[i]));
+    int running = 1;
+    while (running) {
+        CURLMcode mc = curl_multi_perform(c->multi, &running);
+        if (mc == CURLM_OK && running)
+            mc = curl_multi_poll(c->multi, NULL, 0, 1000, NULL);
+        if (mc != CURLM_OK)
+            break;
+    }
+    CURLMsg *msg;
+    int left;
+    while ((msg = curl_multi_info_read(c->multi, &left)))
+        if (msg->msg == CURLMSG_DONE) {
+            xfer *x = NULL;
+            curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&x);
+            if (x)
+                xfer_judge(c, x, msg->data.result);
+        }
+    for (int i = 0; i < n; i++)
+        if (!xs[i].done) { /* the multi interface failed under it */
+            xs[i].done = 1;
+            xs[i].rc = PS_ENET;
+            snprintf(xs[i].err, sizeof(xs[i].err), "%s: %s %s: transfer did not finish",
+                     c->label[xs[i].shard], xs[i].method, xs[i].path);
+        }
+    for (int i = 0; i < n; i++)
+        curl_multi_remove_handle(c->multi, c->h[xs[i].shard]);
+}
+
+/* Run xs (distinct shards) with retries: network errors and 503 where the
+ * mode allows, with backoff and jitter, `retries` times and for retry_ms in
+ * all. Returns PS_OK, or the first failure in shard order (its message in
+ * ps_error, its status in ps_http_status). */
+static int do_requests(ps_client *c, xfer *xs, int n)
+{
+    int rc = PS_OK;
+    for (int i = 0; i < n; i++)
+        if (xfer_prepare(c, &xs[i]) != PS_OK)
+            xs[i].done = 1;
     long wait = c->opt.backoff_ms;
-    int rc = PS_ENET;
-    size_t start_len = s->len;
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int attempt = 0;; attempt++) {
-        curl_easy_reset(h);
-        s->h = h;
-        s->len = start_len;
-        s->overflow = 0;
-        s->errlen = 0;
-        s->errbody[0] = '\0';
-        c->status = 0;
-        curl_easy_setopt(h, CURLOPT_URL, url);
-        curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
-        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_write);
-        curl_easy_setopt(h, CURLOPT_WRITEDATA, s);
-        curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, on_header);
-        curl_easy_setopt(h, CURLOPT_HEADERDATA, s);
-        curl_easy_setopt(h, CURLOPT_BUFFERSIZE, 1L << 20);
-        curl_easy_setopt(h, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
-        curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
-        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, c->opt.timeout_ms + c->extra_timeout_ms);
-        curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, c->opt.connect_timeout_ms);
-        curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-        curl_easy_setopt(h, CURLOPT_PROXY, ""); /* a cluster is never behind http_proxy */
-        if (src) {
-            src->idx = 0;
-            src->pos = 0;
-            curl_off_t total = (curl_off_t)(src->len[0] + src->len[1]);
-            curl_easy_setopt(h, CURLOPT_READFUNCTION, on_read);
-            curl_easy_setopt(h, CURLOPT_READDATA, src);
-            if (strcmp(method, "PUT") == 0) {
-                curl_easy_setopt(h, CURLOPT_UPLOAD, 1L);
-                curl_easy_setopt(h, CURLOPT_INFILESIZE_LARGE, total);
-            } else {
-                curl_easy_setopt(h, CURLOPT_POST, 1L);
-                curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, total);
-            }
-        } else if (strcmp(method, "GET") != 0) {
-            curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, method);
-        }
-        CURLcode cr = curl_easy_perform(h);
-        long code = 0;
-        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
-        c->status = code;
-        if (cr == CURLE_OK && code < 300) {
-            rc = PS_OK;
-            break;
-        }
-        if (s->overflow) {
-            set_err(c, "%s: %s %s: the answer does not fit the buffer of %zu bytes", c->label[shard],
-                    method, path, s->cap);
-            rc = PS_ETOOBIG;
-            break;
-        }
-        int retryable;
-        if (cr == CURLE_OK) {
-            /* the server answered with an error: quote its message */
-            const char *msg = s->errbody;
-            json_t *j = json_loads(s->errbody, 0, NULL);
-            if (j && json_is_string(json_object_get(j, "error")))
-                msg = json_string_value(json_object_get(j, "error"));
-            set_err(c, "%s: %s %s: HTTP %ld: %s", c->label[shard], method, path, code, msg);
-            json_decref(j);
-            rc = PS_EHTTP;
-            retryable = code == 503 && mode == RETRY_ANY;
-        } else {
-            set_err(c, "%s: %s %s: %s", c->label[shard], method, path, curl_easy_strerror(cr));
-            rc = PS_ENET;
-            retryable = mode == RETRY_ANY || cr == CURLE_COULDNT_CONNECT;
-        }
-        if (!retryable)
+        xfer_try(c, xs, n);
+        int again = 0;
+        for (int i = 0; i < n; i++)
+            again |= xs[i].rc != PS_OK && xs[i].retry;
+        if (!again || (c->abort_fn && c->abort_fn()))
             break;
         struct timespec t1;
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -376,10 +495,34 @@ static int do_request(ps_client *c, int shard, const char *method, const char *p
         long w = wait / 2 + (long)(rand_r(&c->seed) % (unsigned)(wait - wait / 2 + 1));
         sleep_ms(w);
         wait = wait * 2 > c->opt.backoff_max_ms ? c->opt.backoff_max_ms : wait * 2;
+        for (int i = 0; i < n; i++)
+            if (xs[i].rc != PS_OK && xs[i].retry)
+                xs[i].done = 0;
     }
-    curl_slist_free_all(hdrs);
+    c->status = 0;
+    for (int i = 0; i < n; i++) {
+        curl_slist_free_all(xs[i].hdrs);
+        xs[i].hdrs = NULL;
+        if (rc == PS_OK && xs[i].rc != PS_OK) {
+            rc = xs[i].rc;
+            snprintf(c->err, sizeof(c->err), "%s", xs[i].err);
+            c->status = xs[i].status;
+        }
+    }
+    if (rc == PS_OK && n > 0)
+        c->status = xs[n - 1].status;
     c->extra_timeout_ms = 0;
     return rc;
+}
+
+/* One request with retries. method: "GET", "PUT", "POST". extra: NULL-ended
+ * header lines. src may be NULL. The answer lands in s. */
+static int do_request(ps_client *c, int shard, const char *method, const char *path,
+                      const char *const *extra, source *src, sink *s, enum retry_mode mode)
+{
+    xfer x = {.shard = shard, .method = method, .path = path, .extra = extra, .src = src, .s = s,
+              .mode = mode};
+    return do_requests(c, &x, 1);
 }
 
 static int get_json(ps_client *c, int shard, const char *method, const char *path,
@@ -668,5 +811,124 @@ int ps_json(ps_client *c, int shard, const char *method, const char *path, json_
         *out = j;
     else
         json_decref(j);
+    return rc;
+}
+
+/* An outcome word of POST /v1/grads as PS_PUSH_*. */
+static int outcome_of(json_t *j)
+{
+    const char *o = json_string_value(json_object_get(j, "outcome"));
+    int r = json_is_true(json_object_get(j, "duplicate")) ? PS_PUSH_DUPLICATE : PS_PUSH_APPLIED;
+    if (o && strcmp(o, "stale") == 0)
+        r = PS_PUSH_STALE;
+    else if (o && strcmp(o, "pending") == 0)
+        r = PS_PUSH_PENDING;
+    return r;
+}
+
+int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n)
+{
+    xfer *xs = calloc((size_t)(n ? n : 1), sizeof(xfer));
+    sink *ss = calloc((size_t)(n ? n : 1), sizeof(sink));
+    char (*paths)[128] = calloc((size_t)(n ? n : 1), sizeof(*paths));
+    int rc = PS_OK;
+    if (!xs || !ss || !paths) {
+        set_err(c, "out of memory");
+        rc = PS_ENOMEM;
+        goto out;
+    }
+    long extra = 0;
+    for (int i = 0; i < n; i++) {
+        if (r[i].min_step >= 0) {
+            if (r[i].timeout_ms < 0 || r[i].timeout_ms > 300000) {
+                set_err(c, "timeout_ms must be in [0, 300000]");
+                rc = PS_EINVAL;
+                goto out;
+            }
+            int k = snprintf(paths[i], sizeof(paths[i]), "/v1/params?min_step=%lld&timeout_ms=%ld",
+                             (long long)r[i].min_step, r[i].timeout_ms);
+            if (r[i].worker >= 0)
+                snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&worker=%d", r[i].worker);
+            if (r[i].timeout_ms > extra)
+                extra = r[i].timeout_ms;
+        } else {
+            snprintf(paths[i], sizeof(paths[i]), "/v1/params");
+        }
+        ss[i] = (sink){.buf = r[i].buf, .cap = r[i].cap};
+        xs[i] = (xfer){.shard = r[i].shard, .method = "GET", .path = paths[i], .s = &ss[i],
+                       .mode = RETRY_ANY};
+    }
+    c->extra_timeout_ms = extra;
+    if ((rc = do_requests(c, xs, n)) != PS_OK)
+        goto out;
+    for (int i = 0; i < n; i++) {
+        if (!ss[i].has_step) {
+            set_err(c, "%s: GET /v1/params: no X-Global-Step header", c->label[r[i].shard]);
+            rc = PS_EPROTO;
+            goto out;
+        }
+        r[i].len = ss[i].len;
+        r[i].global_step = ss[i].global_step;
+    }
+out:
+    c->extra_timeout_ms = 0;
+    free(xs);
+    free(ss);
+    free(paths);
+    return rc;
+}
+
+int ps_push_grads_many(ps_client *c, ps_push_req *r, int n)
+{
+    xfer *xs = calloc((size_t)(n ? n : 1), sizeof(xfer));
+    sink *ss = calloc((size_t)(n ? n : 1), sizeof(sink));
+    source *src = calloc((size_t)(n ? n : 1), sizeof(source));
+    char (*idh)[128] = calloc((size_t)(n ? n : 1), sizeof(*idh));
+    const char *(*extra)[3] = calloc((size_t)(n ? n : 1), sizeof(*extra));
+    int rc = PS_OK;
+    if (!xs || !ss || !src || !idh || !extra) {
+        set_err(c, "out of memory");
+        rc = PS_ENOMEM;
+        goto out;
+    }
+    for (int i = 0; i < n; i++) {
+        extra[i][0] = "Content-Type: application/octet-stream";
+        if (r[i].push_id) {
+            if (strlen(r[i].push_id) > 64) {
+                set_err(c, "push id longer than 64 characters");
+                rc = PS_EINVAL;
+                goto out;
+            }
+            snprintf(idh[i], sizeof(idh[i]), "X-Push-Id: %s", r[i].push_id);
+            extra[i][1] = idh[i];
+        }
+        src[i] = (source){.part = {r[i].head, r[i].data}, .len = {r[i].head_len, r[i].data_len}};
+        ss[i] = (sink){.growable = 1};
+        xs[i] = (xfer){.shard = r[i].shard, .method = "POST", .path = "/v1/grads", .extra = extra[i],
+                       .src = &src[i], .s = &ss[i],
+                       .mode = r[i].push_id ? RETRY_ANY : RETRY_CONNECT_ONLY};
+    }
+    if ((rc = do_requests(c, xs, n)) != PS_OK)
+        goto out;
+    for (int i = 0; i < n && rc == PS_OK; i++) {
+        json_error_t je;
+        json_t *j = json_loadb((const char *)ss[i].buf, ss[i].len, 0, &je);
+        if (!j) {
+            set_err(c, "%s: POST /v1/grads: answer is not JSON: %s", c->label[r[i].shard], je.text);
+            rc = PS_EPROTO;
+            break;
+        }
+        rc = step_from(c, r[i].shard, j, "POST /v1/grads", &r[i].global_step);
+        r[i].outcome = outcome_of(j);
+        json_decref(j);
+    }
+out:
+    for (int i = 0; ss && i < n; i++)
+        free(ss[i].buf);
+    free(xs);
+    free(ss);
+    free(src);
+    free(idh);
+    free(extra);
     return rc;
 }

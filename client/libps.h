@@ -101,6 +101,10 @@ int ps_pull_params_wait_worker(ps_client *c, int shard, int64_t min_step, long t
                                int worker, void *buf, size_t cap, size_t *len,
                                int64_t *global_step);
 
+/* fn (may be NULL) is asked during every wait: nonzero stops the request
+ * (PS_ENET) instead of retrying or waiting on, e.g. after SIGTERM. */
+void ps_set_abort(ps_client *c, int (*fn)(void));
+
 /* Change the retry time budget (ps_options.retry_ms) from now on. */
 void ps_set_retry_ms(ps_client *c, long retry_ms);
 
@@ -109,6 +113,33 @@ enum { PS_PUSH_APPLIED, PS_PUSH_DUPLICATE, PS_PUSH_STALE, PS_PUSH_PENDING };
 /* ps_push_grads, also saying what the server did with the push (PS_PUSH_*). */
 int ps_push_grads_ex(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
                      size_t data_len, const char *push_id, int64_t *global_step, int *outcome);
+
+/* Every shard at once (libcurl multi), one request per shard; n distinct
+ * shards. Each answer lands in its own buffer. On failure: the first failing
+ * shard's error (in the order given) in ps_error/ps_http_status. */
+typedef struct ps_pull_req {
+    int shard;
+    int64_t min_step;   /* < 0: no wait; else the long poll of ps_pull_params_wait */
+    long timeout_ms;
+    int worker;         /* >= 0: as ps_pull_params_wait_worker */
+    void *buf;
+    size_t cap;
+    size_t len;           /* out */
+    int64_t global_step;  /* out */
+} ps_pull_req;
+int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n);
+
+typedef struct ps_push_req {
+    int shard;
+    const void *head;     /* as ps_push_grads_ex */
+    size_t head_len;
+    const void *data;
+    size_t data_len;
+    const char *push_id;  /* may be NULL */
+    int64_t global_step;  /* out */
+    int outcome;          /* out: PS_PUSH_* */
+} ps_push_req;
+int ps_push_grads_many(ps_client *c, ps_push_req *r, int n);
 
 /* GET /v1/status as parsed JSON (json_decref it). */
 int ps_status(ps_client *c, int shard, json_t **out);

@@ -1,4 +1,4 @@
-/* shards.c - placement of the model on the ps tasks, bulk pull and push. */
+/* shards.c - the model over the ps tasks: bulk pull and push (see shards.h). */
 #include "shards.h"
 
 #include <stdio.h>
@@ -7,32 +7,37 @@
 
 #include "safetensors.h"
 
-int shards_init(shards *sh, ps_client *c, const mlp_layout *L, char *err, size_t errlen)
+int shards_init(shards *sh, ps_client *c, const mlp_layout *L, place_policy policy,
+                uint64_t partition_bytes, char *err, size_t errlen)
 {
     memset(sh, 0, sizeof(*sh));
     sh->c = c;
     sh->L = L;
     sh->n = ps_shards(c);
+    if (placement_compute(&sh->pl, L, sh->n, policy, partition_bytes, err, errlen) != 0)
+        return -1;
     sh->s = calloc((size_t)sh->n, sizeof(shard));
     if (!sh->s)
         goto oom;
-    for (int t = 0; t < L->n_tensors; t++) {
-        int o = t % sh->n;
-        sh->owner[t] = o;
-        shard *s = &sh->s[o];
-        s->t[s->n_t++] = t;
-        s->floats += L->tensors[t].numel;
+    for (int i = 0; i < sh->n; i++)
+        if (!(sh->s[i].p = malloc(sizeof(int) * (size_t)(sh->pl.n ? sh->pl.n : 1))))
+            goto oom;
+    for (int k = 0; k < sh->pl.n; k++) {
+        shard *s = &sh->s[sh->pl.pieces[k].ps];
+        s->p[s->n_p++] = k;
+        s->floats += sh->pl.pieces[k].numel;
     }
     for (int i = 0; i < sh->n; i++) {
         shard *s = &sh->s[i];
         s->contiguous = 1;
-        for (int k = 1; k < s->n_t; k++)
-            if (L->tensors[s->t[k]].offset !=
-                L->tensors[s->t[k - 1]].offset + L->tensors[s->t[k - 1]].numel)
+        for (int k = 1; k < s->n_p; k++) {
+            const place_piece *a = &sh->pl.pieces[s->p[k - 1]], *b = &sh->pl.pieces[s->p[k]];
+            if (b->offset != a->offset + a->numel)
                 s->contiguous = 0;
-        s->first = s->n_t ? L->tensors[s->t[0]].offset : 0;
+        }
+        s->first = s->n_p ? sh->pl.pieces[s->p[0]].offset : 0;
         /* header room: names, shapes, offsets and metadata are small */
-        s->rx_cap = s->floats * 4 + 4096 + 256 * (size_t)s->n_t;
+        s->rx_cap = s->floats * 4 + 4096 + 256 * (size_t)s->n_p;
         s->rx = malloc(s->rx_cap);
         if (!s->rx)
             goto oom;
@@ -55,19 +60,20 @@ void shards_free(shards *sh)
     for (int i = 0; sh->s && i < sh->n; i++) {
         free(sh->s[i].rx);
         free(sh->s[i].stage);
+        free(sh->s[i].p);
     }
     free(sh->s);
     sh->s = NULL;
+    placement_free(&sh->pl);
 }
 
 int shards_create(shards *sh, const float *params, int *created, int *existing)
 {
     *created = *existing = 0;
-    for (int t = 0; t < sh->L->n_tensors; t++) {
-        const mlp_tensor *mt = &sh->L->tensors[t];
+    for (int k = 0; k < sh->pl.n; k++) {
+        const place_piece *pc = &sh->pl.pieces[k];
         int was_created = 0;
-        int rc = ps_put(sh->c, sh->owner[t], mt->name, &mt->shape, params + mt->offset, 1,
-                        &was_created);
+        int rc = ps_put(sh->c, pc->ps, pc->name, &pc->shape, params + pc->offset, 1, &was_created);
         if (rc == PS_EHTTP && ps_http_status(sh->c) == 412) {
             (*existing)++;
             continue;
@@ -79,7 +85,7 @@ int shards_create(shards *sh, const float *params, int *created, int *existing)
     return PS_OK;
 }
 
-/* Copy the tensors of one pulled safetensors body into params. */
+/* Copy the pieces of one pulled safetensors body into params. */
 static int unpack(shards *sh, int i, size_t len, float *params)
 {
     st_file f;
@@ -90,66 +96,70 @@ static int unpack(shards *sh, int i, size_t len, float *params)
         return PS_EPROTO;
     }
     int rc = PS_OK;
-    for (int k = 0; k < s->n_t; k++) {
-        const mlp_tensor *mt = &sh->L->tensors[s->t[k]];
-        int j = st_find(&f, mt->name);
+    for (int k = 0; k < s->n_p; k++) {
+        const place_piece *pc = &sh->pl.pieces[s->p[k]];
+        int j = st_find(&f, pc->name);
         if (j < 0 || strcmp(f.tensors[j].dtype, "F32") != 0 ||
-            f.tensors[j].end - f.tensors[j].begin != mt->numel * 4) {
-            fprintf(stderr, "workerd: ps %d has no variable '%s' of %zu floats\n", i, mt->name,
-                    mt->numel);
+            f.tensors[j].end - f.tensors[j].begin != pc->numel * 4) {
+            fprintf(stderr, "workerd: ps %d has no variable '%s' of %zu floats\n", i, pc->name,
+                    pc->numel);
             rc = PS_EPROTO;
             break;
         }
-        memcpy(params + mt->offset, s->rx + f.data_start + f.tensors[j].begin, mt->numel * 4);
+        memcpy(params + pc->offset, s->rx + f.data_start + f.tensors[j].begin, pc->numel * 4);
     }
     st_file_free(&f);
     return rc;
 }
 
+/* Pull every shard at once; want[i] < 0: no wait. */
+static int pull_all(shards *sh, float *params, const int64_t *want, long timeout_ms, int worker,
+                    int64_t *step)
+{
+    ps_pull_req r[sh->n];
+    int n = 0;
+    for (int i = 0; i < sh->n; i++)
+        if (i == 0 || sh->s[i].n_p > 0) /* a ps that holds nothing of the model is left alone */
+            r[n++] = (ps_pull_req){.shard = i, .min_step = want[i], .timeout_ms = timeout_ms,
+                                   .worker = worker, .buf = sh->s[i].rx, .cap = sh->s[i].rx_cap};
+    int rc = ps_pull_params_many(sh->c, r, n);
+    if (rc != PS_OK)
+        return rc;
+    for (int k = 0; k < n; k++) {
+        if ((rc = unpack(sh, r[k].shard, r[k].len, params)) != PS_OK)
+            return rc;
+        sh->s[r[k].shard].step = r[k].global_step;
+    }
+    *step = r[0].global_step;
+    return PS_OK;
+}
+
 int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, int64_t *step)
 {
-    for (int i = 0; i < sh->n; i++) {
-        size_t len;
-        int64_t st;
-        int rc = min_step >= 0
-                     ? ps_pull_params_wait(sh->c, i, min_step, timeout_ms, sh->s[i].rx,
-                                           sh->s[i].rx_cap, &len, &st)
-                     : ps_pull_params(sh->c, i, sh->s[i].rx, sh->s[i].rx_cap, &len, &st);
-        if (rc != PS_OK)
-            return rc;
-        if ((rc = unpack(sh, i, len, params)) != PS_OK)
-            return rc;
-        sh->s[i].step = st;
-        if (i == 0)
-            *step = st;
-    }
-    return PS_OK;
+    int64_t want[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        want[i] = min_step;
+    return pull_all(sh, params, want, timeout_ms, -1, step);
 }
 
 int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
                      int64_t *step, int *behind)
 {
     *behind = 0;
-    int over = 0;
-    for (int i = 0; i < sh->n; i++) {
-        size_t len;
-        int64_t st;
-        shard *s = &sh->s[i];
-        int64_t want = s->want > 0 && !over ? s->want : 0;
-        int rc = ps_pull_params_wait_worker(sh->c, i, want, timeout_ms, worker, s->rx, s->rx_cap,
-                                            &len, &st);
-        if (rc != PS_OK)
-            return rc;
-        if ((rc = unpack(sh, i, len, params)) != PS_OK)
-            return rc;
-        s->step = st;
-        if (st < want)
+    int64_t want[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        want[i] = sh->s[i].want > 0 ? sh->s[i].want : 0;
+    /* training is over once ps 0 reached the last step: the others are read
+     * as they are (after a restart one may stand behind) */
+    if (want[0] >= last_step)
+        for (int i = 1; i < sh->n; i++)
+            want[i] = 0;
+    int rc = pull_all(sh, params, want, timeout_ms, worker, step);
+    if (rc != PS_OK)
+        return rc;
+    for (int i = 0; i < sh->n; i++)
+        if (sh->s[i].n_p > 0 && sh->s[i].step < want[i])
             *behind = 1;
-        if (i == 0) {
-            *step = st;
-            over = st >= last_step;
-        }
-    }
     return PS_OK;
 }
 
@@ -161,44 +171,51 @@ void shards_rewind(shards *sh)
 
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome)
 {
-    char worker[16], stp[32], loss[40], batch[16];
+    char worker[16], stp[sh->n][32], loss[40], batch[16];
     snprintf(worker, sizeof(worker), "%d", m->worker);
     snprintf(loss, sizeof(loss), "%.9g", m->loss);
     snprintf(batch, sizeof(batch), "%d", m->batch_size);
-    const char *meta[] = {"worker", worker, "step", stp, "loss", loss, "batch_size", batch};
+    ps_push_req r[sh->n];
+    char *heads[sh->n];
+    memset(heads, 0, sizeof(heads));
+    int rc = PS_OK, n = 0;
     for (int i = 0; i < sh->n; i++) {
         shard *s = &sh->s[i];
-        st_desc d[MLP_MAX_TENSORS];
-        for (int k = 0; k < s->n_t; k++)
-            d[k] = (st_desc){sh->L->tensors[s->t[k]].name, "F32", &sh->L->tensors[s->t[k]].shape};
-        char *head, err[256];
+        if (s->n_p == 0)
+            continue; /* nothing of the model there (ps 0 always holds something) */
+        st_desc d[s->n_p];
+        for (int k = 0; k < s->n_p; k++)
+            d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, "F32", &sh->pl.pieces[s->p[k]].shape};
+        snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
+        const char *meta[] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch};
+        char err[256];
         size_t hl;
-        snprintf(stp, sizeof(stp), "%lld", (long long)s->step);
-        if (st_header_build(d, s->n_t, meta, 4, &head, &hl, err, sizeof(err)) != 0) {
+        if (st_header_build(d, s->n_p, meta, 4, &heads[i], &hl, err, sizeof(err)) != 0) {
             fprintf(stderr, "workerd: %s\n", err);
-            return PS_EINVAL;
+            rc = PS_EINVAL;
+            goto out;
         }
         const float *data = grads + s->first;
         if (!s->contiguous) {
             size_t at = 0;
-            for (int k = 0; k < s->n_t; k++) {
-                const mlp_tensor *mt = &sh->L->tensors[s->t[k]];
-                memcpy(s->stage + at, grads + mt->offset, mt->numel * 4);
-                at += mt->numel;
+            for (int k = 0; k < s->n_p; k++) {
+                const place_piece *pc = &sh->pl.pieces[s->p[k]];
+                memcpy(s->stage + at, grads + pc->offset, pc->numel * 4);
+                at += pc->numel;
             }
             data = s->stage;
         }
-        int64_t st;
-        int oc;
-        int rc = ps_push_grads_ex(sh->c, i, head, hl, data, s->floats * 4, m->push_id, &st, &oc);
-        free(head);
-        if (rc != PS_OK)
-            return rc;
-        s->want = s->step + 1;
-        if (i == 0) {
-            *step = st;
-            *outcome = oc;
-        }
+        r[n++] = (ps_push_req){.shard = i, .head = heads[i], .head_len = hl, .data = data,
+                               .data_len = s->floats * 4, .push_id = m->push_id};
     }
-    return PS_OK;
+    if ((rc = ps_push_grads_many(sh->c, r, n)) != PS_OK)
+        goto out;
+    for (int i = 0; i < sh->n; i++)
+        sh->s[i].want = sh->s[i].step + 1;
+    *step = r[0].global_step;
+    *outcome = r[0].outcome;
+out:
+    for (int i = 0; i < sh->n; i++)
+        free(heads[i]);
+    return rc;
 }

@@ -1,8 +1,8 @@
-/* shards.h - the model's variables on the ps tasks: which shard holds each
- * tensor (round-robin over the model's tensor order, TensorFlow's default
- * placement, computed alike by every worker), and moving the whole parameter
- * and gradient buffers to and from every shard: one bulk request per shard,
- * one copy between the wire and the contiguous buffer. */
+/* shards.h - the model's variables on the ps tasks: the placement
+ * (placement.h: balanced by bytes or round-robin, large variables
+ * partitioned by rows), and moving the whole parameter and gradient buffers
+ * to and from every shard at once (libcurl multi): one bulk request per
+ * shard, one copy between the wire and the contiguous buffer. */
 #ifndef RESTPS_SHARDS_H
 #define RESTPS_SHARDS_H
 
@@ -10,15 +10,16 @@
 
 #include "libps.h"
 #include "mlp.h"
+#include "placement.h"
 
 typedef struct shard {
-    int n_t;                    /* tensors on this shard, in layout order */
-    int t[MLP_MAX_TENSORS];
+    int n_p;                    /* pieces on this shard, in buffer order */
+    int *p;                     /* their indices in the placement */
     size_t floats;              /* their total size */
     unsigned char *rx;          /* a pull lands here (pre-touched) */
     size_t rx_cap;
     float *stage;               /* gradients gathered when not contiguous in the buffer */
-    int contiguous;             /* the shard's tensors are one run of the buffer */
+    int contiguous;             /* the shard's pieces are one run of the buffer */
     size_t first;               /* its offset then */
     int64_t step;               /* the shard's global_step in the last pull */
     int64_t want;               /* sync: the step to wait for in the next pull */
@@ -27,17 +28,18 @@ typedef struct shard {
 typedef struct shards {
     ps_client *c;
     const mlp_layout *L;
+    placement pl;
     int n;
-    int owner[MLP_MAX_TENSORS];
     shard *s;
 } shards;
 
-int shards_init(shards *sh, ps_client *c, const mlp_layout *L, char *err, size_t errlen);
+int shards_init(shards *sh, ps_client *c, const mlp_layout *L, place_policy policy,
+                uint64_t partition_bytes, char *err, size_t errlen);
 void shards_free(shards *sh);
 
-/* Create every variable with a create-only PUT (If-None-Match: *); a variable
- * that exists already (restored, or another chief's) is left as it is.
- * *created / *existing count them. PS_OK or libps's error. */
+/* Create every variable (each part of a partitioned one) with a create-only
+ * PUT (If-None-Match: *); one that exists already (restored, or another
+ * chief's) is left as it is. *created / *existing count them. */
 int shards_create(shards *sh, const float *params, int *created, int *existing);
 
 /* Pull every shard into params; *step = ps 0's global_step. min_step >= 0
@@ -48,12 +50,11 @@ int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, in
  * after the one this worker last pushed to it. *step = ps 0's step;
  * *behind = some shard is still below the step it was waited for (the long
  * poll timed out, or the shard no longer holds this worker's gradient, e.g.
- * it restarted): the caller computes and pushes for the current steps again. */
+ * it restarted): the caller computes and pushes for the current steps again.
+ * last_step: once ps 0 is there, training is over: shards are read as they
+ * are (they may stand at other steps after one of them restarted). */
 int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
                      int64_t *step, int *behind);
-/* (last_step: once ps 0 is there, training is over: the other shards are
- * read as they are, without waiting, since they may stand at other steps
- * after one of them restarted.) */
 
 /* Sync: pull without waiting next time (after a shard refused a gradient
  * from a step it has not reached: it restarted behind us). */

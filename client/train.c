@@ -232,9 +232,43 @@ static void wait_for_all(const train_config *c, ps_client *pc, const char *path,
     }
 }
 
+/* The chief's placement (GET /v1/placement on ps 0) must be this task's:
+ * the same model, --placement and --partition_bytes. 0 when it is. */
+static int check_placement(const train_config *c, ps_client *pc, const shards *sh)
+{
+    json_t *theirs = NULL, *mine = placement_json(&sh->pl, &c->layout);
+    int rc = ps_json(pc, 0, "GET", "/v1/placement", NULL, 1, &theirs);
+    if (rc == PS_EHTTP && ps_http_status(pc) == 404) {
+        json_decref(mine);
+        return 0; /* a chief of an older kind: nothing to compare */
+    }
+    int bad = rc != PS_OK;
+    if (!bad) {
+        json_object_del(theirs, "this_ps");
+        bad = !json_equal(theirs, mine);
+    }
+    if (bad) {
+        const char *pol = theirs ? json_string_value(json_object_get(theirs, "policy")) : NULL;
+        json_t *pb = theirs ? json_object_get(theirs, "partition_bytes") : NULL;
+        if (rc != PS_OK)
+            fprintf(stderr, "workerd: reading the placement: %s\n", ps_error(pc));
+        else
+            fprintf(stderr, "workerd: the chief placed the variables otherwise (--placement=%s --partition_bytes=%lld; "
+                            "this task: --placement=%s --partition_bytes=%llu, or another model): "
+                            "start every task with the same flags\n",
+                    pol ? pol : "?", (long long)json_integer_value(pb),
+                    place_policy_name(c->placement), (unsigned long long)c->partition_bytes);
+    }
+    json_decref(theirs);
+    json_decref(mine);
+    return bad ? -1 : 0;
+}
+
 static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
 {
     wait_for_all(c, pc, "/healthz", "the ps tasks");
+    if (check_placement(c, pc, sh) != 0) /* a restarted chief with other flags */
+        return 2;
     mlp_init_params(&c->layout, params, c->seed);
     int created, existing;
     if (shards_create(sh, params, &created, &existing) != PS_OK) {
@@ -247,6 +281,14 @@ static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *
     else
         printf("%s: created %d variables (%zu parameters) on %d ps\n", c->name, created,
                c->layout.n_params, ps_shards(pc));
+    json_t *map = placement_json(&sh->pl, &c->layout);
+    for (int i = 0; i < ps_shards(pc); i++)
+        if (ps_json(pc, i, "PUT", "/v1/placement", map, 1, NULL) != PS_OK) {
+            fprintf(stderr, "workerd: sending the placement: %s\n", ps_error(pc));
+            json_decref(map);
+            return 1;
+        }
+    json_decref(map);
     json_t *cfg = json_pack("{s:s,s:f,s:b,s:i,s:i}", "optimizer", optim_name(c->optim.kind),
                             "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
                             "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
@@ -312,7 +354,7 @@ int train_worker(const train_config *c)
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
     }
-    if (shards_init(&sh, pc, &c->layout, err, sizeof(err)) != 0 ||
+    if (shards_init(&sh, pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
         batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
         fprintf(stderr, "workerd: out of memory\n");
         goto out;
@@ -320,10 +362,15 @@ int train_worker(const train_config *c)
     int sync = c->sync;
     const char *opt_name = optim_name(c->optim.kind);
     if (c->is_chief) {
-        if (chief_setup(c, pc, &sh, params) != 0)
+        if ((rc = chief_setup(c, pc, &sh, params)) != 0)
             goto out;
+        rc = 1;
     } else {
         wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+        if (check_placement(c, pc, &sh) != 0) {
+            rc = 2;
+            goto out;
+        }
         /* the chief's configuration decides the mode and the optimizer */
         if (ps_json(pc, 0, "GET", "/v1/config", NULL, 1, &cfg) == PS_OK) {
             json_t *js = json_object_get(cfg, "sync");
@@ -340,6 +387,7 @@ int train_worker(const train_config *c)
     /* from here on a ps that stops answering is retried for --ps_retry_secs
      * (it may be restarting from its checkpoint) */
     ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
+    ps_set_abort(pc, train_stop_requested);
     if (sync) {
         /* the lease on every ps: a long step is not a dead worker */
         ps_client *hpc = connect_ps(c, 5000);
@@ -357,7 +405,7 @@ int train_worker(const train_config *c)
     unsigned nonce = 0;
     if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
         nonce = (unsigned)getpid();
-    int64_t step = 0, local = 0, last_step = 0, ex_since = 0, k = -1;
+    int64_t step = 0, local = 0, last_step = 0, ex_since = 0, k = -1, pushes = 0;
     double t_log = now_secs(), t_start = t_log;
     int stopped = 0, near_end = 0, ran_out = 0;
     progress bar;
@@ -381,6 +429,10 @@ int train_worker(const train_config *c)
         int prc = sync ? shards_pull_sync(&sh, params, c->trainer, 30000, c->train_steps, &step,
                                           &behind)
                        : shards_pull(&sh, params, -1, 0, &step);
+        if (prc != PS_OK && train_stop_requested()) {
+            stopped = 1;
+            break;
+        }
         if (prc != PS_OK) {
             if (prc == PS_ENET && near_end) {
                 printf("%s: the ps stopped at the end of training\n", c->name);
@@ -413,7 +465,7 @@ int train_worker(const train_config *c)
         if (c->step_delay_ms > 0) /* test hook: a slow worker */
             sleep_secs((double)c->step_delay_ms / 1000.0);
         char id[64];
-        snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)local);
+        snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)pushes++);
         push_meta pm = {c->trainer, step, loss, c->batch_size, id};
         int64_t after;
         int outcome;
@@ -424,6 +476,10 @@ int train_worker(const train_config *c)
             printf("%s: %s: pulling again\n", c->name, ps_error(pc));
             shards_rewind(&sh);
             continue;
+        }
+        if (prc != PS_OK && train_stop_requested()) {
+            stopped = 1;
+            break;
         }
         if (prc != PS_OK) {
             if (prc == PS_ENET && near_end) {
@@ -520,11 +576,16 @@ int train_evaluator(const train_config *c)
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     rc = 1;
-    if (!m || !params || !pc || shards_init(&sh, pc, &c->layout, err, sizeof(err)) != 0) {
+    if (!m || !params || !pc ||
+        shards_init(&sh, pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
     }
     wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+    if (check_placement(c, pc, &sh) != 0) {
+        rc = 2;
+        goto out;
+    }
     /* the evaluator is not part of training: it rides through a short ps
      * restart, but does not outlive a job that ended by much */
     double budget = c->eval_secs * 2 > 10 ? c->eval_secs * 2 : 10;

@@ -10,6 +10,7 @@
 #include "idx.h"
 #include "mlp.h"
 #include "optim.h"
+#include "placement.h"
 
 typedef struct train_config {
     const cluster_spec *cluster;
@@ -35,6 +36,8 @@ typedef struct train_config {
     double retry_secs;      /* keep retrying a ps that does not answer this long */
     long backoff_ms, backoff_max_ms;
     int threads;
+    place_policy placement;
+    uint64_t partition_bytes;
     double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
     int step_delay_ms;      /* test hook: sleep this long in each step */
 } train_config;

@@ -16,7 +16,8 @@ int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
     const char *token_file = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
-    const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL;
+    const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL, *placement_s = "bytes";
+    uint64_t partition_bytes = 4ULL << 20;
     int task_index = -1, timeout_ms = 30000, batch = 100, sync = 0, issync = -1, replicas = 0;
     int log_every = 100, keep_ps = 0, local = 0, threads = 1;
     uint64_t train_steps = 10000, seed = 1;
@@ -49,6 +50,8 @@ int main(int argc, char **argv)
         {"threads", FLAG_INT, &threads, "OpenBLAS threads (default 1: the safe choice beside other busy processes)", 0},
         {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with", 0},
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
+        {"placement", FLAG_STRING, &placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
+        {"partition_bytes", FLAG_U64, &partition_bytes, "a variable larger than this is split by rows over the ps tasks (default 4194304)", 0},
         {"num_epochs", FLAG_FLOAT, &num_epochs, "leave the job after this many epochs of this task's own batches, as an input pipeline that runs out (default 0: no end; the others go on)", 0},
         {"step_delay_ms", FLAG_INT, &step_delay_ms, "test hook: sleep this long in every step, as a slow worker (default 0)", 0},
         {"ps_retry_secs", FLAG_FLOAT, &retry_secs, "once training runs, keep retrying a ps that does not answer for this long, e.g. while it restarts from its checkpoint (default 120; the evaluator waits at most 2 x --eval_secs, 10 at least)", 0},
@@ -104,6 +107,15 @@ int main(int argc, char **argv)
                         "--momentum in [0, 1)\n");
         return 2;
     }
+    if (place_policy_from_name(placement_s, &c.placement) != 0) {
+        fprintf(stderr, "workerd: --placement must be bytes or round_robin, got '%s'\n", placement_s);
+        return 2;
+    }
+    if (partition_bytes < 4) {
+        fprintf(stderr, "workerd: --partition_bytes must be at least 4\n");
+        return 2;
+    }
+    c.partition_bytes = partition_bytes;
     optim_defaults(&c.optim, kind, lr);
     c.optim.momentum = momentum;
     int hidden[MLP_MAX_HIDDEN], n_hidden;

@@ -122,16 +122,21 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
             json_array_append_new(slots, json_string(sn));
             k++;
         }
+        json_t *shape = json_array();
+        for (int d2 = 0; d2 < v->shape.ndim; d2++)
+            json_array_append_new(shape, json_integer(v->shape.dims[d2]));
         json_object_set_new(vars, v->name,
-                            json_pack("{s:I,s:I,s:o}", "version", (json_int_t)v->version, "updates",
-                                      (json_int_t)v->updates, "slots", slots));
+                            json_pack("{s:I,s:I,s:o,s:o}", "version", (json_int_t)v->version,
+                                      "updates", (json_int_t)v->updates, "slots", slots, "shape",
+                                      shape));
         json_array_append_new(placed, json_string(v->name));
     }
     s_config = dump(config_to_json(sv));
     s_vars = dump(vars);
     vars = NULL;
-    s_place = dump(json_pack("{s:i,s:i,s:o}", "ps_task", info->task_index, "ps_tasks",
-                             info->ps_tasks, "variables", placed));
+    json_t *map = sv->placement ? json_loads(sv->placement, 0, NULL) : NULL;
+    s_place = dump(json_pack("{s:i,s:i,s:o,s:o}", "ps_task", info->task_index, "ps_tasks",
+                             info->ps_tasks, "variables", placed, "map", map ? map : json_null()));
     placed = NULL;
     s_state = dump(json_pack("{s:o,s:I,s:I}", "last_loss",
                              sv->has_loss ? json_real(sv->last_loss) : json_null(),
@@ -271,7 +276,8 @@ static int var_cmp(const void *a, const void *b)
     return strcmp(((const store_saved_var *)a)->name, ((const store_saved_var *)b)->name);
 }
 
-int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size_t errlen)
+int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_saved *out, char *err,
+              size_t errlen)
 {
     memset(out, 0, sizeof(*out));
     size_t len = 0;
@@ -279,11 +285,11 @@ int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size
     unsigned char *buf = slurp(path, &len, why, sizeof(why));
     if (!buf) {
         snprintf(err, errlen, "%s", why);
-        return -1;
+        return CKPT_EREAD;
     }
     st_file f;
     memset(&f, 0, sizeof(f));
-    json_t *config = NULL, *vars = NULL, *crcs = NULL, *state = NULL;
+    json_t *config = NULL, *vars = NULL, *crcs = NULL, *state = NULL, *place = NULL;
     int rc = -1;
     if (st_parse(buf, len, &f, why, sizeof(why)) != 0) {
         snprintf(err, errlen, "%s (file is %zu bytes)", why, len);
@@ -327,6 +333,17 @@ int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size
         goto out;
     }
     out->global_step = step;
+    if (self) {
+        const char *task = st_meta_get(&f, "task"), *nps = st_meta_get(&f, "ps_tasks");
+        char want[32];
+        snprintf(want, sizeof(want), "ps:%d", self->task_index);
+        if (!task || !nps || strcmp(task, want) != 0 || atoi(nps) != self->ps_tasks) {
+            snprintf(err, errlen, "it is %s of a cluster of %s ps tasks; this is %s of %d",
+                     task ? task : "?", nps ? nps : "?", want, self->ps_tasks);
+            rc = CKPT_EOTHER;
+            goto out;
+        }
+    }
     if (!(config = meta_json(&f, "config", err, errlen)) || parse_config(config, out, err, errlen) ||
         !(vars = meta_json(&f, "variables", err, errlen)) ||
         !(crcs = meta_json(&f, "crc32c", err, errlen)) ||
@@ -376,6 +393,18 @@ int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size
             goto out;
         }
         const st_tensor *ti = &f.tensors[t];
+        /* the header's shape is outside the checksums: it must be the one
+         * the metadata (under meta_crc32c) recorded */
+        json_t *shp = json_object_get(info, "shape");
+        int same = json_is_array(shp) && (int)json_array_size(shp) == ti->shape.ndim;
+        for (int d2 = 0; same && d2 < ti->shape.ndim; d2++)
+            same = json_is_integer(json_array_get(shp, (size_t)d2)) &&
+                   json_integer_value(json_array_get(shp, (size_t)d2)) == ti->shape.dims[d2];
+        if (!same) {
+            snprintf(err, errlen, "variable '%.64s': its shape in the header is not the one in the metadata",
+                     name);
+            goto out;
+        }
         snprintf(v->name, sizeof(v->name), "%s", name);
         v->shape = ti->shape;
         v->numel = tensor_shape_numel(&ti->shape);
@@ -384,6 +413,7 @@ int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size
         size_t nb = (size_t)v->numel * 4;
         if (!(v->data = blob_new(pool, nb))) {
             snprintf(err, errlen, "out of memory");
+            rc = CKPT_EREAD;
             goto out;
         }
         out->n++;
@@ -398,6 +428,7 @@ int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size
         }
         if (ns > 0 && !(v->slots = malloc((size_t)ns * nb))) {
             snprintf(err, errlen, "out of memory");
+            rc = CKPT_EREAD;
             goto out;
         }
         v->n_slots = ns;
@@ -423,6 +454,13 @@ int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size
         goto out;
     }
     qsort(out->vars, (size_t)out->n, sizeof(store_saved_var), var_cmp);
+    /* the chief's placement map, when it sent one (older files may lack it) */
+    place = meta_json(&f, "placement", err, errlen);
+    json_t *map = place ? json_object_get(place, "map") : NULL;
+    if (json_is_object(map) && !(out->placement = json_dumps(map, JSON_COMPACT | JSON_PRESERVE_ORDER))) {
+        snprintf(err, errlen, "out of memory");
+        goto out;
+    }
     json_t *ll = json_object_get(state, "last_loss");
     out->has_loss = json_is_number(ll);
     out->last_loss = out->has_loss ? json_number_value(ll) : 0;
@@ -436,6 +474,7 @@ out:
     json_decref(vars);
     json_decref(crcs);
     json_decref(state);
+    json_decref(place);
     st_file_free(&f);
     free(buf);
     return rc;

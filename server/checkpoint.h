@@ -44,9 +44,15 @@ int ckpt_path(const char *dir, int64_t step, char *out, size_t cap);
 int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
                void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen);
 
-/* Read and validate path; on success *out holds it (blobs from pool; free
- * with store_saved_free). -1 with err saying what was wrong otherwise. */
-int ckpt_read(const char *path, bufpool *pool, store_saved *out, char *err, size_t errlen);
+/* Read and validate path; on success (0) *out holds it (blobs from pool;
+ * free with store_saved_free). Otherwise err says why and the result says
+ * what that means: CKPT_EINVALID the file is broken (truncated, checksums,
+ * ...), CKPT_EREAD it could not be read now (I/O error, out of memory: the
+ * file may be fine), CKPT_EOTHER it is valid but another task's or another
+ * cluster's (info: this task; NULL = no check). */
+enum { CKPT_EINVALID = -1, CKPT_EREAD = -2, CKPT_EOTHER = -3 };
+int ckpt_read(const char *path, bufpool *pool, const ckpt_info *info, store_saved *out, char *err,
+              size_t errlen);
 
 typedef struct ckpt_entry {
     char *path;   /* owned */

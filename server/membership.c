@@ -89,14 +89,16 @@ json_t *membership_json(server *srv)
         for (int i = 0; i < s->n_pending; i++)
             pending |= s->pending[i].worker == w;
         int gone = atomic_load(&s->left[w]), alive = atomic_load(&s->lease_until[w]) > now;
-        live += !gone && alive;
+        live += pending || (!gone && alive);
         if (pending)
             json_array_append_new(have, json_integer(w));
+        else if (!sync)
+            continue; /* membership means nothing in async mode */
         else if (gone)
             json_array_append_new(left, json_integer(w));
         else if (!alive)
             json_array_append_new(dead, json_integer(w));
-        else if (sync)
+        else
             json_array_append_new(waiting, json_integer(w));
     }
     int r = s->config.replicas_to_aggregate;

@@ -16,7 +16,8 @@ struct membership;
 struct membership *membership_start(server *srv);
 void membership_stop(struct membership *m);
 
-/* The /v1/sync object (also "sync" in ps 0's /v1/status). */
+/* The /v1/sync object (also "sync" in every ps task's /v1/status). In
+ * async mode "waiting_for", "dead" and "left" are empty. */
 json_t *membership_json(server *srv);
 
 #endif

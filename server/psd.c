@@ -380,7 +380,11 @@ int main(int argc, char **argv)
              (unsigned long long)atomic_load(&srv->requests));
     /* no new connections; answer the parked long polls and SSE streams, let
      * the requests in flight finish (at most 5 s), then stop */
-    MHD_quiesce_daemon(d);
+    MHD_socket qs = MHD_quiesce_daemon(d); /* the listening socket: ours to close */
+    if (qs != MHD_INVALID_SOCKET) {
+        close(qs);
+        fd = -1;
+    }
     history_stop(srv->history);
     waiters_wake_all(srv->waiters);
     for (int i = 0; i < 500 && atomic_load(&srv->in_flight) > 0; i++) {
@@ -411,7 +415,8 @@ int main(int argc, char **argv)
     history_free(srv->history);
     workers_free(srv->workers);
     metrics_free(srv->metrics);
-    close(fd);
+    if (fd >= 0)
+        close(fd);
     store_destroy(&srv->store);
     bufpool_free(srv->pool);
     cluster_spec_free(&cfg->cluster);

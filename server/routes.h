@@ -66,6 +66,8 @@ enum MHD_Result h_done_post(request *r);
 enum MHD_Result h_shutdown_post(request *r);
 enum MHD_Result h_checkpoint_get(request *r);  /* checkpoint_routes.c */
 enum MHD_Result h_checkpoint_post(request *r);
+enum MHD_Result h_placement_get(request *r);
+enum MHD_Result h_placement_put(request *r);
 enum MHD_Result h_sync(request *r);       /* membership.c */
 enum MHD_Result h_heartbeat(request *r);
 

@@ -124,7 +124,13 @@ int saver_restore(saver *sv)
     int restored = 0;
     for (int i = 0; i < n && !restored; i++) {
         store_saved saved;
-        if (ckpt_read(e[i].path, sv->pool, &saved, err, sizeof(err)) != 0) {
+        int rr = ckpt_read(e[i].path, sv->pool, &sv->info, &saved, err, sizeof(err));
+        if (rr == CKPT_EREAD || rr == CKPT_EOTHER) {
+            /* not broken: left where it is */
+            log_error("psd: checkpoints: passing over %s: %s", e[i].path, err);
+            continue;
+        }
+        if (rr != 0) {
             char aside[PATH_MAX + 16];
             snprintf(aside, sizeof(aside), "%s.invalid", e[i].path);
             int moved = rename(e[i].path, aside) == 0;

@@ -52,12 +52,18 @@ void store_leave(store *s, int worker)
     atomic_store(&s->left[worker], 1);
 }
 
-/* Workers of the run whose lease is running. */
+/* Workers of the run whose lease is running, or whose gradient for the
+ * current step is in (a worker waiting in a long poll is alive). Caller holds
+ * the lock. */
 static int live_workers(const store *s, int64_t now)
 {
     int live = 0;
-    for (int w = 0; w < s->config.workers; w++)
-        live += !atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now;
+    for (int w = 0; w < s->config.workers; w++) {
+        int in = 0;
+        for (int i = 0; i < s->n_pending && !in; i++)
+            in = s->pending[i].worker == w;
+        live += in || (!atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now);
+    }
     return live;
 }
 
@@ -71,6 +77,7 @@ void store_destroy(store *s)
     pending_clear(s);
     free(s->pending);
     free(s->scratch);
+    free(s->placement);
     pthread_rwlock_destroy(&s->lock);
 }
 
@@ -621,8 +628,9 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
         }
         if (!s->configured || memcmp(&s->config, c, sizeof(*c)) != 0)
             s->changes++;
-        /* every worker of the run starts with a lease */
-        int64_t until = store_now_ms() + s->lease_ms;
+        /* every worker of the run starts with a lease, and a step begins */
+        s->step_started_ms = store_now_ms();
+        int64_t until = s->step_started_ms + s->lease_ms;
         for (int w = 0; w < c->workers; w++) {
             atomic_store(&s->lease_until[w], until);
             atomic_store(&s->left[w], 0);
@@ -694,6 +702,11 @@ int store_save(store *s, store_saved *out)
     out->stale_dropped = s->stale_dropped;
     out->pushes_applied = s->pushes_applied;
     out->changes = s->changes;
+    if (s->placement && !(out->placement = strdup(s->placement))) {
+        pthread_rwlock_unlock(&s->lock);
+        store_saved_free(out);
+        return STORE_ENOMEM;
+    }
     pthread_rwlock_unlock(&s->lock);
     return STORE_OK;
 }
@@ -705,6 +718,7 @@ void store_saved_free(store_saved *sv)
         free(sv->vars[i].slots);
     }
     free(sv->vars);
+    free(sv->placement);
     memset(sv, 0, sizeof(*sv));
 }
 
@@ -749,14 +763,19 @@ int store_restore(store *s, store_saved *sv)
     s->n = sv->n;
     s->bytes = bytes;
     s->global_step = sv->global_step;
-    s->config = sv->config;
-    s->learning_rate = sv->config.optim.learning_rate;
+    if (sv->configured) { /* else the flags' configuration stays, as at start */
+        s->config = sv->config;
+        s->learning_rate = sv->config.optim.learning_rate;
+    }
     s->configured = sv->configured;
     s->has_loss = sv->has_loss;
     s->last_loss = sv->last_loss;
     s->stale_dropped = sv->stale_dropped;
     s->pushes_applied = sv->pushes_applied;
     s->changes = sv->changes;
+    free(s->placement);
+    s->placement = sv->placement;
+    sv->placement = NULL;
     /* the workers get a lease from now, as at configuration */
     int64_t now = store_now_ms();
     for (int w = 0; w < s->config.workers && w < STORE_MAX_WORKERS; w++) {
@@ -769,3 +788,25 @@ int store_restore(store *s, store_saved *sv)
     return STORE_OK;
 }
 
+
+int store_set_placement(store *s, const char *json_text)
+{
+    char *copy = json_text ? strdup(json_text) : NULL;
+    if (json_text && !copy)
+        return STORE_ENOMEM;
+    pthread_rwlock_wrlock(&s->lock);
+    if (!s->placement || !copy || strcmp(s->placement, copy) != 0)
+        s->changes++;
+    free(s->placement);
+    s->placement = copy;
+    pthread_rwlock_unlock(&s->lock);
+    return STORE_OK;
+}
+
+char *store_get_placement(store *s)
+{
+    pthread_rwlock_rdlock(&s->lock);
+    char *c = s->placement ? strdup(s->placement) : NULL;
+    pthread_rwlock_unlock(&s->lock);
+    return c;
+}

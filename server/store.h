@@ -114,6 +114,7 @@ typedef struct store {
     _Atomic unsigned char left[STORE_MAX_WORKERS];
     int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
     int64_t first_pending_ms; /* when its first gradient came (0 none) */
+    char *placement;          /* the chief's placement map (JSON text), or NULL */
 } store;
 
 /* One variable as a checkpoint holds it. */
@@ -137,6 +138,7 @@ typedef struct store_saved {
     double last_loss;
     int64_t stale_dropped, pushes_applied;
     uint64_t changes;
+    char *placement;       /* the chief's placement map (JSON text, malloc'd), or NULL */
     int n;
     store_saved_var *vars; /* sorted by name */
 } store_saved;
@@ -224,6 +226,11 @@ void store_leave(store *s, int worker);
 int store_sync_tick(store *s);
 /* Monotonic milliseconds, the clock of the leases. */
 int64_t store_now_ms(void);
+
+/* The chief's placement map (JSON text; copied). NULL clears it. */
+int store_set_placement(store *s, const char *json_text);
+/* A malloc'd copy of it, or NULL when there is none. */
+char *store_get_placement(store *s);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

@@ -2,6 +2,7 @@
  * configuration (optimizer, sync or async), readiness, the evaluator's
  * reports, workers saying they are done, and shutdown at the end. */
 #include <math.h>
+#include <stdlib.h>
 #include <signal.h>
 #include <string.h>
 #include <unistd.h>
@@ -231,4 +232,57 @@ enum MHD_Result h_shutdown_post(request *r)
     enum MHD_Result rc = http_reply_json(r, MHD_HTTP_ACCEPTED, json_pack("{s:s}", "status", "stopping"));
     kill(getpid(), SIGTERM); /* main stops the server cleanly after this answer goes out */
     return rc;
+}
+
+/* The chief's placement map (client/placement.h), kept for GET /v1/placement
+ * and the checkpoints; psd checks its shape, not its arithmetic. */
+enum MHD_Result h_placement_put(request *r)
+{
+    char err[256];
+    json_t *j = body_json(r, err, sizeof(err));
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    json_t *n = json_object_get(j, "ps_tasks"), *vars = json_object_get(j, "variables"),
+           *pol = json_object_get(j, "policy");
+    int ps = r->srv->cfg.cluster.jobs[JOB_PS].n;
+    if (!json_is_integer(n) || !json_is_array(vars) || !json_is_string(pol)) {
+        json_decref(j);
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "placement must be an object with policy, ps_tasks and variables");
+    }
+    if (json_integer_value(n) != ps) {
+        json_int_t got = json_integer_value(n);
+        json_decref(j);
+        return http_reply_error(r, MHD_HTTP_CONFLICT,
+                                "placement is for %lld ps tasks, this cluster has %d",
+                                (long long)got, ps);
+    }
+    char *text = json_dumps(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_decref(j);
+    if (!text || store_set_placement(&r->srv->store, text) != STORE_OK) {
+        free(text);
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    }
+    free(text);
+    return h_placement_get(r);
+}
+
+enum MHD_Result h_placement_get(request *r)
+{
+    char *text = store_get_placement(&r->srv->store);
+    if (!text)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no placement yet: the chief sends it");
+    json_t *j = json_loads(text, 0, NULL);
+    free(text);
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "stored placement is not JSON");
+    int n;
+    uint64_t bytes;
+    int64_t step;
+    int has_loss;
+    double loss;
+    store_totals(&r->srv->store, &n, &bytes, &step, &has_loss, &loss);
+    json_object_set_new(j, "this_ps", json_pack("{s:i,s:i,s:I}", "task", r->srv->cfg.cluster.task_index,
+                                                "variables", n, "bytes", (json_int_t)bytes));
+    return http_reply_json(r, MHD_HTTP_OK, j);
 }

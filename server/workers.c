@@ -231,18 +231,5 @@ void workers_status(struct workers *w, struct store *s, json_t *status)
     json_object_set_new(status, "workers", workers_json(w));
     json_object_set_new(status, "live_workers", json_integer(workers_live(w, WORKERS_LIVE_SECS)));
     json_object_set_new(status, "examples_per_sec", json_real(workers_examples_per_sec(w)));
-    json_t *waiting = json_array();
-    pthread_rwlock_rdlock(&s->lock);
-    if (s->config.sync) {
-        /* pending is sorted by worker index */
-        int p = 0;
-        for (int i = 0; i < s->config.workers; i++) {
-            while (p < s->n_pending && s->pending[p].worker < i)
-                p++;
-            if (!(p < s->n_pending && s->pending[p].worker == i))
-                json_array_append_new(waiting, json_integer(i));
-        }
-    }
-    pthread_rwlock_unlock(&s->lock);
-    json_object_set_new(status, "waiting_for", waiting);
+    (void)s; /* "waiting_for" comes from the membership (status.c): live workers only */
 }

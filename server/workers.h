@@ -29,10 +29,8 @@ void workers_seen(struct workers *w, long long worker, long long step, long long
                   int outcome);
 
 struct store;
-/* Add to the /v1/status object: "workers" (the list below), "live_workers",
- * "examples_per_sec", and "waiting_for" (sync mode: workers 0..workers-1
- * whose gradient for the current step is not pending yet; [] otherwise).
- * Takes the store's read lock for the last. */
+/* Add to the /v1/status object: "workers" (the list below), "live_workers"
+ * (pushed in the last WORKERS_LIVE_SECS) and "examples_per_sec". */
 void workers_status(struct workers *w, struct store *s, json_t *status);
 
 /* [{"worker","last_step","last_seen_secs_ago","pushes","stale_dropped"}...]

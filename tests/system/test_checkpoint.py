@@ -96,7 +96,9 @@ def test_checkpoint_holds_variables_and_adam_state_and_restores(start_psd, tmp_p
     meta, t = ckpt_check.read(path)
     assert meta["global_step"] == "6" and meta["task"] == "ps:0"
     assert json.loads(meta["config"])["optimizer"] == "adam"
-    assert json.loads(meta["placement"]) == {"ps_task": 0, "ps_tasks": 1, "variables": ["b", "w"]}
+    assert json.loads(meta["placement"]) == {"ps_task": 0, "ps_tasks": 1, "variables": ["b", "w"],
+                                             "map": None}
+    assert json.loads(meta["variables"])["w"]["shape"] == [3, 4]
     assert set(t) == {"w", "w:adam_m", "w:adam_v", "b", "b:adam_m", "b:adam_v"}
     # the values are the served ones, bit for bit; the state is numpy's Adam
     assert t["w"].tobytes() == raw(p.url, "w").tobytes()
@@ -307,3 +309,48 @@ def test_default_logdir_is_logs_under_the_working_folder(start_psd, tmp_path):
 def test_bad_checkpoint_flags_exit_2(flag):
     r = subprocess.run([binary("psd"), "--port=0", flag], capture_output=True, text=True, timeout=10)
     assert r.returncode == 2 and "--keep_checkpoints" in r.stderr, r.stderr
+
+
+def test_an_unconfigured_shard_restores_with_its_flags_learning_rate(start_psd, tmp_path):
+    logdir = str(tmp_path / "logs")
+    p = start_psd(f"--logdir={logdir}", "--learning_rate=0.5")
+    put(p.url, "w", W)
+    grad(p.url, "w", np.ones((3, 4), np.float32))
+    assert p.stop() == 0
+    q = start_psd(f"--logdir={logdir}", "--learning_rate=0.5")
+    s = status(q.url)
+    assert s["global_step"] == 1 and not s["ready"] and s["learning_rate"] == 0.5
+    before = raw(q.url, "w")
+    grad(q.url, "w", np.ones((3, 4), np.float32))
+    np.testing.assert_allclose(raw(q.url, "w"), before - 0.5, rtol=0, atol=1e-6)
+
+
+def test_a_shape_changed_in_the_header_is_caught(start_psd, tmp_path):
+    logdir = str(tmp_path / "logs")
+    p = start_psd(f"--logdir={logdir}")
+    put(p.url, "w", W)
+    save(p.url)
+    grad(p.url, "w", grads(1)[0])
+    f = save(p.url)["path"]
+    assert p.stop() == 0
+    data = bytearray(open(f, "rb").read())
+    at = data.index(b'"shape":[3,4]')
+    data[at:at + len(b'"shape":[3,4]')] = b'"shape":[4,3]'  # outside __metadata__
+    open(f, "wb").write(bytes(data))
+    q = start_psd(f"--logdir={logdir}")
+    assert status(q.url)["global_step"] == 0
+    assert "its shape in the header is not the one in the metadata" in q.read_stderr()
+
+
+def test_another_tasks_checkpoint_is_passed_over_and_left_alone(start_psd, tmp_path):
+    logdir = str(tmp_path / "logs")
+    two = "--ps_hosts=127.0.0.1:1,127.0.0.1:2"
+    p = start_psd(f"--logdir={logdir}", two)  # ps 0 of a 2-ps cluster
+    put(p.url, "w", W)
+    f = save(p.url)["path"]
+    assert p.stop() == 0
+    q = start_psd(f"--logdir={logdir}")  # ps 0 of a 1-ps cluster, same folder
+    assert status(q.url)["variables"] == 0
+    err = q.read_stderr()
+    assert f"passing over {f}: it is ps:0 of a cluster of 2 ps tasks; this is ps:0 of 1" in err
+    assert os.path.exists(f)  # valid, not set aside

@@ -389,3 +389,20 @@ def test_export_holds_every_shard_as_a_bulk_pull_reads_it(jobs):
     for p in (job.psd, job.others[1]):
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=30) == 0
+
+
+def test_sigterm_while_the_ps_is_down_stops_the_worker_at_once(jobs):
+    job = jobs("term-down", 2, ["--sync=1", "--hidden_units=32", "--train_steps=1000000",
+                                "--log_every=0"])
+    job.start_psd()
+    w = [job.worker(1), job.worker(0)]
+    job.wait_step(100)
+    job.kill_psd()
+    time.sleep(0.5)  # the workers are retrying now (for --ps_retry_secs, 120 s)
+    t0 = time.time()
+    for p in w:
+        p.send_signal(signal.SIGTERM)
+    for p in w:
+        assert p.wait(timeout=30) == 0, job.output(p)[-2000:]
+        assert "stopped by a signal" in job.output(p)
+    assert time.time() - t0 < 5

@@ -179,17 +179,28 @@ def test_workers_started_before_the_ps_wait_for_it(tmp_path):
     workers = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     common = [f"--ps_hosts=127.0.0.1:{port}", f"--worker_hosts={workers}", f"--data_dir={DATA}",
               "--train_steps=30", "--log_every=0", "--recovery_wait_secs=0.2"]
-    procs = [subprocess.Popen([binary("workerd"), "--task_index=1"] + common, stdout=subprocess.PIPE,
+    logs = [open(tmp_path / f"w{i}.log", "w+") for i in (1, 0)]
+    procs = [subprocess.Popen([binary("workerd"), "--task_index=1"] + common, stdout=logs[0],
                               stderr=subprocess.STDOUT),
-             subprocess.Popen([binary("workerd"), "--task_index=0"] + common, stdout=subprocess.PIPE,
+             subprocess.Popen([binary("workerd"), "--task_index=0"] + common, stdout=logs[1],
                               stderr=subprocess.STDOUT)]
     psd = None
     try:
-        time.sleep(2)
+        # the chief says it waits (after loading the data: slower under ASan)
+        t0 = time.time()
+        while "waiting for the ps tasks" not in (tmp_path / "w0.log").read_text():
+            assert time.time() - t0 < 120, "the chief never said it waits for the ps"
+            time.sleep(0.1)
+        time.sleep(1)
         assert all(p.poll() is None for p in procs), "a worker gave up before the ps was up"
         psd = subprocess.Popen([binary("psd"), f"--ps_hosts=127.0.0.1:{port}"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
-        outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+        for p in procs:
+            p.wait(timeout=300)
+        outs = []
+        for f in logs:
+            f.seek(0)
+            outs.append(f.read())
         for p, out in zip(procs, outs):
             assert p.returncode == 0, out
         assert "waiting for the ps tasks" in outs[1]
