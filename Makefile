@@ -87,7 +87,11 @@ $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
 
-bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp
+bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp $(BIN)/bench_pushpull
+
+$(BIN)/bench_pushpull: $(BUILD)/bench/bench_pushpull.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 $(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MLP_OBJ) $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)

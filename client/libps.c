@@ -830,7 +830,7 @@ int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n)
 {
     xfer *xs = calloc((size_t)(n ? n : 1), sizeof(xfer));
     sink *ss = calloc((size_t)(n ? n : 1), sizeof(sink));
-    char (*paths)[128] = calloc((size_t)(n ? n : 1), sizeof(*paths));
+    char (*paths)[192] = calloc((size_t)(n ? n : 1), sizeof(*paths));
     int rc = PS_OK;
     if (!xs || !ss || !paths) {
         set_err(c, "out of memory");
@@ -848,7 +848,13 @@ int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n)
             int k = snprintf(paths[i], sizeof(paths[i]), "/v1/params?min_step=%lld&timeout_ms=%ld",
                              (long long)r[i].min_step, r[i].timeout_ms);
             if (r[i].worker >= 0)
-                snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&worker=%d", r[i].worker);
+                k += snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&worker=%d", r[i].worker);
+            if (r[i].worker >= 0 && r[i].min_clock > 0)
+                k += snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&min_clock=%lld",
+                              (long long)r[i].min_clock);
+            if (r[i].worker >= 0 && r[i].clock > 0)
+                snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&clock=%lld",
+                         (long long)r[i].clock);
             if (r[i].timeout_ms > extra)
                 extra = r[i].timeout_ms;
         } else {

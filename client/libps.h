@@ -122,6 +122,9 @@ typedef struct ps_pull_req {
     int64_t min_step;   /* < 0: no wait; else the long poll of ps_pull_params_wait */
     long timeout_ms;
     int worker;         /* >= 0: as ps_pull_params_wait_worker */
+    int64_t min_clock;  /* > 0: stale-synchronous: first wait until the slowest live worker
+                           completed this many iterations (with worker; 0 = none) */
+    int64_t clock;      /* > 0 with worker: this worker starts iteration `clock` (0 = none) */
     void *buf;
     size_t cap;
     size_t len;           /* out */

@@ -112,16 +112,37 @@ static int unpack(shards *sh, int i, size_t len, float *params)
     return rc;
 }
 
-/* Pull every shard at once; want[i] < 0: no wait. */
+/* Pull every shard at once; want[i] < 0: no wait. min_clock/clock > 0: the
+ * stale-synchronous wait and announcement, on ps 0. */
+static int pull_all_clock(shards *sh, float *params, const int64_t *want, long timeout_ms,
+                          int worker, int64_t min_clock, int64_t clock, int64_t *step);
+
 static int pull_all(shards *sh, float *params, const int64_t *want, long timeout_ms, int worker,
                     int64_t *step)
+{
+    return pull_all_clock(sh, params, want, timeout_ms, worker, 0, 0, step);
+}
+
+int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_t min_clock,
+                    long timeout_ms, int64_t *step)
+{
+    int64_t want[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        want[i] = i == 0 ? 0 : -1;
+    return pull_all_clock(sh, params, want, timeout_ms, worker, min_clock, clock, step);
+}
+
+static int pull_all_clock(shards *sh, float *params, const int64_t *want, long timeout_ms,
+                          int worker, int64_t min_clock, int64_t clock, int64_t *step)
 {
     ps_pull_req r[sh->n];
     int n = 0;
     for (int i = 0; i < sh->n; i++)
         if (i == 0 || sh->s[i].n_p > 0) /* a ps that holds nothing of the model is left alone */
             r[n++] = (ps_pull_req){.shard = i, .min_step = want[i], .timeout_ms = timeout_ms,
-                                   .worker = worker, .buf = sh->s[i].rx, .cap = sh->s[i].rx_cap};
+                                   .worker = worker, .min_clock = i == 0 ? min_clock : 0,
+                                   .clock = i == 0 ? clock : 0, .buf = sh->s[i].rx,
+                                   .cap = sh->s[i].rx_cap};
     int rc = ps_pull_params_many(sh->c, r, n);
     if (rc != PS_OK)
         return rc;
@@ -171,7 +192,8 @@ void shards_rewind(shards *sh)
 
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome)
 {
-    char worker[16], stp[sh->n][32], loss[40], batch[16];
+    char worker[16], stp[sh->n][32], loss[40], batch[16], clk[32];
+    snprintf(clk, sizeof(clk), "%lld", (long long)m->clock);
     snprintf(worker, sizeof(worker), "%d", m->worker);
     snprintf(loss, sizeof(loss), "%.9g", m->loss);
     snprintf(batch, sizeof(batch), "%d", m->batch_size);
@@ -187,10 +209,12 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
         for (int k = 0; k < s->n_p; k++)
             d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, "F32", &sh->pl.pieces[s->p[k]].shape};
         snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
-        const char *meta[] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch};
+        const char *meta[] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch,
+                              "clock", clk};
         char err[256];
         size_t hl;
-        if (st_header_build(d, s->n_p, meta, 4, &heads[i], &hl, err, sizeof(err)) != 0) {
+        if (st_header_build(d, s->n_p, meta, m->clock >= 0 ? 5 : 4, &heads[i], &hl, err,
+                            sizeof(err)) != 0) {
             fprintf(stderr, "workerd: %s\n", err);
             rc = PS_EINVAL;
             goto out;

@@ -56,6 +56,12 @@ int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, in
 int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
                      int64_t *step, int *behind);
 
+/* Async with a staleness bound: pull, first waiting (ps 0) until the slowest
+ * live worker completed min_clock iterations, and announcing that this worker
+ * starts iteration `clock`. */
+int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_t min_clock,
+                    long timeout_ms, int64_t *step);
+
 /* Sync: pull without waiting next time (after a shard refused a gradient
  * from a step it has not reached: it restarted behind us). */
 void shards_rewind(shards *sh);
@@ -66,6 +72,7 @@ typedef struct push_meta {
     double loss;
     int batch_size;
     const char *push_id;
+    int64_t clock;      /* stale-synchronous: this worker's iteration; -1 = not sent */
 } push_meta;
 
 /* Push grads to every shard, each stamped with the step pulled from that

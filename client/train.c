@@ -295,6 +295,10 @@ static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *
                             c->n_trainers);
     if (c->optim.kind == OPTIM_MOMENTUM)
         json_object_set_new(cfg, "momentum", json_real(c->optim.momentum));
+    if (c->max_staleness >= 0)
+        json_object_set_new(cfg, "max_staleness", json_integer(c->max_staleness));
+    if (c->staleness >= 0)
+        json_object_set_new(cfg, "staleness", json_integer(c->staleness));
     for (int i = 0; i < ps_shards(pc); i++)
         if (ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL) != PS_OK) {
             fprintf(stderr, "workerd: sending the training configuration: %s\n", ps_error(pc));
@@ -388,7 +392,21 @@ int train_worker(const train_config *c)
      * (it may be restarting from its checkpoint) */
     ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
     ps_set_abort(pc, train_stop_requested);
-    if (sync) {
+    /* async with a staleness bound (the chief's --staleness): stale-synchronous */
+    int64_t ssp = -1;
+    {
+        json_t *cf = NULL;
+        if (!sync && ps_json(pc, 0, "GET", "/v1/config", NULL, 1, &cf) == PS_OK) {
+            json_t *st = json_object_get(cf, "staleness");
+            if (json_is_integer(st) && json_integer_value(st) >= 0)
+                ssp = json_integer_value(st);
+        }
+        json_decref(cf);
+    }
+    if (ssp >= 0)
+        printf("%s: stale-synchronous: at most %lld iterations ahead of the slowest live worker\n",
+               c->name, (long long)ssp);
+    if (sync || ssp >= 0) {
         /* the lease on every ps: a long step is not a dead worker */
         ps_client *hpc = connect_ps(c, 5000);
         hb = hpc ? heartbeat_start(hpc, c->trainer, 1000) : NULL;
@@ -425,10 +443,15 @@ int train_worker(const train_config *c)
             near_end = 1;
             ps_set_retry_ms(pc, 2000);
         }
-        int behind = 0;
-        int prc = sync ? shards_pull_sync(&sh, params, c->trainer, 30000, c->train_steps, &step,
-                                          &behind)
-                       : shards_pull(&sh, params, -1, 0, &step);
+        int behind = 0, prc;
+        if (sync)
+            prc = shards_pull_sync(&sh, params, c->trainer, 30000, c->train_steps, &step, &behind);
+        else if (ssp >= 0 && k >= 0)
+            /* stale-synchronous: iteration k starts once the slowest live
+             * worker completed k - S (a long poll on ps 0) */
+            prc = shards_pull_ssp(&sh, params, c->trainer, k, k - ssp, 30000, &step);
+        else
+            prc = shards_pull(&sh, params, -1, 0, &step);
         if (prc != PS_OK && train_stop_requested()) {
             stopped = 1;
             break;
@@ -466,7 +489,7 @@ int train_worker(const train_config *c)
             sleep_secs((double)c->step_delay_ms / 1000.0);
         char id[64];
         snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)pushes++);
-        push_meta pm = {c->trainer, step, loss, c->batch_size, id};
+        push_meta pm = {c->trainer, step, loss, c->batch_size, id, ssp >= 0 ? k - 1 : -1};
         int64_t after;
         int outcome;
         prc = shards_push(&sh, grads, &pm, &after, &outcome);

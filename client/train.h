@@ -38,6 +38,8 @@ typedef struct train_config {
     int threads;
     place_policy placement;
     uint64_t partition_bytes;
+    int max_staleness;      /* async: drop gradients staler than this; -1 none */
+    int staleness;          /* stale-synchronous bound; -1 none */
     double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
     int step_delay_ms;      /* test hook: sleep this long in each step */
 } train_config;

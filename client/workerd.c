@@ -24,6 +24,7 @@ int main(int argc, char **argv)
     float lr = 0.01f, momentum = 0.9f, recovery_wait = 1, eval_secs = 10, retry_secs = 120;
     int backoff_ms = 100, backoff_max_ms = 2000, step_delay_ms = 0;
     float num_epochs = 0;
+    int max_staleness = -1, staleness = -1;
     flag flags[] = {
         {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
@@ -52,6 +53,8 @@ int main(int argc, char **argv)
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
         {"placement", FLAG_STRING, &placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
         {"partition_bytes", FLAG_U64, &partition_bytes, "a variable larger than this is split by rows over the ps tasks (default 4194304)", 0},
+        {"max_staleness", FLAG_INT, &max_staleness, "async (chief): the ps drops gradients computed more than this many steps ago, as DropStaleGradientOptimizer (default -1: never)", 0},
+        {"staleness", FLAG_INT, &staleness, "async (chief): stale-synchronous parallel: a worker runs at most this many iterations ahead of the slowest live worker (default -1: no bound; 0 waits for everyone like sync)", 0},
         {"num_epochs", FLAG_FLOAT, &num_epochs, "leave the job after this many epochs of this task's own batches, as an input pipeline that runs out (default 0: no end; the others go on)", 0},
         {"step_delay_ms", FLAG_INT, &step_delay_ms, "test hook: sleep this long in every step, as a slow worker (default 0)", 0},
         {"ps_retry_secs", FLAG_FLOAT, &retry_secs, "once training runs, keep retrying a ps that does not answer for this long, e.g. while it restarts from its checkpoint (default 120; the evaluator waits at most 2 x --eval_secs, 10 at least)", 0},
@@ -137,6 +140,12 @@ int main(int argc, char **argv)
     c.timeout_ms = timeout_ms;
     c.retry_secs = retry_secs;
     c.num_epochs = num_epochs;
+    c.max_staleness = max_staleness;
+    c.staleness = staleness;
+    if (max_staleness < -1 || staleness < -1 || max_staleness > 1000000 || staleness > 1000000) {
+        fprintf(stderr, "workerd: --max_staleness and --staleness must be -1 (none) or 0 to 1000000\n");
+        return 2;
+    }
     c.step_delay_ms = step_delay_ms;
     c.backoff_ms = backoff_ms;
     c.backoff_max_ms = backoff_max_ms;

@@ -40,8 +40,28 @@ enum MHD_Result h_params_get(request *r)
     if (query_int(r, "timeout_ms", &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
+    long long min_clock = -1, clock = -1;
+    if (query_int(r, "min_clock", &min_clock) < 0 || query_int(r, "clock", &clock) < 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_clock and clock must be non-negative integers");
     if (worker >= 0)
         store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
+    /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
+    if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
+        store_min_clock(&srv->store) < min_clock) {
+        if (srv->cfg.http_threads == 0) {
+            waiters_block(srv->clock_waiters, min_clock, waiters_now_ms() + timeout_ms);
+        } else {
+            r->parked = 1;
+            r->parked_on = srv->clock_waiters;
+            MHD_suspend_connection(r->conn);
+            waiters_add(srv->clock_waiters, r->conn, min_clock, waiters_now_ms() + timeout_ms,
+                        &r->resumed);
+            return MHD_YES;
+        }
+    }
+    /* the worker starts iteration `clock` now (after any wait for the bound) */
+    if (worker >= 0 && clock >= 0)
+        store_clock_start(&srv->store, (int)worker, clock);
     store_snap *v;
     int n, pending = 0;
     int64_t step;
@@ -69,6 +89,7 @@ enum MHD_Result h_params_get(request *r)
                 return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
         } else {
             r->parked = 1;
+            r->parked_on = srv->waiters;
             MHD_suspend_connection(r->conn);
             waiters_add(srv->waiters, r->conn, min_step, waiters_now_ms() + timeout_ms,
                         &r->resumed);
@@ -158,14 +179,14 @@ enum MHD_Result h_grads_post(request *r)
         memmove(data - mis, data, data_len);
         data -= mis;
     }
-    long long worker = -1, step = -1, batch = -1;
+    long long worker = -1, step = -1, batch = -1, clock = -1;
     if (meta_int(&f, "worker", &worker) < 0 || meta_int(&f, "step", &step) < 0 ||
-        meta_int(&f, "batch_size", &batch) < 0) {
+        meta_int(&f, "batch_size", &batch) < 0 || meta_int(&f, "clock", &clock) < 0) {
         rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                              "metadata worker, step and batch_size must be non-negative integers");
+                              "metadata worker, step, batch_size and clock must be non-negative integers");
         goto out;
     }
-    store_push_meta meta = {.worker = worker, .step = step, .body = b};
+    store_push_meta meta = {.worker = worker, .step = step, .clock = clock, .body = b};
     const char *loss = st_meta_get(&f, "loss");
     if (loss) {
         char *end;
@@ -206,6 +227,8 @@ enum MHD_Result h_grads_post(request *r)
     int outcome;
     static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
     int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
+    if (clock >= 0) /* a worker finished an iteration: the slowest may have moved */
+        waiters_level(r->srv->clock_waiters, store_min_clock(&r->srv->store));
     if (src == STORE_ENOMEM)
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
     else if (src == STORE_EAHEAD)

@@ -59,12 +59,12 @@ static json_t *config_to_json(const store_saved *sv)
     if (!sv->configured)
         return json_null();
     const store_config *c = &sv->config;
-    return json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:b,s:i,s:i}", "optimizer",
+    return json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:b,s:i,s:i,s:i,s:i}", "optimizer",
                      optim_name(c->optim.kind), "learning_rate", (double)c->optim.learning_rate,
                      "momentum", (double)c->optim.momentum, "beta1", (double)c->optim.beta1,
                      "beta2", (double)c->optim.beta2, "epsilon", (double)c->optim.epsilon, "sync",
                      c->sync, "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
-                     c->workers);
+                     c->workers, "max_staleness", c->max_staleness, "staleness", c->staleness);
 }
 
 static char *dump(json_t *j)
@@ -263,6 +263,9 @@ static int parse_config(json_t *j, store_saved *out, char *err, size_t errlen)
     c->sync = json_is_true(sync);
     c->replicas_to_aggregate = (int)json_integer_value(r);
     c->workers = (int)json_integer_value(w);
+    json_t *ms = json_object_get(j, "max_staleness"), *sb = json_object_get(j, "staleness");
+    c->max_staleness = json_is_integer(ms) ? (int)json_integer_value(ms) : -1;
+    c->staleness = json_is_integer(sb) ? (int)json_integer_value(sb) : -1;
     if (!(c->optim.learning_rate > 0)) {
         snprintf(err, errlen, "metadata 'config' has no positive learning_rate");
         return -1;

@@ -32,6 +32,7 @@ typedef struct request {
     uint64_t bytes_in, bytes_out;   /* body bytes received and answered */
     int parked;                     /* suspended in a long poll */
     int resumed;                    /* set by the waiters when it is resumed */
+    struct waiters *parked_on;      /* which waiters hold it (long polls on step or clock) */
 } request;
 
 /* Request header or query argument, or NULL. */

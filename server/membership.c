@@ -34,6 +34,8 @@ static void *tick(void *arg)
             break;
         pthread_mutex_unlock(&m->mu);
         store_sync_tick(&m->srv->store);
+        /* a lease that ran out may lift the stale-synchronous bound */
+        waiters_level(m->srv->clock_waiters, store_min_clock(&m->srv->store));
         pthread_mutex_lock(&m->mu);
     }
     pthread_mutex_unlock(&m->mu);

@@ -283,10 +283,11 @@ int main(int argc, char **argv)
 
     pthread_mutex_init(&srv->info_mu, NULL);
     srv->waiters = waiters_new(0);
+    srv->clock_waiters = waiters_new(0);
     srv->metrics = metrics_new();
     srv->workers = workers_new();
     srv->history = history_new();
-    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->history) {
+    if (!srv->waiters || !srv->clock_waiters || !srv->metrics || !srv->workers || !srv->history) {
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
@@ -387,6 +388,7 @@ int main(int argc, char **argv)
     }
     history_stop(srv->history);
     waiters_wake_all(srv->waiters);
+    waiters_wake_all(srv->clock_waiters);
     for (int i = 0; i < 500 && atomic_load(&srv->in_flight) > 0; i++) {
         struct timespec t = {0, 10 * 1000000L};
         nanosleep(&t, NULL);
@@ -412,6 +414,7 @@ int main(int argc, char **argv)
         saver_free(srv->saver);
     }
     waiters_free(srv->waiters);
+    waiters_free(srv->clock_waiters);
     history_free(srv->history);
     workers_free(srv->workers);
     metrics_free(srv->metrics);

@@ -274,8 +274,8 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     request *r = *req_cls;
     if (!r)
         return;
-    if (r->parked && !r->resumed)
-        waiters_remove(srv->waiters, r->conn);
+    if (r->parked && !r->resumed && r->parked_on)
+        waiters_remove(r->parked_on, r->conn);
     metrics_observe(srv->metrics, r, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
     blob_unref(r->body);
     free(r);

@@ -33,6 +33,7 @@ typedef struct server {
     struct timespec started;
     atomic_uint_fast64_t requests;
     waiters *waiters;      /* long polls on /v1/params?min_step= */
+    waiters *clock_waiters; /* long polls on /v1/params?min_clock= (stale-synchronous) */
     struct metrics *metrics;   /* counters and histograms for /metrics (metrics.c) */
     struct workers *workers;   /* each worker's last step, last seen, stale drops (workers.c) */
     struct history *history;   /* global_step and loss over time (history.c) */

@@ -58,6 +58,7 @@ json_t *status_json(server *srv)
     /* the workers a sync step waits for: live, not yet in (as /v1/sync) */
     json_object_set_new(o, "waiting_for", json_deep_copy(json_object_get(sync, "waiting_for")));
     json_object_set_new(o, "sync", sync);
+    json_object_set_new(o, "staleness", store_staleness_json(&srv->store));
     json_object_set_new(o, "checkpoint", srv->saver ? saver_status_json(srv->saver) : json_null());
     workers_status(srv->workers, &srv->store, o);
     history_status(srv->history, o);

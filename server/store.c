@@ -1,6 +1,8 @@
 /* store.c - the shard's variables, their versions and updates. */
 #include "store.h"
 
+#include <jansson.h>
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +27,8 @@ int store_init(store *s, float learning_rate, bufpool *pool)
     optim_defaults(&s->config.optim, OPTIM_SGD, learning_rate);
     s->config.replicas_to_aggregate = 1;
     s->config.workers = 1;
+    s->config.max_staleness = -1;
+    s->config.staleness = -1;
     s->lease_ms = 10000;
     s->step_started_ms = store_now_ms();
     return STORE_OK;
@@ -583,10 +587,31 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
         goto out;
     }
 
+    /* async: how stale is it? Drop it past --max_staleness
+     * (DropStaleGradientOptimizer) */
+    int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
+    if (s->config.max_staleness >= 0 && staleness > s->config.max_staleness) {
+        s->stale_dropped++;
+        *outcome = STORE_PUSH_STALE;
+        *global_step = s->global_step;
+        goto out;
+    }
     if ((rc = prepare(s, idx, f->n_tensors, dst)) != STORE_OK)
         goto out;
     for (int k = 0; k < f->n_tensors; k++)
         update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
+    if (meta->step >= 0) {
+        int b = staleness < 4 ? (int)staleness : staleness < 8 ? 4 : staleness < 16 ? 5
+              : staleness < 32 ? 6 : staleness < 64 ? 7 : 8;
+        s->staleness_hist[b]++;
+        s->staleness_sum += staleness;
+        s->staleness_count++;
+        if (staleness > s->staleness_max)
+            s->staleness_max = staleness;
+    }
+    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0 &&
+        meta->clock + 1 > atomic_load(&s->clock_done[meta->worker]))
+        atomic_store(&s->clock_done[meta->worker], meta->clock + 1);
     *global_step = ++s->global_step;
     s->pushes_applied++;
     stepped = 1;
@@ -809,4 +834,47 @@ char *store_get_placement(store *s)
     char *c = s->placement ? strdup(s->placement) : NULL;
     pthread_rwlock_unlock(&s->lock);
     return c;
+}
+
+void store_clock_start(store *s, int worker, int64_t clock)
+{
+    if (worker >= 0 && worker < STORE_MAX_WORKERS)
+        atomic_store(&s->clock_started[worker], clock);
+}
+
+int64_t store_min_clock(store *s)
+{
+    int64_t now = store_now_ms(), m = INT64_MAX;
+    pthread_rwlock_rdlock(&s->lock);
+    for (int w = 0; w < s->config.workers; w++)
+        if (!atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now) {
+            int64_t d = atomic_load(&s->clock_done[w]);
+            if (d < m)
+                m = d;
+        }
+    pthread_rwlock_unlock(&s->lock);
+    return m;
+}
+
+json_t *store_staleness_json(store *s)
+{
+    static const char *const le[STORE_STALENESS_BUCKETS] = {"0", "1", "2", "3", "7", "15", "31", "63", "+Inf"};
+    pthread_rwlock_rdlock(&s->lock);
+    json_t *b = json_array(), *clocks = json_object();
+    for (int i = 0; i < STORE_STALENESS_BUCKETS; i++)
+        json_array_append_new(b, json_pack("{s:s,s:I}", "le", le[i], "count",
+                                           (json_int_t)s->staleness_hist[i]));
+    for (int w = 0; w < s->config.workers && w < STORE_MAX_WORKERS; w++) {
+        char k[16];
+        snprintf(k, sizeof(k), "%d", w);
+        json_object_set_new(clocks, k, json_pack("{s:I,s:I}", "started",
+                                                 (json_int_t)atomic_load(&s->clock_started[w]), "done",
+                                                 (json_int_t)atomic_load(&s->clock_done[w])));
+    }
+    json_t *o = json_pack("{s:I,s:f,s:I,s:o,s:i,s:i,s:o}", "count", (json_int_t)s->staleness_count,
+                          "mean", s->staleness_count ? (double)s->staleness_sum / (double)s->staleness_count : 0.0,
+                          "max", (json_int_t)s->staleness_max, "buckets", b, "max_staleness",
+                          s->config.max_staleness, "bound", s->config.staleness, "clocks", clocks);
+    pthread_rwlock_unlock(&s->lock);
+    return o;
 }

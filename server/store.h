@@ -37,6 +37,8 @@ enum {
 };
 
 #define STORE_MAX_WORKERS 4096
+/* staleness histogram: 0, 1, 2, 3, 4-7, 8-15, 16-31, 32-63, 64 and more */
+#define STORE_STALENESS_BUCKETS 9
 
 /* The training configuration the chief sends (PUT /v1/config). */
 typedef struct store_config {
@@ -44,6 +46,8 @@ typedef struct store_config {
     int sync;                  /* 0 async, 1 sync */
     int replicas_to_aggregate; /* sync: gradients per step */
     int workers;               /* how many workers train */
+    int max_staleness;         /* async: drop gradients staler than this; -1 = no limit */
+    int staleness;             /* stale-synchronous bound; -1 = none (plain async) */
 } store_config;
 
 typedef struct store_var {
@@ -114,6 +118,14 @@ typedef struct store {
     _Atomic unsigned char left[STORE_MAX_WORKERS];
     int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
     int64_t first_pending_ms; /* when its first gradient came (0 none) */
+    /* async: how stale applied gradients were (global_step when applied
+     * minus the step they were computed from), as a histogram */
+    int64_t staleness_hist[STORE_STALENESS_BUCKETS];
+    int64_t staleness_sum, staleness_max, staleness_count;
+    /* stale-synchronous parallel: each worker's iteration clock: the one it
+     * started (announced by its pull) and the ones it completed (pushed) */
+    _Atomic int64_t clock_started[STORE_MAX_WORKERS];
+    _Atomic int64_t clock_done[STORE_MAX_WORKERS];
     char *placement;          /* the chief's placement map (JSON text), or NULL */
 } store;
 
@@ -175,6 +187,7 @@ typedef struct store_push_meta {
     double loss;
     long long worker;    /* -1 when not given (sync needs it) */
     long long step;      /* the global_step the gradient was computed from; -1 not given */
+    long long clock;     /* the worker's iteration (stale-synchronous); -1 not given */
     blob *body;          /* the blob holding data; sync keeps a reference */
 } store_push_meta;
 
@@ -231,6 +244,15 @@ int64_t store_now_ms(void);
 int store_set_placement(store *s, const char *json_text);
 /* A malloc'd copy of it, or NULL when there is none. */
 char *store_get_placement(store *s);
+
+/* Stale-synchronous clocks: worker announces it starts iteration `clock`. */
+void store_clock_start(store *s, int worker, int64_t clock);
+/* The fewest iterations completed by a live worker of the run (INT64_MAX
+ * when none is live): a worker may start iteration k once this is >= k - S. */
+int64_t store_min_clock(store *s);
+/* {"count", "mean", "max", "buckets": [{"le": .., "count": ..}...], "clocks": ...} */
+struct json_t;
+struct json_t *store_staleness_json(store *s);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

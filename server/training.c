@@ -16,6 +16,10 @@ static json_t *config_json(const store_config *c)
     json_t *o = json_pack("{s:s,s:f,s:b,s:i,s:i}", "optimizer", optim_name(c->optim.kind),
                           "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
                           "replicas_to_aggregate", c->replicas_to_aggregate, "workers", c->workers);
+    if (c->max_staleness >= 0)
+        json_object_set_new(o, "max_staleness", json_integer(c->max_staleness));
+    if (c->staleness >= 0)
+        json_object_set_new(o, "staleness", json_integer(c->staleness));
     if (c->optim.kind == OPTIM_MOMENTUM)
         json_object_set_new(o, "momentum", json_real(c->optim.momentum));
     if (c->optim.kind == OPTIM_ADAM) {
@@ -55,7 +59,8 @@ static int num_field(json_t *o, const char *key, double *out)
 static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
 {
     static const char *const known[] = {"optimizer", "learning_rate", "momentum", "beta1", "beta2",
-                                        "epsilon", "sync", "replicas_to_aggregate", "workers"};
+                                        "epsilon", "sync", "replicas_to_aggregate", "workers",
+                                        "max_staleness", "staleness"};
     const char *key;
     json_t *val;
     json_object_foreach(j, key, val) {
@@ -121,6 +126,19 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
         return -1;
     }
     c->replicas_to_aggregate = r ? (int)json_integer_value(r) : c->workers;
+    /* async: drop gradients staler than max_staleness; stale-synchronous bound */
+    const char *bounds[2] = {"max_staleness", "staleness"};
+    int *into[2] = {&c->max_staleness, &c->staleness};
+    for (int b = 0; b < 2; b++) {
+        json_t *v = json_object_get(j, bounds[b]);
+        if (v && !json_is_null(v) &&
+            (!json_is_integer(v) || json_integer_value(v) < -1 || json_integer_value(v) > 1000000)) {
+            snprintf(err, errlen, "%s must be an integer from 0 to 1000000 (or -1 or null: no limit)",
+                     bounds[b]);
+            return -1;
+        }
+        *into[b] = v && json_is_integer(v) ? (int)json_integer_value(v) : -1;
+    }
     /* settings the optimizer does not use are zero, so equal configurations compare equal */
     if (c->optim.kind != OPTIM_MOMENTUM)
         c->optim.momentum = 0;
@@ -236,6 +254,7 @@ enum MHD_Result h_shutdown_post(request *r)
 
 /* The chief's placement map (client/placement.h), kept for GET /v1/placement
  * and the checkpoints; psd checks its shape, not its arithmetic. */
+#define PLACEMENT_MAX (1 << 20)
 enum MHD_Result h_placement_put(request *r)
 {
     char err[256];
@@ -257,8 +276,15 @@ enum MHD_Result h_placement_put(request *r)
                                 "placement is for %lld ps tasks, this cluster has %d",
                                 (long long)got, ps);
     }
+    json_object_del(j, "this_ps"); /* psd's own, added on GET */
     char *text = json_dumps(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
     json_decref(j);
+    if (text && strlen(text) > PLACEMENT_MAX) {
+        free(text);
+        return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
+                                "placement map over %d bytes (it goes into every checkpoint)",
+                                PLACEMENT_MAX);
+    }
     if (!text || store_set_placement(&r->srv->store, text) != STORE_OK) {
         free(text);
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");

@@ -173,6 +173,15 @@ void waiters_step(waiters *w, int64_t step)
     pthread_mutex_unlock(&w->mu);
 }
 
+void waiters_level(waiters *w, int64_t level)
+{
+    pthread_mutex_lock(&w->mu);
+    w->step = level;
+    resume_where(w, step_reached, w->step);
+    pthread_cond_broadcast(&w->step_cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
 void waiters_wake_all(waiters *w)
 {
     pthread_mutex_lock(&w->mu);

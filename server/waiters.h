@@ -30,6 +30,9 @@ void waiters_remove(waiters *w, struct MHD_Connection *conn);
 
 /* The step moved to `step`: resume whoever it satisfies. */
 void waiters_step(waiters *w, int64_t step);
+/* As waiters_step for a level that may also go down (the slowest worker's
+ * clock: a worker that rejoins lowers it). */
+void waiters_level(waiters *w, int64_t level);
 /* Resume everyone and park nobody from now on (shutdown). */
 void waiters_wake_all(waiters *w);
 

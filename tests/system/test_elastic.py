@@ -108,3 +108,58 @@ def test_backup_workers_keep_the_step_rate_of_the_fast_ones(jobs):
           f"2 of 3 (one backup) {rates[2]:.0f}: {ratio:.1f}x")
     assert rates[3] < 1000 / delay + 2  # each step waited for the slow one
     assert ratio >= 3
+
+
+def test_async_staleness_is_recorded_and_max_staleness_drops_the_stale(jobs):
+    """Async with one slow worker: its gradients arrive many steps late. The ps
+    records each applied update's staleness; --max_staleness=2 drops the ones
+    older than 2 steps (DropStaleGradientOptimizer)."""
+    args = ["--sync=0", "--hidden_units=32", "--batch_size=50", "--train_steps=1000000",
+            "--log_every=0"]
+    seen = {}
+    for name, extra in (("plain", []), ("bounded", ["--max_staleness=2"])):
+        job = jobs(f"stale-{name}", 2, args + extra)
+        job.start_psd()
+        procs = [job.worker(1, "--step_delay_ms=30"), job.worker(0, "--keep_ps")]
+        job.wait_step(400 if not ASAN else 100)
+        time.sleep(1)
+        st, _, body = http("GET", job.url + "/v1/status")
+        s = json.loads(body)
+        for p in procs:
+            p.kill()
+            p.wait()
+        seen[name] = (s["staleness"], s["stale_dropped"])
+    plain, dropped_plain = seen["plain"]
+    bounded, dropped_bounded = seen["bounded"]
+    assert sum(b["count"] for b in plain["buckets"]) == plain["count"] > 0
+    assert plain["max"] > 2 and dropped_plain == 0  # the slow worker's gradients are stale
+    assert bounded["max"] <= 2 and dropped_bounded > 0 and bounded["max_staleness"] == 2
+    print(f"async, one worker 30 ms slower: staleness mean {plain['mean']:.1f}, max {plain['max']}; "
+          f"with --max_staleness=2: max {bounded['max']}, {dropped_bounded} dropped")
+
+
+def test_stale_synchronous_bound_holds_the_fast_worker_back(jobs):
+    """--staleness=3: a worker starts iteration k only once the slowest live
+    worker completed k - 3, so the fast one's lead stays within 3."""
+    S = 3
+    args = ["--sync=0", "--hidden_units=32", "--batch_size=50", "--train_steps=1000000",
+            "--log_every=0", f"--staleness={S}"]
+    job = jobs("ssp", 2, args)
+    job.start_psd()
+    procs = [job.worker(1, "--step_delay_ms=20"), job.worker(0, "--keep_ps")]
+    job.wait_step(20)
+    leads = []
+    t0 = time.time()
+    while time.time() - t0 < 3:
+        st, _, body = http("GET", job.url + "/v1/status")
+        c = json.loads(body)["staleness"]["clocks"]
+        leads.append(c["0"]["started"] - c["1"]["done"])
+        time.sleep(0.01)
+    steps = job.step()
+    for p in procs:
+        p.kill()
+        p.wait()
+    print(f"--staleness={S}, worker 1 20 ms slower: fast worker's lead over the slow one's "
+          f"completed iterations: max {max(leads)} in {len(leads)} samples; global step {steps}")
+    assert max(leads) <= S
+    assert max(leads) >= 1  # it did run ahead, within the bound
