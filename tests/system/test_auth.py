@@ -27,6 +27,14 @@ CONFIG = {"optimizer": "sgd", "learning_rate": 0.5}
 NEW_CONFIG = {"optimizer": "momentum", "learning_rate": 0.25, "momentum": 0.5, "sync": True,
               "workers": 2, "replicas_to_aggregate": 2}
 EVAL = {"loss": 0.75, "accuracy": 0.5, "global_step": 3, "examples": 100}
+# the placement map the seeded psd holds (as a chief sends it: w on the one ps
+# task), then the one the PUT /v1/placement recipe replaces it with
+PLACEMENT = {"policy": "bytes", "partition_bytes": 4194304, "ps_tasks": 1, "bytes_per_ps": [48],
+             "variables": [{"name": "w", "shape": [3, 4],
+                            "parts": [{"name": "w", "ps": 0, "rows": [0, 3]}]}]}
+NEW_PLACEMENT = dict(PLACEMENT, policy="round_robin", partition_bytes=16)
+# what GET /v1/placement adds: the seeded psd holds w (3x4 float32)
+THIS_PS = {"task": 0, "variables": 1, "bytes": 48}
 # the change POST /v1/shutdown makes: psd exits 0 (checked by stopped())
 STOPS = "stops"
 
@@ -61,7 +69,9 @@ def test_route_table_has_the_contract():
             ("GET", "/app.js", False, False), ("GET", "/style.css", False, False),
             ("GET", "/metrics", False, False), ("GET", "/v1/history", False, False),
             ("GET", "/v1/events", False, False), ("GET", "/v1/checkpoint", False, False),
-            ("POST", "/v1/checkpoint", True, False)}
+            ("POST", "/v1/checkpoint", True, False), ("GET", "/v1/sync", False, False),
+            ("POST", "/v1/heartbeat", True, False), ("GET", "/v1/placement", False, False),
+            ("PUT", "/v1/placement", True, False)}
     assert want <= set(ROUTES)
 
 
@@ -96,6 +106,15 @@ def recipe(method, path):
         return p, [], b'{"worker": 1}', 200, \
             lambda b, a: a["workers_done"] == b["workers_done"] + 1 and \
             same_but(b, a, "workers_done")
+    if (method, path) == ("POST", "/v1/heartbeat"):
+        # renews worker 0's lease: nothing of the state a snapshot holds changes
+        return p, ["Content-Type: application/json"], b'{"worker": 0}', 200, \
+            lambda b, a: a == b
+    if (method, path) == ("PUT", "/v1/placement"):
+        # the map is replaced; nothing else of the state changes
+        return p, ["Content-Type: application/json"], json.dumps(NEW_PLACEMENT).encode(), 200, \
+            lambda b, a: b["placement"] == PLACEMENT and a["placement"] == NEW_PLACEMENT and \
+            same_but(b, a, "placement")
     if (method, path) == ("POST", "/v1/shutdown"):
         return p, [], None, 202, STOPS
     if (method, path) == ("POST", "/v1/checkpoint"):
@@ -116,6 +135,7 @@ READ_TYPES = {
     "/": "text/html", "/app.js": "text/javascript", "/style.css": "text/css",
     "/metrics": "text/plain", "/v1/history": "application/json",
     "/v1/events": "text/event-stream", "/v1/checkpoint": "application/octet-stream",
+    "/v1/sync": "application/json", "/v1/placement": "application/json",
 }
 
 
@@ -129,6 +149,11 @@ def assert_read(path, headers, body, before):
         assert b"\nrestps_global_step %d\n" % before["status_step"] in body, body[:500]
     elif path == "/v1/history":
         assert json.loads(body)["global_step"] == before["status_step"], body
+    elif path == "/v1/sync":
+        sync = json.loads(body)
+        assert (sync["global_step"], sync["mode"]) == (before["status_step"], before["mode"]), body
+    elif path == "/v1/placement":
+        assert json.loads(body) == dict(before["placement"], this_ps=THIS_PS), body
     elif path == "/v1/events":
         fields = [ln.partition(":")[::2] for ln in body.decode().split("\n") if ln]
         data = [v.strip() for k, v in fields if k == "data"]
@@ -178,21 +203,33 @@ def seeded(start_psd, token_file, *extra):
     st, _, body = http("PUT", p.url + "/v1/config", json.dumps(CONFIG).encode(),
                        {"Authorization": "Bearer " + TOKEN})
     assert st == 200, body
+    st, _, body = http("PUT", p.url + "/v1/placement", json.dumps(PLACEMENT).encode(),
+                       {"Authorization": "Bearer " + TOKEN})
+    assert st == 200, body  # so GET /v1/placement has a map to answer with
     st, _, body = http("POST", p.url + "/v1/checkpoint", None, {"Authorization": "Bearer " + TOKEN})
     assert st == 200, body  # so GET /v1/checkpoint has a file to serve
     before = snapshot_auth(p)
     assert before["ready"] and before["config"]["optimizer"] == "sgd"
+    assert before["placement"] == PLACEMENT
     return p, before
 
 
 def snapshot_auth(p):
     """snapshot() for a server that may need the token for reads too, with the
-    step of the newest checkpoint."""
+    step of the newest checkpoint and the placement map (as the chief sent
+    it, without this_ps; None before one)."""
     h = {"Authorization": "Bearer " + TOKEN}
     snap = snapshot(p.url, h)
     st, _, body = http("GET", p.url + "/v1/status", headers=h)
     last = json.loads(body)["checkpoint"]["last"]
     snap["checkpoint_step"] = last["global_step"] if last else None
+    st, _, body = http("GET", p.url + "/v1/placement", headers=h)
+    assert st in (200, 404), (st, body)
+    placement = json.loads(body) if st == 200 else None
+    if placement is not None:
+        assert placement.pop("this_ps") == {"task": 0, "variables": snap["variables"],
+                                            "bytes": snap["bytes"]}, placement
+    snap["placement"] = placement
     return snap
 
 

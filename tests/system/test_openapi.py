@@ -94,6 +94,22 @@ def read_safetensors(body):
     return meta, out
 
 
+def placement_map(variables, policy="bytes"):
+    """A placement map as workerd's chief sends it, for one ps task:
+    variables is [(name, shape)], none partitioned."""
+    def numel(shape):
+        return math.prod(shape)
+    return {"policy": policy, "partition_bytes": 4194304, "ps_tasks": 1,
+            "bytes_per_ps": [sum(4 * numel(sh) for _, sh in variables)],
+            "variables": [{"name": n, "shape": sh,
+                           "parts": [{"name": n, "ps": 0, "rows": [0, sh[0]]}]}
+                          for n, sh in variables]}
+
+
+def error_of(body):
+    return json.loads(body)["error"]
+
+
 class Recorder:
     """Sends requests with http.client and records each exchange."""
 
@@ -256,7 +272,13 @@ def exercise_checkpoint(rec, p, token=None, read_token=None):
     assert set(meta) == CHECKPOINT_META, sorted(meta)
     assert (meta["format"], meta["format_version"], meta["global_step"], meta["task"],
             meta["ps_tasks"]) == ("restps-checkpoint", "1", str(step), "ps:0", "1"), meta
-    assert set(json.loads(meta["placement"])["variables"]) == set(json.loads(meta["variables"]))
+    placed, variables = json.loads(meta["placement"]), json.loads(meta["variables"])
+    assert set(placed) == {"ps_task", "ps_tasks", "variables", "map"}, placed
+    assert (placed["ps_task"], placed["ps_tasks"]) == (0, 1), placed
+    assert set(placed["variables"]) == set(variables), (placed, variables)
+    for name, info in variables.items():
+        assert set(info) == {"version", "updates", "slots", "shape"}, (name, info)
+        assert info["shape"] == list(tensors[name].shape), (name, info)
     _, h, b = rec(p, "HEAD", "/v1/checkpoint", token=read_token, expect=200)
     assert (h["x-global-step"], h["content-length"], b) == (str(step), str(len(body)), b""), h
     _, _, b = rec(p, "GET", "/v1/status", token=read_token, expect=200)
@@ -276,6 +298,17 @@ def exercise_open(rec, p):
     assert s["last_loss"] is None and s["eval"] is None and s["ready"] is False
     assert (s["mode"], s["optimizer"]) == ("async", "sgd")
     rec(p, "HEAD", "/v1/status", expect=200)
+    # the sync step before any configuration: async, one worker, nothing pending
+    _, h, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert h["cache-control"] == "no-store", h
+    assert (sy["mode"], sy["global_step"], sy["workers"], sy["replicas_to_aggregate"],
+            sy["live_workers"], sy["needed"], sy["have"], sy["waiting_for"], sy["dead"],
+            sy["left"], sy["lease_secs"], sy["waiting_secs"]) == \
+        ("async", 0, 1, 1, 0, 1, [], [], [], [], 10, 0), sy
+    assert s["waiting_for"] == [], s
+    assert without_clocks(s["sync"]) == without_clocks(sy), (s["sync"], sy)
+    rec(p, "HEAD", "/v1/sync", expect=200)
     rec(p, "GET", "/metrics", expect=200)
     rec(p, "HEAD", "/metrics", expect=200)
     _, _, b = rec(p, "GET", "/v1/history", expect=200)
@@ -290,6 +323,10 @@ def exercise_open(rec, p):
     assert s["checkpoint"]["last"] is None and s["checkpoint"]["saves"] == 0, s
     rec(p, "GET", "/v1/checkpoint", expect=404)
     rec(p, "HEAD", "/v1/checkpoint", expect=404)
+    # no placement map yet
+    _, _, b = rec(p, "GET", "/v1/placement", expect=404)
+    assert error_of(b) == "no placement yet: the chief sends it", b
+    rec(p, "HEAD", "/v1/placement", expect=404)
 
     # PUT: created, replaced, create-only, names with '/', a scalar, chunked
     w = f32(1, 2, 3, 4, 5, 6)
@@ -447,6 +484,8 @@ def exercise_open(rec, p):
     saved, meta, tensors = exercise_checkpoint(rec, p)
     assert saved["global_step"] == int(pmeta["global_step"]) and set(tensors) == set(ptensors)
     assert list(tensors["w"].ravel()) == list(ptensors["w"][2]) and meta["config"] == "null"
+    assert json.loads(meta["placement"])["map"] is None, meta  # the chief sent none
+    assert json.loads(meta["variables"])["s"]["shape"] == [], meta
     # saved again although nothing changed; a body is ignored
     _, _, b = rec(p, "POST", "/v1/checkpoint", body=b"ignored", expect=200)
     assert json.loads(b)["file"] == saved["file"]
@@ -522,11 +561,16 @@ def exercise_open(rec, p):
         expect=413)
     rec(p, "POST", "/v1/done", headers={"Content-Length": "5000"}, headers_only=True,
         expect=413)
+    rec(p, "POST", "/v1/heartbeat", headers={"Content-Length": "5000"}, headers_only=True,
+        expect=413)
+    rec(p, "PUT", "/v1/placement", headers={"Content-Length": "5000"}, headers_only=True,
+        expect=413)
 
     # paths no route has, and methods a path does not answer
     for path in ("/index.html", "/nope", "/v1", "/v1/", "/v1/var/w", "/healthz/",
                  "/v1/params/x", "/app.js/", "/web/style.css", "/v1/events/x",
-                 "/v1/checkpoint/x", "/v1/checkpoints"):
+                 "/v1/checkpoint/x", "/v1/checkpoints", "/v1/sync/x", "/v1/heartbeats",
+                 "/v1/placement/x", "/v1/placements"):
         rec(p, "GET", path, expect=404)
     rec(p, "POST", "/v1/nope", body=b"x", expect=404)
     rec(p, "HEAD", "/nope", expect=404)
@@ -539,8 +583,72 @@ def exercise_open(rec, p):
                          ("HEAD", "/v1/shutdown"), ("POST", "/"), ("PUT", "/app.js"),
                          ("DELETE", "/style.css"), ("POST", "/v1/events"),
                          ("DELETE", "/v1/history"), ("POST", "/metrics"),
-                         ("DELETE", "/v1/checkpoint"), ("PUT", "/v1/checkpoint")):
+                         ("DELETE", "/v1/checkpoint"), ("PUT", "/v1/checkpoint"),
+                         ("POST", "/v1/sync"), ("GET", "/v1/heartbeat"),
+                         ("HEAD", "/v1/heartbeat"), ("PUT", "/v1/heartbeat"),
+                         ("POST", "/v1/placement"), ("DELETE", "/v1/placement")):
         rec(p, method, path, expect=405)
+
+
+# The map exercise_training's chief sends: w [2] and b [1] on the one ps task.
+TRAINING_MAP = placement_map([("w", [2]), ("b", [1])])
+# What that ps task holds: GET /v1/placement's this_ps.
+TRAINING_THIS_PS = {"task": 0, "variables": 2, "bytes": 12}
+
+
+def exercise_placement(rec, p):
+    """PUT and GET /v1/placement on a shard holding w [2] and b [1]: 404
+    before the chief sent a map; bad bodies (400) and a map for another
+    number of ps tasks (409) change nothing; a map is kept as sent (other
+    keys too), replaced by the next, and answered with this_ps."""
+    _, h, b = rec(p, "GET", "/v1/placement", expect=404)
+    assert error_of(b) == "no placement yet: the chief sends it" and \
+        h["cache-control"] == "no-store", (h, b)
+    shape_error = "placement must be an object with policy, ps_tasks and variables"
+    m = TRAINING_MAP
+    for bad in ({}, {"policy": "bytes", "ps_tasks": 1}, {"ps_tasks": 1, "variables": []},
+                {"policy": "bytes", "variables": []}, dict(m, policy=1), dict(m, policy=None),
+                dict(m, ps_tasks="1"), dict(m, ps_tasks=1.0), dict(m, ps_tasks=True),
+                dict(m, variables={}), dict(m, variables="w")):
+        _, _, out = rec(p, "PUT", "/v1/placement", body=json.dumps(bad).encode(), expect=400)
+        assert error_of(out) == shape_error, (bad, out)
+    # (jansson reads an object or an array only: a bare scalar is "not JSON")
+    for bad in (b"{not json", b"", b'{"policy": "bytes", "policy": "x"}', b'"bytes"', b"1"):
+        _, _, out = rec(p, "PUT", "/v1/placement", body=bad, expect=400)
+        assert error_of(out).startswith("body is not JSON: "), (bad, out)
+    for bad in (b"[1]", b"[]"):
+        _, _, out = rec(p, "PUT", "/v1/placement", body=bad, expect=400)
+        assert error_of(out) == "body must be a JSON object", (bad, out)
+    for n in (2, 0, -1):
+        _, _, out = rec(p, "PUT", "/v1/placement", body=json.dumps(dict(m, ps_tasks=n)).encode(),
+                        expect=409)
+        assert error_of(out) == f"placement is for {n} ps tasks, this cluster has 1", out
+    rec(p, "GET", "/v1/placement", expect=404)  # nothing was kept
+    rec(p, "HEAD", "/v1/placement", expect=404)
+    # a map is kept as sent, with keys psd does not know; answered as GET answers
+    other = dict(placement_map([("w", [2]), ("b", [1])], "round_robin"), note="x")
+    _, h, b = rec(p, "PUT", "/v1/placement", body=json.dumps(other).encode(),
+                  headers={"Content-Type": "application/json"}, expect=200)
+    assert json.loads(b) == dict(other, this_ps=TRAINING_THIS_PS) and \
+        h["cache-control"] == "no-store", (h, b)
+    _, _, b = rec(p, "GET", "/v1/placement", expect=200)
+    assert json.loads(b) == dict(other, this_ps=TRAINING_THIS_PS), b
+    # the next replaces it; this_ps is psd's, whatever the chief sent
+    _, _, b = rec(p, "PUT", "/v1/placement", expect=200,
+                  body=json.dumps(dict(m, this_ps={"task": 7})).encode())
+    assert json.loads(b) == dict(m, this_ps=TRAINING_THIS_PS), b
+    _, _, b = rec(p, "PUT", "/v1/placement", body=json.dumps(m).encode(), expect=200)
+    assert json.loads(b) == dict(m, this_ps=TRAINING_THIS_PS), b
+    _, h, b = rec(p, "GET", "/v1/placement", expect=200)
+    assert json.loads(b) == dict(m, this_ps=TRAINING_THIS_PS) and \
+        h["cache-control"] == "no-store", (h, b)
+    _, h, b = rec(p, "HEAD", "/v1/placement", expect=200)
+    assert b == b"" and h["content-type"] == "application/json", h
+    # refusals leave the map alone
+    rec(p, "PUT", "/v1/placement", body=json.dumps(dict(m, ps_tasks=3)).encode(), expect=409)
+    rec(p, "PUT", "/v1/placement", body=b"{}", expect=400)
+    _, _, b = rec(p, "GET", "/v1/placement", expect=200)
+    assert json.loads(b) == dict(m, this_ps=TRAINING_THIS_PS), b
 
 
 def long_poll_in_thread(rec, p, query):
@@ -583,6 +691,7 @@ def exercise_training(rec, p):
     rec(p, "GET", "/v1/config", expect=404)
     rec(p, "PUT", "/v1/vars/w", body=f32(1, 2), headers={"X-Shape": "2"}, expect=201)
     rec(p, "PUT", "/v1/vars/b", body=f32(0.5), headers={"X-Shape": "1"}, expect=201)
+    exercise_placement(rec, p)
     # every optimizer's configuration, while training has not started
     _, _, b = rec(p, "PUT", "/v1/config", body=b'{"optimizer":"adam","learning_rate":0.5}',
                   expect=200)
@@ -656,8 +765,12 @@ def exercise_training(rec, p):
 
     # a checkpoint holds the configuration and the optimizer's state
     saved, meta, tensors = exercise_checkpoint(rec, p)
-    assert saved["global_step"] == 1 and json.loads(meta["config"]) == cfg, meta
+    config = json.loads(meta["config"])
+    assert saved["global_step"] == 1 and {k: config[k] for k in cfg} == cfg, meta
     assert json.loads(meta["variables"])["w"]["slots"] == ["momentum"], meta
+    assert json.loads(meta["variables"])["w"]["shape"] == [2], meta
+    assert json.loads(meta["placement"]) == {"ps_task": 0, "ps_tasks": 1, "variables": ["b", "w"],
+                                             "map": TRAINING_MAP}, meta
     assert list(tensors["w:momentum"].ravel()) == [3, 6], tensors
 
     # the evaluator
@@ -700,6 +813,145 @@ def exercise_training(rec, p):
     assert p.proc.wait(timeout=10) == 0
 
 
+def without_clocks(sync):
+    """A /v1/sync object without the fields that move with the clock."""
+    return {k: v for k, v in sync.items() if k not in ("step_secs", "waiting_secs")}
+
+
+def get_sync(p):
+    """GET /v1/sync, not recorded (for polling)."""
+    conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=5)
+    try:
+        conn.request("GET", "/v1/sync")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def exercise_sync(rec, p):
+    """GET /v1/sync and POST /v1/heartbeat through a sync step with two
+    workers: one pushes, the other leaves (POST /v1/done) and the step
+    completes without it; a heartbeat brings it back."""
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["mode"], sy["workers"], sy["have"], sy["waiting_for"]) == \
+        ("async", 1, [], []), sy
+    rec(p, "PUT", "/v1/vars/w", body=f32(1, 2), headers={"X-Shape": "2"}, expect=201)
+    _, _, b = rec(p, "PUT", "/v1/config", body=b'{"sync":true,"workers":2}', expect=200)
+    assert json.loads(b)["replicas_to_aggregate"] == 2
+    # configured: both workers have a lease, the step waits for both
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert without_clocks(sy) == {
+        "mode": "sync", "global_step": 0, "workers": 2, "replicas_to_aggregate": 2,
+        "live_workers": 2, "needed": 2, "have": [], "waiting_for": [0, 1], "dead": [],
+        "left": [], "lease_secs": 10}, sy
+    assert sy["step_secs"] >= 0 and sy["waiting_secs"] == 0, sy
+    rec(p, "HEAD", "/v1/sync", expect=200)
+
+    # heartbeats: {"worker": index}, other keys ignored; anything else is 400
+    _, h, b = rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 1}', expect=200)
+    assert json.loads(b) == {"global_step": 0, "lease_secs": 10} and \
+        h["cache-control"] == "no-store", (h, b)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 0, "step": 0}',
+        headers={"Content-Type": "application/json"}, expect=200)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 4095}', expect=200)  # not of the run
+    for bad in (b'{"worker": -1}', b'{"worker": 4096}', b'{"worker": 0.5}', b'{"worker": 1.0}',
+                b'{"worker": "1"}', b'{"worker": true}', b'{"worker": null}', b"{}",
+                b'{"step": 0}', b"[0]", b"0", b"", b"{not json", b'{"worker": 1',
+                b'{"worker": 0, "worker": 1}'):
+        _, _, out = rec(p, "POST", "/v1/heartbeat", body=bad, expect=400)
+        assert json.loads(out) == {"error": 'body must be {"worker": index}'}, (bad, out)
+    assert without_clocks(get_sync(p)) == without_clocks(sy), "a heartbeat changed the step"
+
+    # worker 0 pushed: the step has its gradient and waits for worker 1
+    _, _, b = rec(p, "POST", "/v1/grads", body=safetensors(
+        {"w": ("F32", [2], f32(2, 4))}, {"worker": "0", "step": "0"}), expect=200)
+    assert json.loads(b)["outcome"] == "pending"
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["global_step"], sy["live_workers"], sy["needed"], sy["have"], sy["waiting_for"],
+            sy["dead"], sy["left"]) == (0, 2, 2, [0], [1], [], []), sy
+    assert 0 <= sy["waiting_secs"] <= sy["step_secs"], sy
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    s = json.loads(b)
+    assert without_clocks(s["sync"]) == without_clocks(sy), (s["sync"], sy)
+    assert s["waiting_for"] == [1] and s["pending_gradients"] == 1, s
+
+    # worker 1 leaves: the step completes without it, worker 0's long poll is answered
+    join = long_poll_in_thread(rec, p, {"min_step": "1", "timeout_ms": "10000", "worker": "0"})
+    wait_for_waiting_pulls(p, 1)
+    t0 = time.monotonic()
+    _, _, b = rec(p, "POST", "/v1/done", body=b'{"worker": 1}', expect=200)
+    assert json.loads(b) == {"workers_done": 1}
+    while get_sync(p)["global_step"] != 1 and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert time.monotonic() - t0 < 0.3, "the step did not complete when worker 1 left"
+    st, h, _ = join()
+    assert st == 200 and h["x-global-step"] == "1", (st, h)
+    _, _, b = rec(p, "GET", "/v1/vars/w", query={"format": "json"}, expect=200)
+    # sgd (learning_rate 0.01) with worker 0's gradient alone
+    assert json.loads(b)["values"] == pytest.approx([1 - 0.01 * 2, 2 - 0.01 * 4], abs=1e-6), b
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["global_step"], sy["live_workers"], sy["needed"], sy["have"], sy["waiting_for"],
+            sy["dead"], sy["left"], sy["waiting_secs"]) == (1, 1, 1, [], [0], [], [1], 0), sy
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    s = json.loads(b)
+    assert s["sync"]["left"] == [1] and s["workers_done"] == 1, s
+
+    # its next request makes it count again
+    _, _, b = rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 1}', expect=200)
+    assert json.loads(b) == {"global_step": 1, "lease_secs": 10}
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["live_workers"], sy["needed"], sy["waiting_for"], sy["left"]) == \
+        (2, 2, [0, 1], []), sy
+
+
+def exercise_leases(rec, p):
+    """--worker_lease_secs=1: a worker not heard from for a second is dead and
+    no longer holds up a step; a long poll naming it makes it live again."""
+    rec(p, "PUT", "/v1/vars/w", body=f32(1, 2), headers={"X-Shape": "2"}, expect=201)
+    rec(p, "PUT", "/v1/config", body=b'{"sync":true,"workers":2}', expect=200)
+    _, _, b = rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 0}', expect=200)
+    assert json.loads(b) == {"global_step": 0, "lease_secs": 1}
+    # worker 0 keeps its lease with heartbeats (not recorded); worker 1's runs out
+    deadline = time.monotonic() + 5
+    while get_sync(p)["dead"] != [1]:
+        assert time.monotonic() < deadline, get_sync(p)
+        conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=5)
+        conn.request("POST", "/v1/heartbeat", body=b'{"worker": 0}')
+        assert conn.getresponse().status == 200
+        conn.close()
+        time.sleep(0.1)
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["lease_secs"], sy["live_workers"], sy["needed"], sy["waiting_for"], sy["dead"]) \
+        == (1, 1, 1, [0], [1]), sy
+    # one live worker: its push is the whole step
+    _, _, b = rec(p, "POST", "/v1/grads", body=safetensors(
+        {"w": ("F32", [2], f32(1, 1))}, {"worker": "0", "step": "0"}), expect=200)
+    assert json.loads(b) == {"global_step": 1, "duplicate": False, "outcome": "applied"}
+    # nobody heard from: both dead, a step would need one gradient
+    while get_sync(p)["dead"] != [0, 1]:
+        assert time.monotonic() < deadline + 5, get_sync(p)
+        time.sleep(0.05)
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["global_step"], sy["live_workers"], sy["needed"], sy["waiting_for"],
+            sy["dead"]) == (1, 0, 1, [], [0, 1]), sy
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    s = json.loads(b)
+    # the step waits for no one: dead workers are not in waiting_for
+    assert s["sync"]["dead"] == [0, 1] and s["waiting_for"] == s["sync"]["waiting_for"] == [], s
+    # a long poll that names worker 1 renews its lease
+    rec(p, "GET", "/v1/params", query={"timeout_ms": "0", "worker": "1"}, expect=200)
+    _, _, b = rec(p, "GET", "/v1/sync", expect=200)
+    sy = json.loads(b)
+    assert (sy["live_workers"], sy["waiting_for"], sy["dead"]) == (1, [1], [0]), sy
+
+
 def exercise_restart(rec, p):
     """A psd started on exercise_training's --logdir: it restored the
     checkpoint written at the stop (step 1, sync, two workers), but not the
@@ -712,6 +964,9 @@ def exercise_restart(rec, p):
         (1, "sync", True, 0), s
     assert ck["restored_from"]["global_step"] == 1 and ck["saves"] == 0, ck
     assert ck["last"]["file"] == ck["restored_from"]["file"], ck
+    # the chief's placement map came back with it
+    _, _, b = rec(p, "GET", "/v1/placement", expect=200)
+    assert json.loads(b) == dict(TRAINING_MAP, this_ps=TRAINING_THIS_PS), b
     _, h, _ = rec(p, "GET", "/v1/checkpoint", expect=200)
     assert h["x-global-step"] == "1" and ck["last"]["file"].endswith("/" + h["x-checkpoint"])
     t0 = time.monotonic()
@@ -783,6 +1038,9 @@ def exercise_token(rec, p):
     for method, path, body in (("PUT", "/v1/config", b"{}"),
                                ("POST", "/v1/eval", b'{"loss":1,"accuracy":0.5}'),
                                ("POST", "/v1/done", b'{"worker":0}'),
+                               ("POST", "/v1/heartbeat", b'{"worker":0}'),
+                               ("PUT", "/v1/placement",
+                                json.dumps(placement_map([("w", [2])])).encode()),
                                ("POST", "/v1/checkpoint", None),
                                ("POST", "/v1/shutdown", None)):
         rec(p, method, path, body=body, expect=401)
@@ -791,7 +1049,8 @@ def exercise_token(rec, p):
             rec(p, method, path, body=body, token=TOKEN, expect=200)
     for path in ("/healthz", "/readyz", "/v1/status", "/v1/vars", "/v1/vars/w",
                  "/v1/vars/w/stats", "/v1/params", "/v1/config", "/", "/app.js", "/style.css",
-                 "/metrics", "/v1/history", "/v1/events", "/v1/checkpoint"):
+                 "/metrics", "/v1/history", "/v1/events", "/v1/checkpoint", "/v1/sync",
+                 "/v1/placement"):
         rec(p, "GET", path, expect=200)
     rec(p, "DELETE", "/v1/vars/w", expect=405)  # the method check comes before the token
     rec(p, "GET", "/nope", expect=404)
@@ -809,7 +1068,8 @@ def exercise_auth_reads(rec, p):
     rec(p, "HEAD", "/readyz", expect=503)
     for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
                  "/v1/vars/missing", "/v1/vars/a..b", "/v1/config", "/metrics", "/v1/history",
-                 "/v1/events", "/", "/app.js", "/style.css", "/v1/checkpoint"):
+                 "/v1/events", "/", "/app.js", "/style.css", "/v1/checkpoint", "/v1/sync",
+                 "/v1/placement"):
         rec(p, "GET", path, expect=401)
         rec(p, "HEAD", path, expect=401)
     rec(p, "GET", "/v1/params", query={"min_step": "-1"}, expect=401)  # the token first
@@ -820,10 +1080,15 @@ def exercise_auth_reads(rec, p):
                                                                           "index.html"))},
         expect=401)
     rec(p, "GET", "/v1/config", token=TOKEN, expect=404)
+    rec(p, "GET", "/v1/placement", token=TOKEN, expect=404)
+    rec(p, "HEAD", "/v1/placement", token=TOKEN, expect=404)
+    placement = json.dumps(placement_map([("w", [1])])).encode()
+    rec(p, "PUT", "/v1/placement", body=placement, expect=401)
+    rec(p, "PUT", "/v1/placement", body=placement, token=TOKEN, expect=200)
     rec(p, "PUT", "/v1/config", body=b'{"optimizer":"adam"}', token=TOKEN, expect=200)
     rec(p, "GET", "/readyz", expect=200)
     for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
-                 "/v1/config", "/metrics", "/v1/history"):
+                 "/v1/config", "/metrics", "/v1/history", "/v1/sync", "/v1/placement"):
         rec(p, "GET", path, token=TOKEN, expect=200)
         rec(p, "HEAD", path, token=TOKEN, expect=200)
     rec(p, "GET", "/v1/history", query={"since": "x"}, token=TOKEN, expect=400)
@@ -834,6 +1099,8 @@ def exercise_auth_reads(rec, p):
     rec(p, "GET", "/v1/vars/w", token="bad", expect=401)
     rec(p, "GET", "/v1/vars/missing", token=TOKEN, expect=404)
     rec(p, "POST", "/v1/checkpoint", expect=401)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker":0}', expect=401)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker":0}', token=TOKEN, expect=200)
     exercise_checkpoint(rec, p, token=TOKEN, read_token=TOKEN)
     rec(p, "GET", "/v1/checkpoint", token="bad", expect=401)
 
@@ -1082,6 +1349,75 @@ def mutations(exchanges):
     ex = first(is_("GET", "/v1/status", 200))
     del ex["body"]["checkpoint"]
     out.append(("status without checkpoint", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    del ex["body"]["sync"]
+    out.append(("status without sync", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["sync"]["needed"] = 0
+    out.append(("status sync needing no gradient", ex))
+    ex = first(lambda e: is_("GET", "/v1/sync", 200)(e) and e["body"]["have"])
+    ex["body"]["have"][0] = str(ex["body"]["have"][0])
+    out.append(("sync with a string worker in have", ex))
+    ex = first(lambda e: is_("GET", "/v1/sync", 200)(e) and e["body"]["waiting_for"])
+    ex["body"]["waiting_for"].append(ex["body"]["waiting_for"][0])
+    out.append(("sync waiting twice for a worker", ex))
+    ex = first(lambda e: is_("GET", "/v1/sync", 200)(e) and e["body"]["mode"] == "async")
+    ex["body"]["waiting_for"] = [0]
+    out.append(("async sync state waiting for a worker", ex))
+    ex = first(lambda e: is_("GET", "/v1/sync", 200)(e) and e["body"]["mode"] == "async")
+    ex["body"]["dead"] = [0]
+    out.append(("async sync state with a dead worker", ex))
+    ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["sync"]["mode"] == "async")
+    ex["body"]["sync"]["left"] = [0]
+    out.append(("async status sync with a worker that left", ex))
+    ex = first(is_("GET", "/v1/sync", 200))
+    del ex["body"]["dead"]
+    out.append(("sync without dead", ex))
+    ex = first(is_("GET", "/v1/sync", 200))
+    ex["body"]["lease_secs"] = 0
+    out.append(("sync with a lease of 0 s", ex))
+    ex = first(is_("GET", "/v1/sync", 200))
+    ex["body"]["mode"] = "elastic"
+    out.append(("sync with an unknown mode", ex))
+    ex = first(is_("HEAD", "/v1/sync", 200))
+    del ex["headers"]["cache-control"]
+    out.append(("sync HEAD without Cache-Control", ex))
+    ex = first(is_("POST", "/v1/heartbeat", 200))
+    del ex["body"]["lease_secs"]
+    out.append(("heartbeat result without lease_secs", ex))
+    ex = first(is_("POST", "/v1/heartbeat", 200))
+    ex["body"]["global_step"] = -1
+    out.append(("heartbeat result with a negative step", ex))
+    ex = first(is_("POST", "/v1/heartbeat", 400))
+    ex["status"] = 422
+    out.append(("heartbeat answered 422", ex))
+    ex = first(is_("GET", "/v1/placement", 200))
+    del ex["body"]["this_ps"]
+    out.append(("placement without this_ps", ex))
+    ex = first(is_("GET", "/v1/placement", 200))
+    ex["body"]["this_ps"]["bytes"] = -1
+    out.append(("placement this_ps with negative bytes", ex))
+    ex = first(is_("GET", "/v1/placement", 200))
+    ex["body"]["this_ps"]["ps"] = 0
+    out.append(("placement this_ps with an extra field", ex))
+    ex = first(is_("GET", "/v1/placement", 200))
+    ex["body"]["ps_tasks"] = "1"
+    out.append(("placement with a string ps_tasks", ex))
+    ex = first(is_("GET", "/v1/placement", 200))
+    del ex["body"]["variables"]
+    out.append(("placement without variables", ex))
+    ex = first(is_("GET", "/v1/placement", 404))
+    ex["status"] = 200
+    out.append(("no placement answered 200", ex))
+    ex = first(is_("PUT", "/v1/placement", 200))
+    ex["status"] = 201
+    out.append(("placement PUT answered 201", ex))
+    ex = first(is_("PUT", "/v1/placement", 409))
+    ex["status"] = 422
+    out.append(("placement for other ps tasks answered 422", ex))
+    ex = first(is_("HEAD", "/v1/placement", 200))
+    del ex["headers"]["cache-control"]
+    out.append(("placement HEAD without Cache-Control", ex))
     return out
 
 
@@ -1119,6 +1455,8 @@ def test_live_responses_match_spec(start_psd, tmp_path):
     not_a_folder = tmp_path / "not-a-folder"
     not_a_folder.write_text("")
     exercise_checkpoint_failure(rec, start_psd(f"--logdir={not_a_folder}"))
+    exercise_sync(rec, start_psd("--logdir="))
+    exercise_leases(rec, start_psd("--logdir=", "--worker_lease_secs=1"))
     exercise_token(rec, start_psd(f"--auth_token_file={token_file}"))
     exercise_auth_reads(rec, start_psd(f"--auth_token_file={token_file}", "--auth_reads"))
 
