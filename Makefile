@@ -39,6 +39,9 @@ ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined
 .PHONY: all asan test test-unit test-system deps bench demo clean help
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress
 
+# sqrtf in the optimizers' loops vectorizes only when it need not set errno
+$(BUILD)/common/optim.o: CFLAGS += -fno-math-errno
+
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c -o $@ $<
@@ -119,6 +122,7 @@ test: deps
 bench: deps all bench-bins
 	sh bench/run.sh
 	sh bench/train.sh
+	/usr/bin/python3 bench/scale.py
 
 demo: deps all
 	sh deploy/local/demo.sh

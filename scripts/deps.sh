@@ -6,7 +6,7 @@
 set -eu
 PKGS="gcc make pkg-config ca-certificates curl \
 libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
-libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod nginx-light \
+libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox nginx-light \
 dataset-fashion-mnist \
 chromium chromium-driver python3-selenium"
 missing=""
