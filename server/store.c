@@ -275,8 +275,9 @@ static void update_into(store *s, store_var *v, blob *dst, const float *g, float
     v->updates++;
     float *s0 = v->n_slots > 0 ? v->slots : NULL;
     float *s1 = v->n_slots > 1 ? v->slots + v->numel : NULL;
+    /* the schedule reads global_step before this update */
     optim_apply(&s->config.optim, (const float *)v->data->data, (float *)dst->data, g, scale, s0,
-                s1, v->updates, (size_t)v->numel);
+                s1, v->updates, s->global_step, (size_t)v->numel);
     if (dst != v->data) {
         blob_unref(v->data);
         v->data = dst;
@@ -587,6 +588,11 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
         goto out;
     }
 
+    /* the worker completed this iteration, whether its gradient is applied
+     * or dropped below (the stale-synchronous clocks) */
+    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0 &&
+        meta->clock + 1 > atomic_load(&s->clock_done[meta->worker]))
+        atomic_store(&s->clock_done[meta->worker], meta->clock + 1);
     /* async: how stale is it? Drop it past --max_staleness
      * (DropStaleGradientOptimizer) */
     int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
@@ -609,9 +615,7 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
         if (staleness > s->staleness_max)
             s->staleness_max = staleness;
     }
-    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0 &&
-        meta->clock + 1 > atomic_load(&s->clock_done[meta->worker]))
-        atomic_store(&s->clock_done[meta->worker], meta->clock + 1);
+
     *global_step = ++s->global_step;
     s->pushes_applied++;
     stepped = 1;

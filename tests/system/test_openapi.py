@@ -542,7 +542,7 @@ def exercise_open(rec, p):
     rec(p, "HEAD", "/readyz", expect=503)
     rec(p, "GET", "/v1/config", expect=404)
     rec(p, "HEAD", "/v1/config", expect=404)
-    for bad in ({"optimizer": "rmsprop"}, {"optimizer": 1}, {"learning_rate": 0},
+    for bad in ({"optimizer": "adadelta"}, {"optimizer": 1}, {"learning_rate": 0},
                 {"learning_rate": "0.1"}, {"momentum": 1}, {"beta1": -0.5}, {"beta2": 1.0},
                 {"epsilon": 0}, {"sync": "yes"}, {"workers": 0}, {"workers": 4097},
                 {"workers": 1.5}, {"workers": 2, "replicas_to_aggregate": 3},
@@ -950,6 +950,106 @@ def exercise_leases(rec, p):
     _, _, b = rec(p, "GET", "/v1/sync", expect=200)
     sy = json.loads(b)
     assert (sy["live_workers"], sy["waiting_for"], sy["dead"]) == (1, [1], [0]), sy
+
+
+STALENESS_LE = ["0", "1", "2", "3", "7", "15", "31", "63", "+Inf"]
+
+
+def staleness_of(rec, p):
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    return json.loads(b)["staleness"]
+
+
+def exercise_staleness(rec, p):
+    """Async staleness on a psd of its own: the bounds in the configuration,
+    the histogram of applied updates, pushes dropped past max_staleness,
+    and the stale-synchronous clocks (pushes' `clock`, long polls with
+    min_clock and clock)."""
+    st = staleness_of(rec, p)
+    assert st == {"count": 0, "mean": 0, "max": 0, "max_staleness": -1, "bound": -1,
+                  "buckets": [{"le": le, "count": 0} for le in STALENESS_LE],
+                  "clocks": {"0": {"started": 0, "done": 0}}}, st
+    rec(p, "PUT", "/v1/vars/w", body=f32(1, 2), headers={"X-Shape": "2"}, expect=201)
+    for key in ("max_staleness", "staleness"):
+        for bad in (-2, 1000001, 1.5, "1", True, [1]):
+            _, _, out = rec(p, "PUT", "/v1/config", body=json.dumps({key: bad}).encode(),
+                            expect=400)
+            assert error_of(out) == f"{key} must be an integer from 0 to 1000000 " \
+                "(or -1 or null: no limit)", (key, bad, out)
+    # -1 and null: no bound, left out of the answer
+    base = {"optimizer": "sgd", "learning_rate": 0.009999999776, "sync": False,
+            "workers": 2, "replicas_to_aggregate": 2}
+    _, _, b = rec(p, "PUT", "/v1/config", expect=200,
+                  body=b'{"workers": 2, "max_staleness": -1, "staleness": null}')
+    assert json.loads(b) == base, b
+    _, _, b = rec(p, "PUT", "/v1/config", expect=200,
+                  body=b'{"workers": 2, "max_staleness": 2, "staleness": 1}')
+    assert json.loads(b) == dict(base, max_staleness=2, staleness=1), b
+    _, _, b = rec(p, "GET", "/v1/config", expect=200)
+    assert json.loads(b) == dict(base, max_staleness=2, staleness=1), b
+    st = staleness_of(rec, p)
+    assert (st["max_staleness"], st["bound"], st["clocks"]) == \
+        (2, 1, {"0": {"started": 0, "done": 0}, "1": {"started": 0, "done": 0}}), st
+
+    def push(**meta):
+        _, _, out = rec(p, "POST", "/v1/grads", expect=200, body=safetensors(
+            {"w": ("F32", [2], f32(1, 1))}, {k: str(v) for k, v in meta.items()}))
+        return json.loads(out)
+
+    # staleness = global_step when applied - step: 0, 1, 2, then 3 > 2 is dropped
+    assert push(worker=0, step=0, clock=0) == \
+        {"global_step": 1, "duplicate": False, "outcome": "applied"}
+    assert push(worker=1, step=0, clock=0)["outcome"] == "applied"
+    assert push(worker=1, step=0, clock=1)["outcome"] == "applied"
+    assert push(worker=1, step=0, clock=2) == \
+        {"global_step": 3, "duplicate": False, "outcome": "stale"}
+    assert push(worker=1, step=9)["outcome"] == "applied"  # ahead of the shard: 0
+    assert push(worker=0)["outcome"] == "applied"  # no step: not counted
+    for key in ("worker", "step", "batch_size", "clock"):
+        for bad in ("-1", "x", "", "1.5"):
+            _, _, out = rec(p, "POST", "/v1/grads", expect=400, body=safetensors(
+                {"w": ("F32", [2], f32(1, 1))}, {key: bad}))
+            assert error_of(out) == "metadata worker, step, batch_size and clock must be " \
+                "non-negative integers", (key, bad, out)
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    s = json.loads(b)
+    st = s["staleness"]
+    assert (st["count"], st["mean"], st["max"]) == (4, 0.75, 2), st
+    assert [bk["count"] for bk in st["buckets"]] == [2, 1, 1, 0, 0, 0, 0, 0, 0], st
+    assert [bk["le"] for bk in st["buckets"]] == STALENESS_LE, st
+    # the dropped push completed its iteration too (its gradient was dropped)
+    assert st["clocks"] == {"0": {"started": 0, "done": 1}, "1": {"started": 0, "done": 3}}, st
+    assert (s["stale_dropped"], s["global_step"]) == (1, 5), s
+    assert [w["stale_dropped"] for w in s["workers"]] == [0, 1], s
+
+    # min_clock: worker 0 (done 1) is the slowest
+    rec(p, "GET", "/v1/params", query={"min_clock": "1", "timeout_ms": "10000"}, expect=200)
+    t0 = time.monotonic()
+    _, h, _ = rec(p, "GET", "/v1/params", query={"min_clock": "2", "timeout_ms": "300",
+                                                  "worker": "1", "clock": "2"}, expect=200)
+    assert h["x-global-step"] == "5" and 0.29 <= time.monotonic() - t0 < 3
+    st = staleness_of(rec, p)
+    assert st["clocks"]["1"] == {"started": 2, "done": 3}, st
+    rec(p, "HEAD", "/v1/params", query={"min_clock": "5", "timeout_ms": "0", "worker": "0",
+                                        "clock": "1"}, expect=200)
+    rec(p, "GET", "/v1/params", query={"clock": "7"}, expect=200)  # without worker: ignored
+    st = staleness_of(rec, p)
+    assert st["clocks"] == {"0": {"started": 1, "done": 1}, "1": {"started": 2, "done": 3}}, st
+    # a long poll for clock 2, answered when worker 0 completes its iteration 1
+    join = long_poll_in_thread(rec, p, {"min_clock": "2", "timeout_ms": "10000", "worker": "1",
+                                        "clock": "3"})
+    time.sleep(0.2)
+    assert push(worker=0, step=5, clock=1)["outcome"] == "applied"
+    status, h, secs = join()
+    assert status == 200 and h["x-global-step"] == "6" and secs < 5, (status, h, secs)
+    st = staleness_of(rec, p)
+    assert st["clocks"] == {"0": {"started": 1, "done": 2}, "1": {"started": 3, "done": 3}}, st
+    for q in ({"min_clock": "-1"}, {"min_clock": "x"}, {"min_clock": ""}, {"clock": "1.5"},
+              {"clock": "-2", "worker": "0"}, {"min_clock": "99999999999999999999"}):
+        _, _, out = rec(p, "GET", "/v1/params", query=q, expect=400)
+        assert error_of(out) == "min_clock and clock must be non-negative integers", (q, out)
+    rec(p, "HEAD", "/v1/params", query={"clock": "x"}, expect=400)
+    exercise_events(rec, p)
 
 
 def exercise_restart(rec, p):
@@ -1418,6 +1518,55 @@ def mutations(exchanges):
     ex = first(is_("HEAD", "/v1/placement", 200))
     del ex["headers"]["cache-control"]
     out.append(("placement HEAD without Cache-Control", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    del ex["body"]["staleness"]
+    out.append(("status without staleness", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    del ex["body"]["staleness"]["clocks"]
+    out.append(("staleness without clocks", ex))
+    ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["staleness"]["count"])
+    bk = ex["body"]["staleness"]["buckets"]
+    bk[0], bk[1] = bk[1], bk[0]
+    out.append(("staleness buckets out of order", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["buckets"].pop()
+    out.append(("staleness without its +Inf bucket", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["buckets"][8]["le"] = "Inf"
+    out.append(("staleness bucket le 'Inf'", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["mean"] = -0.5
+    out.append(("staleness with a negative mean", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["bound"] = None
+    out.append(("staleness bound null", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["max_staleness"] = -2
+    out.append(("staleness max_staleness -2", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["clocks"] = {"w0": {"started": 0, "done": 0}}
+    out.append(("staleness clock of worker 'w0'", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["clocks"]["0"]["done"] = "1"
+    out.append(("staleness clock with a string done", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    del ex["body"]["staleness"]["clocks"]["0"]["started"]
+    out.append(("staleness clock without started", ex))
+    ex = first(is_("GET", "/v1/status", 200))
+    ex["body"]["staleness"]["clocks"] = {}
+    out.append(("staleness without any clock", ex))
+    ex = first(lambda e: is_("GET", "/v1/config", 200)(e) and "staleness" in e["body"])
+    ex["body"]["staleness"] = -1
+    out.append(("configuration with staleness -1", ex))
+    ex = first(lambda e: is_("PUT", "/v1/config", 200)(e) and "max_staleness" in e["body"])
+    ex["body"]["max_staleness"] = None
+    out.append(("configuration with max_staleness null", ex))
+    ex = first(lambda e: is_("GET", "/v1/params", 200)(e) and "min_clock" in e["query"])
+    ex["query"]["minclock"] = ex["query"].pop("min_clock")
+    out.append(("misspelt min_clock parameter", ex))
+    ex = first(lambda e: is_("HEAD", "/v1/params", 200)(e) and "clock" in e["query"])
+    ex["query"]["clocks"] = ex["query"].pop("clock")
+    out.append(("misspelt clock parameter", ex))
     return out
 
 
@@ -1457,6 +1606,7 @@ def test_live_responses_match_spec(start_psd, tmp_path):
     exercise_checkpoint_failure(rec, start_psd(f"--logdir={not_a_folder}"))
     exercise_sync(rec, start_psd("--logdir="))
     exercise_leases(rec, start_psd("--logdir=", "--worker_lease_secs=1"))
+    exercise_staleness(rec, start_psd("--logdir="))
     exercise_token(rec, start_psd(f"--auth_token_file={token_file}"))
     exercise_auth_reads(rec, start_psd(f"--auth_token_file={token_file}", "--auth_reads"))
 
