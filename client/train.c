@@ -293,8 +293,29 @@ static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *
                             "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
                             "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
                             c->n_trainers);
-    if (c->optim.kind == OPTIM_MOMENTUM)
-        json_object_set_new(cfg, "momentum", json_real(c->optim.momentum));
+    const optim_config *o = &c->optim;
+    if (o->kind == OPTIM_MOMENTUM || o->kind == OPTIM_RMSPROP)
+        json_object_set_new(cfg, "momentum", json_real(o->momentum));
+    if (o->kind == OPTIM_MOMENTUM && o->nesterov)
+        json_object_set_new(cfg, "nesterov", json_true());
+    if (o->kind == OPTIM_RMSPROP)
+        json_object_set_new(cfg, "rmsprop_decay", json_real(o->rmsprop_decay));
+    if (o->kind == OPTIM_ADAGRAD)
+        json_object_set_new(cfg, "initial_accumulator_value", json_real(o->initial_accumulator_value));
+    if (o->clip_norm > 0)
+        json_object_set_new(cfg, "clip_norm", json_real(o->clip_norm));
+    if (o->weight_decay > 0)
+        json_object_set_new(cfg, "weight_decay", json_real(o->weight_decay));
+    if (o->lr_schedule != OPTIM_LR_CONSTANT) {
+        json_object_set_new(cfg, "lr_schedule", json_string(optim_schedule_name(o->lr_schedule)));
+        json_object_set_new(cfg, "decay_steps", json_integer(o->decay_steps));
+    }
+    if (o->lr_schedule == OPTIM_LR_EXPONENTIAL) {
+        json_object_set_new(cfg, "decay_rate", json_real(o->decay_rate));
+        json_object_set_new(cfg, "staircase", json_boolean(o->staircase));
+    }
+    if (o->lr_schedule == OPTIM_LR_COSINE)
+        json_object_set_new(cfg, "alpha", json_real(o->alpha));
     if (c->max_staleness >= 0)
         json_object_set_new(cfg, "max_staleness", json_integer(c->max_staleness));
     if (c->staleness >= 0)
@@ -540,6 +561,14 @@ int train_worker(const train_config *c)
         progress_clear(&bar);
         printf("%s: stopped by a signal after %lld local steps (global step %lld); a restart goes on from the ps\n",
                c->name, (long long)local, (long long)last_step);
+        /* leave the job, so sync steps do not wait for the lease to run out
+         * (a restart rejoins); the ps may be gone: a few quick tries only */
+        ps_set_abort(pc, NULL);
+        ps_set_retry_ms(pc, 0);
+        json_t *bye = json_pack("{s:i}", "worker", c->trainer);
+        for (int i = 0; i < ps_shards(pc); i++)
+            ps_json(pc, i, "POST", "/v1/done", bye, 1, NULL);
+        json_decref(bye);
         rc = 0;
         goto out;
     }
@@ -691,9 +720,13 @@ int train_local(const train_config *c)
         batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
         double loss;
         mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss);
-        /* every tensor is updated every step, so one pass over the buffer is
-         * the same as one per variable */
-        optim_apply(&c->optim, params, params, grads, 1.0f, s0, s1, step + 1, np);
+        /* one update per variable, as the ps applies them (clipping is per
+         * variable); the slots share the parameters' offsets */
+        for (int k = 0; k < c->layout.n_tensors; k++) {
+            const mlp_tensor *t = &c->layout.tensors[k];
+            optim_apply(&c->optim, params + t->offset, params + t->offset, grads + t->offset, 1.0f,
+                        s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
+        }
         ex_since += c->batch_size;
         progress_update(&bar, step + 1, loss,
                         (double)((step + 1) * c->batch_size) / (now_secs() - t0));

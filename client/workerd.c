@@ -1,5 +1,6 @@
 /* workerd.c - the worker process: flags and TF_CONFIG, then the role (a
  * training worker, the chief, the evaluator, or --local training). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,48 @@
 #include "mlp.h"
 #include "token.h"
 #include "train.h"
+
+/* The optimizer's other flags into c (kind and defaults set); 0, or -1
+ * after one line on stderr. */
+static int set_optim_flags(optim_config *c, int nesterov, float rmsprop_decay, float init_accum,
+                           float clip_norm, float weight_decay, const char *lr_schedule,
+                           int decay_steps, float decay_rate, int staircase, float alpha)
+{
+    const char *bad = NULL;
+    if (nesterov && c->kind != OPTIM_MOMENTUM)
+        bad = "--nesterov needs --optimizer=momentum";
+    else if (!(rmsprop_decay >= 0 && rmsprop_decay < 1))
+        bad = "--rmsprop_decay must be in [0, 1)";
+    else if (!(init_accum > 0) || isinf(init_accum))
+        bad = "--initial_accumulator_value must be positive";
+    else if (!(clip_norm >= 0) || isinf(clip_norm))
+        bad = "--clip_norm must be >= 0 (0: off)";
+    else if (!(weight_decay >= 0) || isinf(weight_decay))
+        bad = "--weight_decay must be >= 0 (0: off)";
+    else if (optim_schedule_from_name(lr_schedule, &c->lr_schedule) != 0)
+        bad = "--lr_schedule must be constant, exponential or cosine";
+    else if (c->lr_schedule != OPTIM_LR_CONSTANT && decay_steps < 1)
+        bad = "--lr_schedule=exponential and cosine need --decay_steps >= 1";
+    else if (c->lr_schedule == OPTIM_LR_EXPONENTIAL && (!(decay_rate > 0) || isinf(decay_rate)))
+        bad = "--lr_schedule=exponential needs --decay_rate > 0";
+    else if (!(alpha >= 0 && alpha <= 1))
+        bad = "--alpha must be in [0, 1]";
+    if (bad) {
+        fprintf(stderr, "workerd: %s\n", bad);
+        return -1;
+    }
+    c->nesterov = nesterov;
+    c->rmsprop_decay = rmsprop_decay;
+    c->initial_accumulator_value = init_accum;
+    c->clip_norm = clip_norm;
+    c->weight_decay = weight_decay;
+    c->decay_steps = decay_steps > 0 ? decay_steps : 0;
+    c->decay_rate = decay_rate;
+    c->staircase = staircase;
+    c->alpha = alpha;
+    optim_clear_unused(c);
+    return 0;
+}
 
 int main(int argc, char **argv)
 {
@@ -25,6 +68,10 @@ int main(int argc, char **argv)
     int backoff_ms = 100, backoff_max_ms = 2000, step_delay_ms = 0;
     float num_epochs = 0;
     int max_staleness = -1, staleness = -1;
+    const char *lr_schedule = "constant";
+    int nesterov = 0, staircase = 0, decay_steps = 0;
+    float clip_norm = 0, weight_decay = 0, decay_rate = 0, alpha = 0, rmsprop_decay = 0.9f,
+          init_accum = 0.1f;
     flag flags[] = {
         {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
@@ -35,9 +82,19 @@ int main(int argc, char **argv)
         {"hidden_units", FLAG_STRING, &hidden_s, "hidden layer sizes, e.g. 100 or 256,128 (default 100)", 0},
         {"batch_size", FLAG_INT, &batch, "examples per step on each task (default 100)", 0},
         {"train_steps", FLAG_U64, &train_steps, "train until global_step reaches this (default 10000)", 0},
-        {"optimizer", FLAG_STRING, &optimizer, "sgd, momentum or adam (default adam); the chief's choice is used", 0},
+        {"optimizer", FLAG_STRING, &optimizer, "sgd, momentum, adam, adagrad or rmsprop, as tf.compat.v1.train's (default adam); the chief's choice is used", 0},
         {"learning_rate", FLAG_FLOAT, &lr, "learning rate (default 0.01)", 0},
-        {"momentum", FLAG_FLOAT, &momentum, "momentum for --optimizer=momentum (default 0.9)", 0},
+        {"momentum", FLAG_FLOAT, &momentum, "momentum for --optimizer=momentum (default 0.9) and rmsprop (default 0.0)", 0},
+        {"nesterov", FLAG_BOOL, &nesterov, "--optimizer=momentum: Nesterov momentum, as use_nesterov (default false)", 0},
+        {"rmsprop_decay", FLAG_FLOAT, &rmsprop_decay, "--optimizer=rmsprop: the decay of the mean square (default 0.9; epsilon 1e-10)", 0},
+        {"initial_accumulator_value", FLAG_FLOAT, &init_accum, "--optimizer=adagrad: the accumulator's start (default 0.1)", 0},
+        {"clip_norm", FLAG_FLOAT, &clip_norm, "clip each variable's gradient to this L2 norm, as tf.clip_by_norm (default 0: off)", 0},
+        {"weight_decay", FLAG_FLOAT, &weight_decay, "decoupled weight decay: each update first takes learning_rate x weight_decay x w off w (default 0: off)", 0},
+        {"lr_schedule", FLAG_STRING, &lr_schedule, "learning rate by global_step: constant (default), exponential (needs --decay_steps, --decay_rate) or cosine (needs --decay_steps)", 0},
+        {"decay_steps", FLAG_INT, &decay_steps, "the schedule's decay_steps (exponential, cosine)", 0},
+        {"decay_rate", FLAG_FLOAT, &decay_rate, "exponential: learning_rate x decay_rate^(global_step / decay_steps)", 0},
+        {"staircase", FLAG_BOOL, &staircase, "exponential: floor(global_step / decay_steps), a step decay (default false)", 0},
+        {"alpha", FLAG_FLOAT, &alpha, "cosine: the rate it decays to, a fraction of --learning_rate (default 0)", 0},
         {"sync", FLAG_BOOL, &sync, "synchronous training: one update per step from replicas_to_aggregate gradients (default false)", 0},
         {"issync", FLAG_INT, &issync, "the original example's name for --sync: 1 sync, 0 async", 0},
         {"replicas_to_aggregate", FLAG_INT, &replicas, "sync: gradients per step (default: every training task)", 0},
@@ -97,7 +154,7 @@ int main(int argc, char **argv)
     train_config c = {0};
     optim_kind kind;
     if (optim_from_name(optimizer, &kind) != 0) {
-        fprintf(stderr, "workerd: --optimizer must be sgd, momentum or adam, got '%s'\n", optimizer);
+        fprintf(stderr, "workerd: --optimizer must be " OPTIM_NAMES ", got '%s'\n", optimizer);
         return 2;
     }
     if (!(lr > 0) || !(momentum >= 0 && momentum < 1) || batch < 1 || batch > 1000000 ||
@@ -120,7 +177,11 @@ int main(int argc, char **argv)
     }
     c.partition_bytes = partition_bytes;
     optim_defaults(&c.optim, kind, lr);
-    c.optim.momentum = momentum;
+    if (kind == OPTIM_MOMENTUM || flags_get(flags, nflags, "momentum")->given)
+        c.optim.momentum = momentum;
+    if (set_optim_flags(&c.optim, nesterov, rmsprop_decay, init_accum, clip_norm, weight_decay,
+                        lr_schedule, decay_steps, decay_rate, staircase, alpha) != 0)
+        return 2;
     int hidden[MLP_MAX_HIDDEN], n_hidden;
     if (mlp_parse_hidden(hidden_s, hidden, &n_hidden, err, sizeof(err)) != 0 ||
         mlp_layout_init(&c.layout, 784, hidden, n_hidden, IDX_N_CLASSES, err, sizeof(err)) != 0) {

@@ -1,34 +1,74 @@
-/* optim.h - the optimizers psd applies to each variable: sgd, momentum and
- * adam with TensorFlow's update rules and defaults, and their per-variable
- * state ("slots": momentum's accumulator, adam's m and v). */
+/* optim.h - the optimizers psd applies to each variable: sgd, momentum (and
+ * Nesterov momentum), adam, adagrad and rmsprop with TensorFlow's update rules
+ * and defaults (tf.compat.v1.train), their per-variable state ("slots":
+ * momentum's accumulator, adam's m and v, adagrad's accumulator, rmsprop's ms
+ * and mom), and what applies to every optimizer: per-variable gradient
+ * clipping, decoupled weight decay and a learning-rate schedule by
+ * global_step. */
 #ifndef RESTPS_OPTIM_H
 #define RESTPS_OPTIM_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { OPTIM_SGD, OPTIM_MOMENTUM, OPTIM_ADAM } optim_kind;
+typedef enum { OPTIM_SGD, OPTIM_MOMENTUM, OPTIM_ADAM, OPTIM_ADAGRAD, OPTIM_RMSPROP } optim_kind;
+#define OPTIM_KINDS 5
 
+typedef enum { OPTIM_LR_CONSTANT, OPTIM_LR_EXPONENTIAL, OPTIM_LR_COSINE } optim_schedule;
+
+/* Every field is 4 bytes wide, so the struct has no padding and two
+ * configurations built from zeroed memory compare equal with memcmp. Fields
+ * the kind or the schedule does not use are zero (optim_clear_unused). */
 typedef struct optim_config {
     optim_kind kind;
     float learning_rate;
-    float momentum;               /* momentum: default 0.9 */
-    float beta1, beta2, epsilon;  /* adam: TensorFlow's 0.9, 0.999, 1e-8 */
+    float momentum;               /* momentum: 0.9; rmsprop: 0.0 */
+    float beta1, beta2, epsilon;  /* adam: 0.9, 0.999, 1e-8; rmsprop's epsilon: 1e-10 */
+    int nesterov;                 /* momentum: use_nesterov (default 0) */
+    float initial_accumulator_value; /* adagrad: 0.1 */
+    float rmsprop_decay;          /* rmsprop: decay (rho), 0.9 */
+    float clip_norm;              /* > 0: tf.clip_by_norm of each variable's gradient; 0 off */
+    float weight_decay;           /* decoupled: w -= lr_t * weight_decay * w; 0 off */
+    optim_schedule lr_schedule;   /* the learning rate by global_step */
+    int decay_steps;              /* exponential, cosine: > 0 */
+    float decay_rate;             /* exponential: > 0 */
+    int staircase;                /* exponential: floor(step / decay_steps) */
+    float alpha;                  /* cosine: the floor, a fraction of lr (0.0) */
 } optim_config;
 
-/* Defaults for kind with learning_rate lr. */
+/* TensorFlow's defaults for kind with learning_rate lr, a constant schedule,
+ * no clipping, no weight decay; then optim_clear_unused. */
 void optim_defaults(optim_config *c, optim_kind kind, float lr);
+/* Zero the fields c's kind and schedule do not use. */
+void optim_clear_unused(optim_config *c);
 const char *optim_name(optim_kind k);
-/* -1 when the name is not sgd, momentum or adam. */
+/* -1 when the name is not one of sgd, momentum, adam, adagrad, rmsprop. */
 int optim_from_name(const char *name, optim_kind *out);
+/* "sgd, momentum, adam, adagrad or rmsprop", for messages. */
+#define OPTIM_NAMES "sgd, momentum, adam, adagrad or rmsprop"
+const char *optim_schedule_name(optim_schedule s);
+/* -1 when the name is not constant, exponential or cosine. */
+int optim_schedule_from_name(const char *name, optim_schedule *out);
 /* How many slot arrays (each numel floats) a variable needs: 0, 1 or 2. */
 int optim_slots(optim_kind k);
 
-/* One update of n elements: out = w - step(g * scale), where g * scale is the
- * gradient (scale = 1/count averages a sum). t is the 1-based count of updates
- * applied to this variable including this one (adam's bias correction).
- * out may equal w. slots hold optim_slots(kind) arrays of n floats. */
+/* The learning rate at global_step step (the step before this update):
+ * constant: lr; exponential (tf.compat.v1.train.exponential_decay):
+ * lr * decay_rate^(step / decay_steps), the exponent floored when staircase;
+ * cosine (tf.compat.v1.train.cosine_decay): lr * ((1 - alpha) * 0.5 *
+ * (1 + cos(pi * min(step, decay_steps) / decay_steps)) + alpha). */
+float optim_learning_rate(const optim_config *c, int64_t step);
+
+/* One update of n elements (one variable): out = w - step(g * scale), where
+ * g * scale is the gradient (scale = 1/count averages a sum), clipped to
+ * clip_norm first when that is > 0; weight decay takes lr_t * weight_decay * w
+ * off w before the optimizer's step. t is the 1-based count of updates applied
+ * to this variable including this one (adam's bias correction; at t = 1 the
+ * slots are set to their initial values: adagrad's accumulator to
+ * initial_accumulator_value, rmsprop's ms to 1 as TensorFlow's). step is the
+ * global_step before this update (the schedule). out may equal w. slots hold
+ * optim_slots(kind) arrays of n floats. */
 void optim_apply(const optim_config *c, const float *w, float *out, const float *g, float scale,
-                 float *slot0, float *slot1, int64_t t, size_t n);
+                 float *slot0, float *slot1, int64_t t, int64_t step, size_t n);
 
 #endif

@@ -16,7 +16,9 @@
 #include "crc32c.h"
 #include "safetensors.h"
 
-static const char *const slot_names[3][2] = {{NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}};
+static const char *const slot_names[OPTIM_KINDS][2] = {
+    {NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}, {"adagrad", NULL},
+    {"rmsprop_ms", "rmsprop_mom"}};
 
 int ckpt_path(const char *dir, int64_t step, char *out, size_t cap)
 {
@@ -59,12 +61,25 @@ static json_t *config_to_json(const store_saved *sv)
     if (!sv->configured)
         return json_null();
     const store_config *c = &sv->config;
-    return json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:b,s:i,s:i,s:i,s:i}", "optimizer",
+    json_t *o = json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:b,s:i,s:i,s:i,s:i}", "optimizer",
                      optim_name(c->optim.kind), "learning_rate", (double)c->optim.learning_rate,
                      "momentum", (double)c->optim.momentum, "beta1", (double)c->optim.beta1,
                      "beta2", (double)c->optim.beta2, "epsilon", (double)c->optim.epsilon, "sync",
                      c->sync, "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
                      c->workers, "max_staleness", c->max_staleness, "staleness", c->staleness);
+    const optim_config *p = &c->optim;
+    if (o && json_object_update_new(
+                 o, json_pack("{s:b,s:f,s:f,s:f,s:f,s:s,s:i,s:f,s:b,s:f}", "nesterov", p->nesterov,
+                              "initial_accumulator_value", (double)p->initial_accumulator_value,
+                              "rmsprop_decay", (double)p->rmsprop_decay, "clip_norm",
+                              (double)p->clip_norm, "weight_decay", (double)p->weight_decay,
+                              "lr_schedule", optim_schedule_name(p->lr_schedule), "decay_steps",
+                              p->decay_steps, "decay_rate", (double)p->decay_rate, "staircase",
+                              p->staircase, "alpha", (double)p->alpha)) != 0) {
+        json_decref(o);
+        o = NULL;
+    }
+    return o;
 }
 
 static char *dump(json_t *j)
@@ -260,6 +275,31 @@ static int parse_config(json_t *j, store_saved *out, char *err, size_t errlen)
     c->optim.beta1 = (float)json_number_value(json_object_get(j, "beta1"));
     c->optim.beta2 = (float)json_number_value(json_object_get(j, "beta2"));
     c->optim.epsilon = (float)json_number_value(json_object_get(j, "epsilon"));
+    /* absent in checkpoints from before these settings: off */
+    c->optim.nesterov = json_is_true(json_object_get(j, "nesterov"));
+    c->optim.initial_accumulator_value =
+        (float)json_number_value(json_object_get(j, "initial_accumulator_value"));
+    c->optim.rmsprop_decay = (float)json_number_value(json_object_get(j, "rmsprop_decay"));
+    c->optim.clip_norm = (float)json_number_value(json_object_get(j, "clip_norm"));
+    c->optim.weight_decay = (float)json_number_value(json_object_get(j, "weight_decay"));
+    json_t *sch = json_object_get(j, "lr_schedule"), *ds = json_object_get(j, "decay_steps");
+    if (sch && (!json_is_string(sch) ||
+                optim_schedule_from_name(json_string_value(sch), &c->optim.lr_schedule) != 0)) {
+        snprintf(err, errlen, "metadata 'config' has an unknown lr_schedule");
+        return -1;
+    }
+    c->optim.decay_steps = json_is_integer(ds) && json_integer_value(ds) > 0 &&
+                                   json_integer_value(ds) <= INT32_MAX
+                               ? (int)json_integer_value(ds)
+                               : 0;
+    c->optim.decay_rate = (float)json_number_value(json_object_get(j, "decay_rate"));
+    c->optim.staircase = json_is_true(json_object_get(j, "staircase"));
+    c->optim.alpha = (float)json_number_value(json_object_get(j, "alpha"));
+    optim_clear_unused(&c->optim);
+    if (c->optim.lr_schedule != OPTIM_LR_CONSTANT && c->optim.decay_steps < 1) {
+        snprintf(err, errlen, "metadata 'config' has a schedule without decay_steps");
+        return -1;
+    }
     c->sync = json_is_true(sync);
     c->replicas_to_aggregate = (int)json_integer_value(r);
     c->workers = (int)json_integer_value(w);

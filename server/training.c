@@ -1,6 +1,7 @@
 /* training.c - what coordinates a training run on a ps task: the chief's
  * configuration (optimizer, sync or async), readiness, the evaluator's
  * reports, workers saying they are done, and shutdown at the end. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <signal.h>
@@ -20,13 +21,37 @@ static json_t *config_json(const store_config *c)
         json_object_set_new(o, "max_staleness", json_integer(c->max_staleness));
     if (c->staleness >= 0)
         json_object_set_new(o, "staleness", json_integer(c->staleness));
-    if (c->optim.kind == OPTIM_MOMENTUM)
-        json_object_set_new(o, "momentum", json_real(c->optim.momentum));
-    if (c->optim.kind == OPTIM_ADAM) {
-        json_object_set_new(o, "beta1", json_real(c->optim.beta1));
-        json_object_set_new(o, "beta2", json_real(c->optim.beta2));
-        json_object_set_new(o, "epsilon", json_real(c->optim.epsilon));
+    /* what the optimizer and the schedule use; clipping, weight decay and a
+     * schedule only when on (off, the answer is what it always was) */
+    const optim_config *p = &c->optim;
+    if (p->kind == OPTIM_MOMENTUM || p->kind == OPTIM_RMSPROP)
+        json_object_set_new(o, "momentum", json_real(p->momentum));
+    if (p->kind == OPTIM_MOMENTUM && p->nesterov)
+        json_object_set_new(o, "nesterov", json_true());
+    if (p->kind == OPTIM_ADAM) {
+        json_object_set_new(o, "beta1", json_real(p->beta1));
+        json_object_set_new(o, "beta2", json_real(p->beta2));
     }
+    if (p->kind == OPTIM_ADAM || p->kind == OPTIM_RMSPROP)
+        json_object_set_new(o, "epsilon", json_real(p->epsilon));
+    if (p->kind == OPTIM_RMSPROP)
+        json_object_set_new(o, "rmsprop_decay", json_real(p->rmsprop_decay));
+    if (p->kind == OPTIM_ADAGRAD)
+        json_object_set_new(o, "initial_accumulator_value", json_real(p->initial_accumulator_value));
+    if (p->clip_norm > 0)
+        json_object_set_new(o, "clip_norm", json_real(p->clip_norm));
+    if (p->weight_decay > 0)
+        json_object_set_new(o, "weight_decay", json_real(p->weight_decay));
+    if (p->lr_schedule != OPTIM_LR_CONSTANT) {
+        json_object_set_new(o, "lr_schedule", json_string(optim_schedule_name(p->lr_schedule)));
+        json_object_set_new(o, "decay_steps", json_integer(p->decay_steps));
+    }
+    if (p->lr_schedule == OPTIM_LR_EXPONENTIAL) {
+        json_object_set_new(o, "decay_rate", json_real(p->decay_rate));
+        json_object_set_new(o, "staircase", json_boolean(p->staircase));
+    }
+    if (p->lr_schedule == OPTIM_LR_COSINE)
+        json_object_set_new(o, "alpha", json_real(p->alpha));
     return o;
 }
 
@@ -56,11 +81,93 @@ static int num_field(json_t *o, const char *key, double *out)
     return 1;
 }
 
+/* A number field that must be finite as a float and satisfy ok; 0 absent,
+ * 1 read into *out, -1 with err (what the field must be). */
+static int float_field(json_t *o, const char *key, int (*ok)(double), const char *must, float *out,
+                       char *err, size_t errlen)
+{
+    double x;
+    int k = num_field(o, key, &x);
+    if (k == 0)
+        return 0;
+    if (k < 0 || !(fabs(x) <= FLT_MAX) || !ok(x)) {
+        snprintf(err, errlen, "%s must be %s", key, must);
+        return -1;
+    }
+    *out = (float)x;
+    return 1;
+}
+
+static int positive(double x) { return x > 0 && (float)x > 0; }
+static int non_negative(double x) { return x >= 0; }
+static int fraction(double x) { return x >= 0 && (float)x < 1; }
+static int unit(double x) { return x >= 0 && x <= 1; }
+
+/* Nesterov, adagrad's and rmsprop's settings, clipping, weight decay and the
+ * learning-rate schedule into c (its kind already set, defaults in place). */
+static int parse_optim_extras(json_t *j, optim_config *c, char *err, size_t errlen)
+{
+    json_t *nv = json_object_get(j, "nesterov");
+    if (nv && !json_is_boolean(nv)) {
+        snprintf(err, errlen, "nesterov must be true or false");
+        return -1;
+    }
+    if (json_is_true(nv) && c->kind != OPTIM_MOMENTUM) {
+        snprintf(err, errlen, "nesterov applies to optimizer \"momentum\" only, not \"%s\"",
+                 optim_name(c->kind));
+        return -1;
+    }
+    c->nesterov = json_is_true(nv);
+    if (float_field(j, "initial_accumulator_value", positive, "a positive number",
+                    &c->initial_accumulator_value, err, errlen) < 0 ||
+        float_field(j, "rmsprop_decay", fraction, "in [0, 1)", &c->rmsprop_decay, err, errlen) < 0 ||
+        float_field(j, "clip_norm", non_negative, "a number >= 0 (0: no clipping)", &c->clip_norm,
+                    err, errlen) < 0 ||
+        float_field(j, "weight_decay", non_negative, "a number >= 0 (0: none)", &c->weight_decay,
+                    err, errlen) < 0 ||
+        float_field(j, "alpha", unit, "in [0, 1]", &c->alpha, err, errlen) < 0)
+        return -1;
+    json_t *sch = json_object_get(j, "lr_schedule");
+    if (sch && (!json_is_string(sch) ||
+                optim_schedule_from_name(json_string_value(sch), &c->lr_schedule) != 0)) {
+        snprintf(err, errlen, "lr_schedule must be \"constant\", \"exponential\" or \"cosine\"");
+        return -1;
+    }
+    json_t *ds = json_object_get(j, "decay_steps"), *st = json_object_get(j, "staircase");
+    if (ds && (!json_is_integer(ds) || json_integer_value(ds) < 1 ||
+               json_integer_value(ds) > INT32_MAX)) {
+        snprintf(err, errlen, "decay_steps must be an integer from 1 to %d", INT32_MAX);
+        return -1;
+    }
+    c->decay_steps = ds ? (int)json_integer_value(ds) : 0;
+    if (st && !json_is_boolean(st)) {
+        snprintf(err, errlen, "staircase must be true or false");
+        return -1;
+    }
+    c->staircase = json_is_true(st);
+    int has_rate = float_field(j, "decay_rate", positive, "a positive number", &c->decay_rate, err,
+                               errlen);
+    if (has_rate < 0)
+        return -1;
+    if (c->lr_schedule == OPTIM_LR_EXPONENTIAL && (!ds || !has_rate)) {
+        snprintf(err, errlen, "lr_schedule \"exponential\" needs decay_steps and decay_rate");
+        return -1;
+    }
+    if (c->lr_schedule == OPTIM_LR_COSINE && !ds) {
+        snprintf(err, errlen, "lr_schedule \"cosine\" needs decay_steps");
+        return -1;
+    }
+    return 0;
+}
+
 static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
 {
     static const char *const known[] = {"optimizer", "learning_rate", "momentum", "beta1", "beta2",
                                         "epsilon", "sync", "replicas_to_aggregate", "workers",
-                                        "max_staleness", "staleness"};
+                                        "max_staleness", "staleness", "nesterov",
+                                        "initial_accumulator_value", "rmsprop_decay", "clip_norm",
+                                        "weight_decay", "lr_schedule", "decay_steps", "decay_rate",
+                                        "staircase", "alpha"};
     const char *key;
     json_t *val;
     json_object_foreach(j, key, val) {
@@ -75,7 +182,8 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
     const char *opt = json_string_value(json_object_get(j, "optimizer"));
     optim_kind kind = OPTIM_SGD;
     if (json_object_get(j, "optimizer") && (!opt || optim_from_name(opt, &kind) != 0)) {
-        snprintf(err, errlen, "optimizer must be \"sgd\", \"momentum\" or \"adam\"");
+        snprintf(err, errlen,
+                 "optimizer must be \"sgd\", \"momentum\", \"adam\", \"adagrad\" or \"rmsprop\"");
         return -1;
     }
     double lr = 0.01;
@@ -106,6 +214,8 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
         return -1;
     } else if (k)
         c->optim.epsilon = (float)x;
+    if (parse_optim_extras(j, &c->optim, err, errlen) != 0)
+        return -1;
     json_t *sync = json_object_get(j, "sync");
     if (sync && !json_is_boolean(sync)) {
         snprintf(err, errlen, "sync must be true or false");
@@ -140,10 +250,7 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
         *into[b] = v && json_is_integer(v) ? (int)json_integer_value(v) : -1;
     }
     /* settings the optimizer does not use are zero, so equal configurations compare equal */
-    if (c->optim.kind != OPTIM_MOMENTUM)
-        c->optim.momentum = 0;
-    if (c->optim.kind != OPTIM_ADAM)
-        c->optim.beta1 = c->optim.beta2 = c->optim.epsilon = 0;
+    optim_clear_unused(&c->optim);
     return 0;
 }
 

@@ -733,7 +733,7 @@ def test_push_id_refused_push_is_not_remembered(srv):
     ("/v1/config", b"{", ["JSON"]),
     ("/v1/config", b"[]", ["object"]),
     ("/v1/config", b'{"sync":true,"sync":false}', ["sync"]),  # duplicate key
-    ("/v1/config", b'{"optimizer":"rmsprop"}', ["optimizer"]),
+    ("/v1/config", b'{"optimizer":"adadelta"}', ["optimizer"]),
     ("/v1/config", b'{"optimizer":null}', ["optimizer"]),
     ("/v1/config", b'{"learning_rate":-0.1}', ["learning_rate"]),
     ("/v1/config", b'{"learning_rate":"0.1"}', ["learning_rate"]),

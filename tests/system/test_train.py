@@ -248,7 +248,7 @@ def test_bad_data_dir_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--optimizer=rmsprop"], "--optimizer"),
+    (["--optimizer=adadelta"], "--optimizer"),
     (["--hidden_units=0"], "--hidden_units"),
     (["--batch_size=0"], "positive"),
     (["--issync=2"], "--issync"),

@@ -1,5 +1,6 @@
 /* test_store.c - server/store.c: put/get and versions, SGD updates (values
- * computed here by hand), all-or-nothing bulk pushes, push-id idempotence,
+ * computed here by hand; adagrad with a schedule and weight decay), all-or-nothing
+ * bulk pushes, push-id idempotence,
  * copy-on-write snapshots, and a concurrent pushers-vs-readers check. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -823,6 +824,53 @@ static void test_concurrent_push_and_read(void **state)
     assert_int_equal(step_of(s), 2 * total);
 }
 
+/* Adagrad with a staircase schedule and weight decay, values worked out by
+ * hand (exact in float32): the accumulator starts at initial_accumulator_value
+ * on the first update, the rate halves each global step, the decay is
+ * lr_t * wd * w. Then the configuration, once training started, is accepted
+ * again as is and refused with one field changed. */
+static void test_adagrad_schedule_and_decay(void **state)
+{
+    fixture *fx = *state;
+    store *s = &fx->s;
+    const float w[2] = {1, 2};
+    put_new(s, fx->pool, "w", shape1(2), w);
+    store_config c;
+    memset(&c, 0, sizeof(c));
+    optim_defaults(&c.optim, OPTIM_ADAGRAD, 0.5f);
+    c.optim.initial_accumulator_value = 0.4375f;
+    c.optim.weight_decay = 0.5f;
+    c.optim.lr_schedule = OPTIM_LR_EXPONENTIAL;
+    c.optim.decay_steps = 1;
+    c.optim.decay_rate = 0.5f;
+    c.optim.staircase = 1;
+    c.workers = c.replicas_to_aggregate = 1;
+    c.max_staleness = c.staleness = -1;
+    char err[256];
+    assert_int_equal(store_configure(s, &c, err, sizeof(err)), STORE_OK);
+    int64_t gs;
+    uint64_t ver;
+    /* step 0, lr 0.5: w = w - 0.25 w; accum = 0.4375 + g^2 = {1, 0.4375};
+     * w0 = 0.75 - 0.5 * 0.75 / 1 */
+    const float g1[2] = {0.75f, 0}, want1[2] = {0.375f, 1.5f};
+    assert_int_equal(store_apply_grad(s, "w", g1, 2, &gs, &ver), STORE_OK);
+    expect_values(s, "w", want1, 2, 2);
+    /* step 1, lr 0.25: w = w - 0.125 w; accum = {1, 1}; w1 -= 0.25 * 0.75 / 1 */
+    const float g2[2] = {0, 0.75f}, want2[2] = {0.328125f, 1.125f};
+    assert_int_equal(store_apply_grad(s, "w", g2, 2, &gs, &ver), STORE_OK);
+    expect_values(s, "w", want2, 2, 3);
+    store_saved sv;
+    assert_int_equal(store_save(s, &sv), STORE_OK);
+    assert_int_equal(sv.n, 1);
+    assert_int_equal(sv.vars[0].n_slots, 1);
+    assert_true(sv.vars[0].slots[0] == 1.0f && sv.vars[0].slots[1] == 1.0f);
+    store_saved_free(&sv);
+    assert_int_equal(store_configure(s, &c, err, sizeof(err)), STORE_OK);
+    store_config d = c;
+    d.optim.clip_norm = 1;
+    assert_int_equal(store_configure(s, &d, err, sizeof(err)), STORE_ECONFLICT);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -830,6 +878,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_only_create_and_shape, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_apply_grad_math, setup_half, teardown),
         cmocka_unit_test_setup_teardown(test_apply_grad_inexact, setup_tenth, teardown),
+        cmocka_unit_test_setup_teardown(test_adagrad_schedule_and_decay, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_apply_grads, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_apply_grads_all_or_nothing, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_push_id_duplicates, setup_one, teardown),
