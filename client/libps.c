@@ -29,6 +29,7 @@ struct ps_client {
     long extra_timeout_ms; /* added to the next request's limit (long polls) */
     unsigned seed;         /* backoff jitter */
     CURLM *multi;          /* requests to every shard at once */
+    char *ca_file;         /* HTTPS: the CAs to trust, or NULL (the system's) */
     int (*abort_fn)(void); /* nonzero: stop waiting (a signal asked the program to stop) */
 };
 
@@ -121,6 +122,8 @@ ps_client *ps_client_new(const char *const *hosts, int n, const ps_options *opt,
             c->opt.backoff_ms = opt->backoff_ms;
         if (opt->token && asprintf(&c->auth, "Authorization: Bearer %s", opt->token) < 0)
             goto oom;
+        if (opt->ca_file && !(c->ca_file = strdup(opt->ca_file)))
+            goto oom;
     }
     for (int i = 0; i < n; i++) {
         cluster_addr a;
@@ -128,9 +131,11 @@ ps_client *ps_client_new(const char *const *hosts, int n, const ps_options *opt,
             ps_client_free(c);
             return NULL;
         }
-        const char *fmt = strchr(a.host, ':') ? "http://[%s]:%d" : "http://%s:%d";
+        int tls = opt && (opt->tls || opt->ca_file);
+        const char *fmt = strchr(a.host, ':') ? (tls ? "https://[%s]:%d" : "http://[%s]:%d")
+                                              : (tls ? "https://%s:%d" : "http://%s:%d");
         snprintf(c->base[i], sizeof(c->base[i]), fmt, a.host, a.port);
-        snprintf(c->label[i], sizeof(c->label[i]), "ps %d (%s)", i, c->base[i] + 7);
+        snprintf(c->label[i], sizeof(c->label[i]), "ps %d (%s)", i, c->base[i] + (tls ? 8 : 7));
         if (!(c->h[i] = curl_easy_init()))
             goto oom;
     }
@@ -154,6 +159,7 @@ void ps_client_free(ps_client *c)
     free(c->base);
     free(c->label);
     free(c->auth);
+    free(c->ca_file);
     free(c);
 }
 
@@ -288,6 +294,7 @@ typedef struct xfer {
     int rc, done, retry;
     long status;
     char err[1024];
+    char curl_err[CURL_ERROR_SIZE]; /* libcurl's own words (certificate problems) */
 } xfer;
 
 /* The request's URL and header list; PS_OK or an error in x->err. */
@@ -349,6 +356,10 @@ static CURL *xfer_setup(ps_client *c, xfer *x)
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_PROXY, ""); /* a cluster is never behind http_proxy */
     curl_easy_setopt(h, CURLOPT_PRIVATE, x);
+    x->curl_err[0] = '\0';
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, x->curl_err);
+    if (c->ca_file)
+        curl_easy_setopt(h, CURLOPT_CAINFO, c->ca_file);
     if (c->abort_fn) {
         curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
         curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, on_progress);
@@ -404,10 +415,12 @@ static void xfer_judge(ps_client *c, xfer *x, CURLcode cr)
         x->rc = PS_EHTTP;
         x->retry = code == 503 && x->mode == RETRY_ANY;
     } else {
-        snprintf(x->err, sizeof(x->err), "%s: %s %s: %s", c->label[x->shard], x->method, x->path,
-                 curl_easy_strerror(cr));
-        x->rc = PS_ENET;
-        x->retry = x->mode == RETRY_ANY || cr == CURLE_COULDNT_CONNECT;
+        snprintf(x->err, sizeof(x->err), "%.100s: %s %.200s: %s%s%.600s", c->label[x->shard],
+                 x->method, x->path, curl_easy_strerror(cr), x->curl_err[0] ? ": " : "", x->curl_err);
+        int tls = cr == CURLE_PEER_FAILED_VERIFICATION || cr == CURLE_SSL_CERTPROBLEM || cr == CURLE_SSL_CACERT_BADFILE ||
+                  cr == CURLE_SSL_ISSUER_ERROR;
+        x->rc = tls ? PS_ETLS : PS_ENET;
+        x->retry = !tls && (x->mode == RETRY_ANY || cr == CURLE_COULDNT_CONNECT);
     }
 }
 

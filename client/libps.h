@@ -24,6 +24,7 @@ enum {
     PS_ETOOBIG = -4,   /* the answer does not fit the caller's buffer */
     PS_EPROTO = -5,    /* the answer is not what the contract says */
     PS_ENOMEM = -6,
+    PS_ETLS = -7,      /* TLS failed: certificate not trusted, wrong name, handshake (not retried) */
 };
 
 typedef struct ps_options {
@@ -37,6 +38,8 @@ typedef struct ps_options {
     /* Each wait is drawn uniformly from [w/2, w] (jitter), so workers that
      * lost the same ps do not all come back at the same instant. */
     const char *token;   /* bearer token for writes (and reads), or NULL */
+    int tls;             /* talk HTTPS (psd --tls_cert); the server's certificate is verified */
+    const char *ca_file; /* PEM file of the CA(s) to trust for it (implies tls); NULL = the system's */
 } ps_options;
 
 typedef struct ps_client ps_client;

@@ -194,7 +194,8 @@ static ps_client *connect_ps(const train_config *c, long timeout_ms)
             goto out;
     }
     ps_options o = {.timeout_ms = timeout_ms, .retries = 3, .backoff_ms = c->backoff_ms,
-                    .backoff_max_ms = c->backoff_max_ms, .token = c->token};
+                    .backoff_max_ms = c->backoff_max_ms, .token = c->token, .tls = c->tls,
+                    .ca_file = c->tls_ca};
     pc = ps_client_new((const char *const *)hosts, ps->n, &o, err, sizeof(err));
     if (!pc)
         fprintf(stderr, "workerd: %s\n", err);
@@ -214,9 +215,9 @@ static void wait_for_all(const train_config *c, ps_client *pc, const char *path,
             int rc = ps_json(pc, i, "GET", path, NULL, 0, NULL);
             if (rc == PS_OK)
                 break;
-            if (rc == PS_EHTTP && ps_http_status(pc) == 401) {
+            if ((rc == PS_EHTTP && ps_http_status(pc) == 401) || rc == PS_ETLS) {
                 fprintf(stderr, "workerd: %s\n", ps_error(pc));
-                exit(1); /* a wrong token does not fix itself */
+                exit(1); /* a wrong token or an untrusted certificate does not fix itself */
             }
             if (stop_flag) {
                 printf("%s: stopped by a signal while waiting for %s\n", c->name, what);

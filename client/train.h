@@ -32,6 +32,8 @@ typedef struct train_config {
     const char *export_path;
     int keep_ps;
     const char *token;
+    int tls;                /* HTTPS to the ps tasks */
+    const char *tls_ca;     /* CA file to trust (NULL: the system's) */
     long timeout_ms;
     double retry_secs;      /* keep retrying a ps that does not answer this long */
     long backoff_ms, backoff_max_ms;

@@ -1,9 +1,11 @@
 /* workerd.c - the worker process: flags and TF_CONFIG, then the role (a
  * training worker, the chief, the evaluator, or --local training). */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cluster.h"
 #include "flags.h"
@@ -58,11 +60,11 @@ static int set_optim_flags(optim_config *c, int nesterov, float rmsprop_decay, f
 int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
-    const char *token_file = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
+    const char *token_file = NULL, *tls_ca = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
     const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL, *placement_s = "bytes";
     uint64_t partition_bytes = 4ULL << 20;
     int task_index = -1, timeout_ms = 30000, batch = 100, sync = 0, issync = -1, replicas = 0;
-    int log_every = 100, keep_ps = 0, local = 0, threads = 1;
+    int log_every = 100, keep_ps = 0, local = 0, threads = 1, tls = 0;
     uint64_t train_steps = 10000, seed = 1;
     float lr = 0.01f, momentum = 0.9f, recovery_wait = 1, eval_secs = 10, retry_secs = 120;
     int backoff_ms = 100, backoff_max_ms = 2000, step_delay_ms = 0;
@@ -106,6 +108,8 @@ int main(int argc, char **argv)
         {"keep_ps", FLAG_BOOL, &keep_ps, "chief: leave the ps tasks running at the end (default: ask them to stop)", 0},
         {"local", FLAG_BOOL, &local, "train in this process alone, no ps (the reference for correctness and overhead)", 0},
         {"threads", FLAG_INT, &threads, "OpenBLAS threads (default 1: the safe choice beside other busy processes)", 0},
+        {"tls", FLAG_BOOL, &tls, "talk HTTPS to the ps tasks (psd --tls_cert), trusting the system's CAs (default false)", 0},
+        {"tls_ca", FLAG_STRING, &tls_ca, "talk HTTPS to the ps tasks, trusting the CA(s) in this PEM file", 0},
         {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with", 0},
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
         {"placement", FLAG_STRING, &placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
@@ -199,6 +203,12 @@ int main(int argc, char **argv)
     c.export_path = export_path;
     c.keep_ps = keep_ps;
     c.timeout_ms = timeout_ms;
+    c.tls = tls || tls_ca;
+    c.tls_ca = tls_ca;
+    if (tls_ca && access(tls_ca, R_OK) != 0) {
+        fprintf(stderr, "workerd: --tls_ca=%s: %s\n", tls_ca, strerror(errno));
+        return 2;
+    }
     c.retry_secs = retry_secs;
     c.num_epochs = num_epochs;
     c.max_staleness = max_staleness;

@@ -4,7 +4,7 @@
 # chromium, chromium-driver, python3-selenium: the headless browser test
 # (tests/system/test_browser.py).
 set -eu
-PKGS="gcc make pkg-config ca-certificates curl \
+PKGS="gcc make pkg-config ca-certificates curl openssl \
 libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
 libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox nginx-light \
 dataset-fashion-mnist \

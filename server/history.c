@@ -117,6 +117,8 @@ typedef struct shard {
 } shard;
 
 struct history {
+    int tls;               /* the other shards speak HTTPS */
+    char tls_ca[4096];     /* CA file to trust for them ("" = the system's) */
     pthread_mutex_t mu; /* the series and the rate samples */
     series train, eval;
     struct {
@@ -397,6 +399,12 @@ static void prefill(struct history *h, int64_t n)
     }
 }
 
+void history_set_tls(struct history *h, const char *ca_file)
+{
+    h->tls = 1;
+    snprintf(h->tls_ca, sizeof(h->tls_ca), "%s", ca_file ? ca_file : "");
+}
+
 struct history *history_new(void)
 {
     struct history *h = calloc(1, sizeof(*h));
@@ -656,7 +664,7 @@ int history_start_shards(struct history *h, const cluster_spec *c, const char *a
         format_addr(h->self_address, sizeof(h->self_address), &ps->tasks[self]);
     if (self != 0 || ps->n < 2 || h->shards)
         return 0;
-    if (curl_global_init(CURL_GLOBAL_NOTHING) != 0) {
+    if (curl_global_init(h->tls ? CURL_GLOBAL_DEFAULT : CURL_GLOBAL_NOTHING) != 0) {
         log_error("psd: libcurl did not initialize: no other shards' status");
         return -1;
     }
@@ -684,7 +692,7 @@ int history_start_shards(struct history *h, const cluster_spec *c, const char *a
         format_addr(s->address, sizeof(s->address), &ps->tasks[i]);
         if (i == self)
             continue;
-        snprintf(s->url, sizeof(s->url), "http://%s/v1/status", s->address);
+        snprintf(s->url, sizeof(s->url), "%s://%s/v1/status", h->tls ? "https" : "http", s->address);
         CURL *e = s->easy = curl_easy_init();
         if (!e)
             goto fail;
@@ -697,6 +705,8 @@ int history_start_shards(struct history *h, const cluster_spec *c, const char *a
         curl_easy_setopt(e, CURLOPT_WRITEDATA, s);
         curl_easy_setopt(e, CURLOPT_PRIVATE, (char *)s);
         curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+        if (h->tls_ca[0])
+            curl_easy_setopt(e, CURLOPT_CAINFO, h->tls_ca);
         if (h->headers)
             curl_easy_setopt(e, CURLOPT_HTTPHEADER, h->headers);
     }

@@ -59,6 +59,10 @@ void history_status(struct history *h, json_t *status);
  * task, start the thread that fetches every other ps task's GET /v1/status
  * once a second (auth_token: sent as a bearer token when not NULL). Call once
  * the HTTP server runs. 0, or -1 when the thread could not start. */
+/* The other ps tasks speak HTTPS; ca_file (may be NULL: the system's) to
+ * trust for them. Before history_start_shards. */
+void history_set_tls(struct history *h, const char *ca_file);
+
 int history_start_shards(struct history *h, const cluster_spec *c, const char *auth_token,
                          const char *listening);
 

@@ -119,10 +119,54 @@ static void mhd_panic(void *cls, const char *file, unsigned int line, const char
     abort();
 }
 
+/* A whole text file (a PEM certificate or key), NUL-ended; NULL with err. */
+static char *read_text(const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    if (!f) {
+        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            char *nb = realloc(buf, cap = cap ? 2 * cap : 8192);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                snprintf(err, errlen, "%s: out of memory", path);
+                return NULL;
+            }
+            buf = nb;
+        }
+        size_t k = fread(buf + len, 1, 4096, f);
+        len += k;
+        if (k < 4096)
+            break;
+        if (len > (1u << 20)) {
+            free(buf);
+            fclose(f);
+            snprintf(err, errlen, "%s: larger than 1 MiB: not a PEM file", path);
+            return NULL;
+        }
+    }
+    fclose(f);
+    buf[len] = '\0';
+    if (!strstr(buf, "-----BEGIN ")) {
+        free(buf);
+        snprintf(err, errlen, "%s: not a PEM file (no -----BEGIN line)", path);
+        return NULL;
+    }
+    return buf;
+}
+
 /* Leave before the server starts: free what was built (a clean exit under
  * the leak checker too). */
 static int fail(server *srv, int status)
 {
+    free(srv->tls_cert_pem);
+    free(srv->tls_key_pem);
     cluster_spec_free(&srv->cfg.cluster);
     free(srv->cfg.auth_token);
     free(srv);
@@ -133,6 +177,7 @@ int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
     const char *bind_host = NULL, *auth_file = NULL, *logdir = "./logs";
+    const char *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL;
     int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
     int auth_reads = 0, print_routes = 0, sndbuf_kib = -1, save_secs = 60, keep_ckpts = 5;
     float lease_secs = 10;
@@ -155,6 +200,9 @@ int main(int argc, char **argv)
         {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
         {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
         {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
+        {"tls_cert", FLAG_STRING, &tls_cert, "serve HTTPS with this PEM certificate (chain); needs --tls_key", 0},
+        {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
+        {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) to trust for the other ps tasks' certificates (ps 0 polls their status; default: the system's)", 0},
         {"logdir", FLAG_STRING, &logdir, "folder for checkpoints, as tf.train.Supervisor's logdir; this task's go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start (default ./logs); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
         {"keep_checkpoints", FLAG_INT, &keep_ckpts, "keep the newest this many checkpoints (default 5)", 0},
@@ -230,6 +278,15 @@ int main(int argc, char **argv)
     }
     if (!(lease_secs >= 0.5 && lease_secs <= 86400)) {
         fprintf(stderr, "psd: --worker_lease_secs must be from 0.5 to 86400, got %g\n", (double)lease_secs);
+        return fail(srv, 2);
+    }
+    if (!tls_cert != !tls_key || (tls_ca && !tls_cert)) {
+        fprintf(stderr, "psd: --tls_cert and --tls_key go together (and --tls_ca needs them)\n");
+        return fail(srv, 2);
+    }
+    if (tls_cert && (!(srv->tls_cert_pem = read_text(tls_cert, err, sizeof(err))) ||
+                     !(srv->tls_key_pem = read_text(tls_key, err, sizeof(err))))) {
+        fprintf(stderr, "psd: %s\n", err);
         return fail(srv, 2);
     }
     if (save_secs < 0 || keep_ckpts < 1) {
@@ -333,11 +390,15 @@ int main(int argc, char **argv)
     char listening[CLUSTER_HOST_MAX + 16];
     snprintf(listening, sizeof(listening), strchr(shown, ':') ? "[%s]:%d" : "%s:%d", shown, bound);
     /* before the server answers anyone: /v1/status reads what this sets */
+    if (tls_cert)
+        history_set_tls(srv->history, tls_ca);
     history_start_shards(srv->history, &cfg->cluster, cfg->auth_token, listening);
 
     MHD_set_panic_func(mhd_panic, NULL);
     unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | MHD_ALLOW_SUSPEND_RESUME |
                       MHD_USE_ITC;
+    if (tls_cert)
+        mflags |= MHD_USE_TLS;
     if (http_threads == 0)
         mflags |= MHD_USE_THREAD_PER_CONNECTION;
     else
@@ -349,9 +410,18 @@ int main(int argc, char **argv)
         {MHD_OPTION_CONNECTION_MEMORY_LIMIT, 128 * 1024, NULL},
         {MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, NULL},
         {MHD_OPTION_CONNECTION_LIMIT, max_conns, NULL},
-        {http_threads > 1 ? MHD_OPTION_THREAD_POOL_SIZE : MHD_OPTION_END, http_threads, NULL},
+        {MHD_OPTION_END, 0, NULL}, /* room for the optional ones below */
+        {MHD_OPTION_END, 0, NULL},
+        {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
     };
+    int no = 6; /* the first free entry; an END entry ends the array */
+    if (tls_cert) {
+        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, srv->tls_cert_pem};
+        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, srv->tls_key_pem};
+    }
+    if (http_threads > 1)
+        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, http_threads, NULL};
     struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, NULL, NULL, routes_access, srv,
                                             MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!d) {
@@ -366,7 +436,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: cannot start the checkpoint thread\n");
         return 1;
     }
-    printf("psd: listening on http://%s\n", listening);
+    printf("psd: listening on %s://%s\n", tls_cert ? "https" : "http", listening);
     fflush(stdout);
     log_info("psd: ps task %d of %d, learning_rate %g, %s, max body %llu bytes%s",
              cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n, (double)lr,
@@ -424,6 +494,8 @@ int main(int argc, char **argv)
     bufpool_free(srv->pool);
     cluster_spec_free(&cfg->cluster);
     free(cfg->auth_token);
+    free(srv->tls_cert_pem);
+    free(srv->tls_key_pem);
     free(srv);
     return status;
 }
