@@ -451,11 +451,11 @@ int main(int argc, char **argv)
              (unsigned long long)atomic_load(&srv->requests));
     /* no new connections; answer the parked long polls and SSE streams, let
      * the requests in flight finish (at most 5 s), then stop */
-    MHD_socket qs = MHD_quiesce_daemon(d); /* the listening socket: ours to close */
-    if (qs != MHD_INVALID_SOCKET) {
-        close(qs);
-        fd = -1;
-    }
+    /* The listening socket comes back to us, but the pool's threads take it
+     * out of their epoll sets on their own time: closing it now made
+     * libmicrohttpd abort ("Failed to remove listen FD from epoll set").
+     * It is closed after MHD_stop_daemon. */
+    MHD_quiesce_daemon(d);
     history_stop(srv->history);
     waiters_wake_all(srv->waiters);
     waiters_wake_all(srv->clock_waiters);
