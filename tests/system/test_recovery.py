@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import time
@@ -20,24 +19,12 @@ import pytest
 
 import ckpt_check
 from conftest import BIN, SANITIZER_MARKS, binary, http
+from test_train import accuracy_of, free_port
 
 DATA = "/usr/share/datasets/fashion-mnist"
 ASAN = "asan" in BIN
 pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def accuracy_of(out):
-    line = [l for l in out.splitlines() if "test accuracy" in l][-1]
-    return float(line.rsplit("test accuracy", 1)[1].strip())
 
 
 class Job:
