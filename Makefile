@@ -123,6 +123,7 @@ bench: deps all bench-bins
 	sh bench/run.sh
 	sh bench/train.sh
 	/usr/bin/python3 bench/scale.py
+	sh bench/tls.sh
 
 demo: deps all
 	sh deploy/local/demo.sh

@@ -2,10 +2,11 @@
  * and a bulk pull of parameters to and from every ps at once, libcurl multi)
  * for a model of a given size split evenly over the ps tasks given.
  *
- *   bench_pushpull --hosts=H:P[,H:P...] --mib=N [--reps=K]
+ *   bench_pushpull --hosts=H:P[,H:P...] --mib=N [--reps=K] [--ca=PEM]
  * Creates one variable per ps ("w<i>", N MiB / ps tasks each), then times K
  * steps (sgd pushes, async) and prints one line: ps tasks, MiB, median ms per
- * push and per pull, and GB/s of the two together. Exit 1 when a request fails. */
+ * push and per pull, and GB/s of the two together. Exit 1 when a request fails.
+ * --ca=PEM talks HTTPS to psd --tls_cert, trusting that CA (bench/tls.sh). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,7 @@ int main(int argc, char **argv)
     const char *hosts_s = NULL;
     double mib = 1;
     int reps = 9;
+    ps_options opt = {.retries = 3};
     for (int i = 1; i < argc; i++) {
         if (!strncmp(argv[i], "--hosts=", 8))
             hosts_s = argv[i] + 8;
@@ -39,13 +41,16 @@ int main(int argc, char **argv)
             mib = atof(argv[i] + 6);
         else if (!strncmp(argv[i], "--reps=", 7))
             reps = atoi(argv[i] + 7);
-        else {
-            fprintf(stderr, "usage: bench_pushpull --hosts=H:P[,H:P...] --mib=N [--reps=K]\n");
+        else if (!strncmp(argv[i], "--ca=", 5)) {
+            opt.tls = 1;
+            opt.ca_file = argv[i] + 5;
+        } else {
+            fprintf(stderr, "usage: bench_pushpull --hosts=H:P[,H:P...] --mib=N [--reps=K] [--ca=PEM]\n");
             return 2;
         }
     }
     if (!hosts_s || mib <= 0 || reps < 1) {
-        fprintf(stderr, "usage: bench_pushpull --hosts=H:P[,H:P...] --mib=N [--reps=K]\n");
+        fprintf(stderr, "usage: bench_pushpull --hosts=H:P[,H:P...] --mib=N [--reps=K] [--ca=PEM]\n");
         return 2;
     }
     char *copy = strdup(hosts_s), *hosts[16];
@@ -53,7 +58,7 @@ int main(int argc, char **argv)
     for (char *t = strtok(copy, ","); t && n < 16; t = strtok(NULL, ","))
         hosts[n++] = t;
     char err[512];
-    ps_client *c = ps_client_new((const char *const *)hosts, n, NULL, err, sizeof(err));
+    ps_client *c = ps_client_new((const char *const *)hosts, n, &opt, err, sizeof(err));
     if (!c) {
         fprintf(stderr, "bench_pushpull: %s\n", err);
         return 1;
