@@ -2,12 +2,12 @@
 # Install the Debian packages restps needs to build, test and benchmark.
 # Idempotent and quiet: asks apt only for what is missing.
 # chromium, chromium-driver, python3-selenium: the headless browser test
-# (tests/system/test_browser.py).
+# (tests/system/test_browser.py). yamllint: deploy/k8s (tests/system/test_deploy_files.py).
 set -eu
 PKGS="gcc make pkg-config ca-certificates curl openssl \
 libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
 libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox nginx-light \
-dataset-fashion-mnist \
+dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium"
 missing=""
 # Node.js and npm (for the OpenAPI validator): any install will do; Debian's when none
