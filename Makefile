@@ -26,18 +26,54 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c
 CLIENT_SRC = client/libps.c
-WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c
+WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
+             client/ring.c client/ring_ckpt.c client/ring_train.c
+
+# The CUDA backend (client/mlp_cuda.cu, cuBLAS) is built when nvcc is found
+# ($(CUDA_HOME)/bin/nvcc, else on PATH), for Hopper (sm_90) plus compute_75 PTX
+# that newer and older GPUs JIT-compile; make CUDA=0 forces a CPU-only build
+# (client/mlp_cuda_stub.c). Sanitizer builds (-fsanitize in OPT, make asan) are
+# CPU-only: the CUDA runtime and ASan's shadow memory do not mix. cudart is
+# linked statically and libcublas is dlopen'ed once a device is chosen, so
+# workerd starts on a machine without the NVIDIA driver or cuBLAS (and then
+# uses the CPU), as fast as a CPU-only build.
+CUDA_HOME ?= /usr/local/cuda
+NVCC ?= $(firstword $(wildcard $(CUDA_HOME)/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
+ifneq ($(findstring -fsanitize,$(OPT)),)
+CUDA ?= 0
+endif
+ifeq ($(NVCC),)
+CUDA ?= 0
+endif
+CUDA ?= 1
+NVCCFLAGS ?= -O2 -g -std=c++17 -Xcompiler -Wall,-Wextra,-Werror -Werror all-warnings -Wno-deprecated-gpu-targets \
+             -gencode arch=compute_90,code=sm_90 -gencode arch=compute_75,code=compute_75 \
+             -DRESTPS_CUDA_LIBDIR='"$(CUDA_HOME)/lib64"'
+ifeq ($(CUDA),1)
+ifeq ($(NVCC),)
+$(error CUDA=1 but no nvcc in $(CUDA_HOME)/bin or on PATH: install the CUDA toolkit, set CUDA_HOME, or make CUDA=0)
+endif
+CUDA_OBJ = $(BUILD)/client/mlp_cuda.o
+LDLIBS_CUDA = -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
+GPU_BINS = $(BIN)/cuda_vs_cpu $(BIN)/gpu_bench
+$(info restps: CUDA backend on ($(NVCC): sm_90 + compute_75 PTX); make CUDA=0 for a CPU-only build)
+else
+CUDA_OBJ = $(BUILD)/client/mlp_cuda_stub.o
+LDLIBS_CUDA =
+GPU_BINS =
+$(info restps: CPU-only build (no CUDA backend: CUDA=0 or no nvcc))
+endif
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(BUILD)/web_assets.o
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
-WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o)
-LDLIBS_WORKER = -lopenblas -lz $(LDLIBS_CLIENT)
+WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
+LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test test-unit test-system deps bench demo clean help
-all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress
+.PHONY: gpu-check all asan test test-unit test-system deps bench demo clean help
+all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress $(BIN)/ring_allreduce
 
 # sqrtf in the optimizers' loops vectorizes only when it need not set errno
 $(BUILD)/common/optim.o: CFLAGS += -fno-math-errno
@@ -45,6 +81,10 @@ $(BUILD)/common/optim.o: CFLAGS += -fno-math-errno
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -MMD -MP -c -o $@ $<
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -Icommon -Iclient -MMD -MP -c -o $@ $<
 
 # The monitoring page, compiled in: one binary deploys.
 $(BUILD)/web_assets.c: web/index.html web/app.js web/style.css scripts/embed_web.sh
@@ -62,9 +102,15 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(BUILD)/libps.a
+# (the monitoring page too: the chief of a ring job serves it)
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(BUILD)/web_assets.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
+
+# One member of a ring all-reduce, no model (tests/system/test_ring.py, bench/ring.py).
+$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(BUILD)/web_assets.o $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd $(LDLIBS_CLIENT)
 
 # A libps client that pushes and pulls concurrently (the consistency test).
 $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
@@ -107,7 +153,20 @@ $(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
 asan:
 	$(MAKE) BUILD=build/asan BIN=build/asan/bin OPT="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
 
-unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump
+unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump $(GPU_BINS)
+
+# The GPU checks (tests/gpu/): CUDA against the CPU on random inputs, and the
+# step and sgemm benchmarks. gpu-check builds, then runs them where there is a device.
+$(BIN)/cuda_vs_cpu: $(BUILD)/tests/gpu/cuda_vs_cpu.o $(MLP_OBJ) $(CUDA_OBJ) $(BUILD)/common/errmsg.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm $(LDLIBS_CUDA)
+$(BIN)/gpu_bench: $(BUILD)/tests/gpu/gpu_bench.o $(MLP_OBJ) $(CUDA_OBJ) $(BUILD)/common/errmsg.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm $(LDLIBS_CUDA) -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas
+$(BUILD)/tests/gpu/gpu_bench.o: CFLAGS += -I$(CUDA_HOME)/include
+
+gpu-check:
+	bash tests/gpu/check.sh
 
 deps:
 	@sh scripts/deps.sh
@@ -123,6 +182,7 @@ bench: deps all bench-bins
 	sh bench/run.sh
 	sh bench/train.sh
 	/usr/bin/python3 bench/scale.py
+	/usr/bin/python3 bench/ring.py
 	sh bench/tls.sh
 
 demo: deps all

@@ -8,7 +8,7 @@
  *    the same layout. Pull and push are one copy of that buffer. Plus the
  *    example's initialization.
  *  - the compute backends: a table of functions that each backend implements
- *    function for function (mlp_cpu.c: OpenBLAS; later mlp_cuda.cu: cuBLAS).
+ *    function for function (mlp_cpu.c: OpenBLAS; mlp_cuda.cu: cuBLAS).
  *    The CPU backend is the reference the others are tested against; both can
  *    be linked into one program and chosen at run time.
  *
@@ -102,6 +102,39 @@ struct mlp_backend {
 
 /* The OpenBLAS backend (mlp_cpu.c). */
 extern const mlp_backend mlp_backend_cpu;
+
+/* The cuBLAS backend (mlp_cuda.cu). Exists only in a build with CUDA (the
+ * Makefile builds it when nvcc is found; make CUDA=0 leaves it out): use
+ * mlp_cuda_backend() where the build may lack it. */
+extern const mlp_backend mlp_backend_cuda;
+
+/* CUDA helpers (mlp_cuda.cu; mlp_cuda_stub.c in a build without CUDA), safe
+ * on a machine with no NVIDIA driver or no device:
+ *  mlp_cuda_built: 1 when this build has the CUDA backend, else 0.
+ *  mlp_cuda_backend: &mlp_backend_cuda, or NULL in a build without CUDA.
+ *  mlp_cuda_device_count: the devices this process sees (CUDA_VISIBLE_DEVICES
+ *    applies); 0 with the reason in err when there is none, no driver or no
+ *    backend.
+ *  mlp_cuda_use: make device gpu this process's device for the models created
+ *    after it, TF32 sgemm on or off (off: full FP32, matches the CPU); desc
+ *    gets "GPU 0 of 1: <name>, sm_90, ..."; 0, or -1 with err. */
+int mlp_cuda_built(void);
+const mlp_backend *mlp_cuda_backend(void);
+int mlp_cuda_device_count(char *err, size_t errlen);
+int mlp_cuda_use(int gpu, int tf32, char *desc, size_t desclen, char *err, size_t errlen);
+
+/* Which backend this process computes with (mlp_device.c), from workerd's
+ * --device, --gpu and --tf32: "auto" takes CUDA when the build has it and
+ * device gpu is visible and usable (cuBLAS loads), else the CPU; "cuda"
+ * without all that is an error; "cpu" is the CPU. On success, line gets one
+ * sentence saying which and why (workerd prints it first). 0, or -1 with err. */
+int mlp_device_choose(const char *device, int gpu, int tf32, char *line, size_t linelen,
+                      char *err, size_t errlen);
+/* The chosen backend (the CPU one until mlp_device_choose picks another). */
+const mlp_backend *mlp_device_backend(void);
+/* For start-up lines: "cpu backend (OpenBLAS Haswell, 1 thread)" or
+ * "cuda backend (GPU 0 of 1: NVIDIA H200, sm_90, ...)"; a static buffer. */
+const char *mlp_device_describe(int threads);
 
 /* Front door (mlp.c): dispatch to the instance's backend. */
 mlp *mlp_new(const mlp_backend *backend, const mlp_layout *layout, int max_batch, char *err,

@@ -70,16 +70,9 @@ static void sleep_secs(double s)
  * [(k*N + i)*b, (k*N + i + 1)*b). So the N tasks together see every example
  * once per epoch, and N sync tasks with batch b compute exactly the step one
  * task with batch N*b would. */
-typedef struct batcher {
-    const idx_split *split;
-    uint32_t *order;
-    int64_t count, k;
-    uint64_t epoch, seed;
-    int trainer, n_trainers;
-} batcher;
+/* typedef struct batcher: in train.h (ring_train.c uses it too) */
 
-static int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer,
-                        int n_trainers)
+int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer, int n_trainers)
 {
     memset(b, 0, sizeof(*b));
     b->split = split;
@@ -96,7 +89,7 @@ static int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int t
  * the rounds of N blocks that fit in an epoch (the remainder is left out, as
  * drop_remainder). A function of k alone, so a restarted task (sync: k is the
  * global step) picks up its place in the data where it was. */
-static void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y)
+void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y)
 {
     int64_t round = (int64_t)b->n_trainers * batch;
     int64_t per_epoch = b->count / round;
@@ -115,7 +108,7 @@ static void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *
     b->k = k + 1;
 }
 
-static int load(const train_config *c, idx_dataset *ds)
+int train_load(const train_config *c, idx_dataset *ds)
 {
     char err[512];
     if (idx_load_dataset(c->data_dir, ds, err, sizeof(err)) != 0) {
@@ -140,7 +133,7 @@ static int load(const train_config *c, idx_dataset *ds)
 
 /* ---- the model at the end ---- */
 
-static int export_model(const train_config *c, const float *params, int64_t step)
+int export_model(const train_config *c, const float *params, int64_t step)
 {
     const mlp_layout *L = &c->layout;
     st_desc d[MLP_MAX_TENSORS];
@@ -164,8 +157,8 @@ static int export_model(const train_config *c, const float *params, int64_t step
     return 0;
 }
 
-static void final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
-                         int64_t step)
+void final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+                  int64_t step)
 {
     double vloss = 0, vacc = 0, tloss = 0, tacc = 0;
     if (ds->validation.n > 0)
@@ -361,11 +354,11 @@ static void chief_wait_others(const train_config *c, ps_client *pc)
 int train_worker(const train_config *c)
 {
     idx_dataset ds;
-    int rc = load(c, &ds);
+    int rc = train_load(c, &ds);
     if (rc)
         return rc;
     char err[512];
-    mlp *m = mlp_new(&mlp_backend_cpu, &c->layout, c->batch_size, err, sizeof(err));
+    mlp *m = mlp_new(mlp_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
     float *params = calloc(c->layout.n_params, sizeof(float));
     float *grads = calloc(c->layout.n_params, sizeof(float));
     float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
@@ -436,10 +429,9 @@ int train_worker(const train_config *c)
     int64_t max_local = c->num_epochs > 0
                             ? (int64_t)(c->num_epochs * (double)(b.count / ((int64_t)c->n_trainers * c->batch_size)))
                             : -1;
-    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; cpu backend (OpenBLAS %s, %d thread%s)\n",
+    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; %s\n",
            c->name, sync ? "sync" : "async", opt_name, c->n_trainers,
-           c->batch_size, (long long)c->train_steps, mlp_cpu_blas_core(), c->threads,
-           c->threads == 1 ? "" : "s");
+           c->batch_size, (long long)c->train_steps, mlp_device_describe(c->threads));
     fflush(stdout);
 
     unsigned nonce = 0;
@@ -620,11 +612,11 @@ out:
 int train_evaluator(const train_config *c)
 {
     idx_dataset ds;
-    int rc = load(c, &ds);
+    int rc = train_load(c, &ds);
     if (rc)
         return rc;
     char err[512];
-    mlp *m = mlp_new(&mlp_backend_cpu, &c->layout, 1000, err, sizeof(err));
+    mlp *m = mlp_new(mlp_device_backend(), &c->layout, 1000, err, sizeof(err));
     float *params = calloc(c->layout.n_params, sizeof(float));
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
@@ -692,11 +684,11 @@ out:
 int train_local(const train_config *c)
 {
     idx_dataset ds;
-    int rc = load(c, &ds);
+    int rc = train_load(c, &ds);
     if (rc)
         return rc;
     char err[512];
-    mlp *m = mlp_new(&mlp_backend_cpu, &c->layout, c->batch_size, err, sizeof(err));
+    mlp *m = mlp_new(mlp_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
     size_t np = c->layout.n_params;
     float *params = calloc(np, sizeof(float)), *grads = calloc(np, sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
@@ -710,9 +702,9 @@ int train_local(const train_config *c)
         goto out;
     }
     mlp_init_params(&c->layout, params, c->seed);
-    printf("%s: training locally (no ps), %s, batch %d, %lld steps; cpu backend (OpenBLAS %s, %d thread%s)\n",
+    printf("%s: training locally (no ps), %s, batch %d, %lld steps; %s\n",
            c->name, optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps,
-           mlp_cpu_blas_core(), c->threads, c->threads == 1 ? "" : "s");
+           mlp_device_describe(c->threads));
     double t_log = now_secs(), t0 = t_log;
     int64_t ex_since = 0;
     progress bar;

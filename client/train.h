@@ -44,6 +44,13 @@ typedef struct train_config {
     int staleness;          /* stale-synchronous bound; -1 none */
     double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
     int step_delay_ms;      /* test hook: sleep this long in each step */
+    /* --allreduce=ring (ring_train.c): workers as peers, no ps */
+    int ring;
+    double ring_timeout_secs;   /* wait this long for a neighbour */
+    size_t ring_piece_bytes;    /* chunks travel in pieces of this size */
+    const char *logdir;         /* the chief's checkpoints; "" = none */
+    int save_checkpoint_secs;   /* 0 = only at the end (and on a stop or a broken ring) */
+    int log_param_hash;         /* print a CRC-32C of the parameters after every step */
 } train_config;
 
 /* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */
@@ -54,5 +61,27 @@ int train_stop_requested(void);
 int train_worker(const train_config *c);
 int train_evaluator(const train_config *c);
 int train_local(const train_config *c);
+int train_ring(const train_config *c);
+
+/* Shared by train.c and ring_train.c. */
+
+/* The data order (train.c): task `trainer` of n_trainers takes the k-th
+ * block of each epoch's permutation; see batcher_at. */
+typedef struct batcher {
+    const idx_split *split;
+    uint32_t *order;
+    int64_t count, k;
+    uint64_t epoch, seed;
+    int trainer, n_trainers;
+} batcher;
+int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer, int n_trainers);
+void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y);
+/* Load and check --data_dir; 0 or 2 after a message. */
+int train_load(const train_config *c, idx_dataset *ds);
+/* Write --export (a safetensors file of the model); 0 or -1 after a message. */
+int export_model(const train_config *c, const float *params, int64_t step);
+/* Print the validation and test figures of params. */
+void final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+                  int64_t step);
 
 #endif

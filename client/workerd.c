@@ -74,6 +74,12 @@ int main(int argc, char **argv)
     int nesterov = 0, staircase = 0, decay_steps = 0;
     float clip_norm = 0, weight_decay = 0, decay_rate = 0, alpha = 0, rmsprop_decay = 0.9f,
           init_accum = 0.1f;
+    const char *allreduce = "none", *logdir = "logs/ring";
+    float ring_timeout = 30;
+    uint64_t ring_piece = 1ULL << 20;
+    int save_ckpt_secs = 60, log_param_hash = 0;
+    const char *device = "auto";
+    int gpu = 0, tf32 = 0;
     flag flags[] = {
         {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
@@ -108,6 +114,11 @@ int main(int argc, char **argv)
         {"keep_ps", FLAG_BOOL, &keep_ps, "chief: leave the ps tasks running at the end (default: ask them to stop)", 0},
         {"local", FLAG_BOOL, &local, "train in this process alone, no ps (the reference for correctness and overhead)", 0},
         {"threads", FLAG_INT, &threads, "OpenBLAS threads (default 1: the safe choice beside other busy processes)", 0},
+        {"device", FLAG_STRING, &device,
+         mlp_cuda_built() ? "where the model computes: auto (default: cuda when a CUDA device is visible and usable, else cpu; the first line says which), cpu, or cuda (cuBLAS; no device is an error)"
+                          : "where the model computes: auto (default) or cpu; cuda is an error: this workerd was built without CUDA", 0},
+        {"gpu", FLAG_INT, &gpu, "cuda: the device to use, counted among those CUDA_VISIBLE_DEVICES leaves (default 0)", 0},
+        {"tf32", FLAG_BOOL, &tf32, "cuda: let cuBLAS use TF32 tensor cores for the matrix products (faster, ~1e-3 relative error; default false: full FP32, as the cpu)", 0},
         {"tls", FLAG_BOOL, &tls, "talk HTTPS to the ps tasks (psd --tls_cert), trusting the system's CAs (default false)", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "talk HTTPS to the ps tasks, trusting the CA(s) in this PEM file", 0},
         {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with", 0},
@@ -121,6 +132,12 @@ int main(int argc, char **argv)
         {"ps_retry_secs", FLAG_FLOAT, &retry_secs, "once training runs, keep retrying a ps that does not answer for this long, e.g. while it restarts from its checkpoint (default 120; the evaluator waits at most 2 x --eval_secs, 10 at least)", 0},
         {"ps_backoff_ms", FLAG_INT, &backoff_ms, "first wait before retrying a ps, doubled each time, with jitter (default 100)", 0},
         {"ps_backoff_max_ms", FLAG_INT, &backoff_max_ms, "longest wait between retries (default 2000)", 0},
+        {"allreduce", FLAG_STRING, &allreduce, "none (default): train against the ps tasks; ring: no ps, the chief and the workers sum their gradients in a ring all-reduce over HTTP, each serving it on its own --worker_hosts (or --chief_hosts) address, and every task applies the average (always synchronous; the ps flags are ignored)", 0},
+        {"ring_timeout_secs", FLAG_FLOAT, &ring_timeout, "ring: a neighbour silent this long has died; the job stops (default 30; the first step waits at least 120 for every task to start)", 0},
+        {"ring_piece_bytes", FLAG_U64, &ring_piece, "ring: chunks travel in pieces of at most this many bytes, so sending and receiving overlap (default 1048576)", 0},
+        {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors; the newest valid one is restored at start (default logs/ring); empty = no checkpoints", 0},
+        {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
+        {"log_param_hash", FLAG_BOOL, &log_param_hash, "ring: print a CRC-32C of the parameters after every step (replicas must agree; default false)", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
@@ -132,7 +149,10 @@ int main(int argc, char **argv)
                    "as TensorFlow's distributed MNIST example. The cluster comes from the flags\n"
                    "or the TF_CONFIG environment variable; flags win. The chief (the chief task,\n"
                    "else worker 0) creates the variables, sends the training configuration,\n"
-                   "prints the final accuracy and stops the ps tasks at the end.",
+                   "prints the final accuracy and stops the ps tasks at the end.\n"
+                   "With --allreduce=ring there are no ps tasks: the chief and the workers form a\n"
+                   "ring, each serving a small HTTP endpoint on its own cluster address; the chief\n"
+                   "also serves /v1/status and the monitoring page there, and writes checkpoints.",
                    flags, nflags);
         return 0;
     }
@@ -222,10 +242,35 @@ int main(int argc, char **argv)
     c.backoff_max_ms = backoff_max_ms;
     c.threads = threads;
     mlp_cpu_set_threads(threads);
+    char device_line[512];
+    if (mlp_device_choose(device, gpu, tf32, device_line, sizeof(device_line), err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 2;
+    }
+    printf("workerd: %s\n", device_line);
+    fflush(stdout);
     if (token_file && !(c.token = token_load(token_file, err, sizeof(err)))) {
         fprintf(stderr, "workerd: %s\n", err);
         return 2;
     }
+    if (strcmp(allreduce, "ring") == 0) {
+        if (!(ring_timeout > 0) || ring_piece < 4 || save_ckpt_secs < 0 || local) {
+            fprintf(stderr, "workerd: --allreduce=ring needs --ring_timeout_secs > 0, --ring_piece_bytes >= 4, "
+                            "--save_checkpoint_secs >= 0 and no --local\n");
+            free((char *)c.token);
+            return 2;
+        }
+        c.ring = 1;
+    } else if (strcmp(allreduce, "none") != 0) {
+        fprintf(stderr, "workerd: --allreduce must be none or ring, got '%s'\n", allreduce);
+        free((char *)c.token);
+        return 2;
+    }
+    c.ring_timeout_secs = ring_timeout;
+    c.ring_piece_bytes = (size_t)ring_piece;
+    c.logdir = logdir;
+    c.save_checkpoint_secs = save_ckpt_secs;
+    c.log_param_hash = log_param_hash;
     if (local) {
         c.name = "local";
         c.n_trainers = 1;
@@ -277,7 +322,14 @@ int main(int argc, char **argv)
     snprintf(name, sizeof(name), "%s %d", cluster_job_name(cs.job), cs.task_index);
     c.name = name;
     train_handle_signals();
-    int rc = cs.job == JOB_EVALUATOR ? train_evaluator(&c) : train_worker(&c);
+    if (c.ring && cs.job == JOB_EVALUATOR) {
+        fprintf(stderr, "workerd: --allreduce=ring has no evaluator task (it reads from the ps): "
+                        "the chief prints the test accuracy at the end\n");
+        cluster_spec_free(&cs);
+        free((char *)c.token);
+        return 2;
+    }
+    int rc = cs.job == JOB_EVALUATOR ? train_evaluator(&c) : c.ring ? train_ring(&c) : train_worker(&c);
     cluster_spec_free(&cs);
     free((char *)c.token);
     return rc;

@@ -1,0 +1,127 @@
+/* ring_allreduce.c - one member of a ring all-reduce (client/ring.c) with no
+ * model around it: sums a float buffer (from --input, or a pattern) over the
+ * workers in --worker_hosts --steps times, and reports the time and the bytes
+ * sent per all-reduce. The system test checks its --output against a sum
+ * computed directly; bench/ring.py times it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cluster.h"
+#include "flags.h"
+#include "ring.h"
+
+static double now_secs(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+    const char *hosts = NULL, *input = NULL, *output = NULL;
+    int rank = -1, steps = 1;
+    uint64_t floats = 0, piece = 1 << 20;
+    float timeout = 30;
+    flag flags[] = {
+        {"worker_hosts", FLAG_STRING, &hosts, "comma-separated host:port of the ring, in rank order", 0},
+        {"task_index", FLAG_INT, &rank, "this worker's rank", 0},
+        {"floats", FLAG_U64, &floats, "buffer length (with no --input: element i of rank r is r + 1 + i % 7 / 8)", 0},
+        {"input", FLAG_STRING, &input, "raw little-endian float32 file to sum (sets --floats)", 0},
+        {"output", FLAG_STRING, &output, "write the last sum here, raw float32", 0},
+        {"steps", FLAG_INT, &steps, "all-reduces to run (default 1)", 0},
+        {"piece_bytes", FLAG_U64, &piece, "pieces of at most this many bytes (default 1048576)", 0},
+        {"timeout_secs", FLAG_FLOAT, &timeout, "wait this long for a neighbour (default 30)", 0},
+    };
+    int nf = (int)(sizeof(flags) / sizeof(flags[0]));
+    char err[512];
+    int fr = flags_parse(flags, nf, argc, argv, err, sizeof(err));
+    if (fr == 1) {
+        flags_help(stdout, "usage: ring_allreduce --worker_hosts=h:p,h:p --task_index=R [--floats=N | --input=F]",
+                   flags, nf);
+        return 0;
+    }
+    if (fr < 0 || !hosts || rank < 0 || steps < 1 || piece < 4 || !(timeout > 0)) {
+        fprintf(stderr, "ring_allreduce: %s\n", fr < 0 ? err : "--worker_hosts and --task_index are required, --steps >= 1");
+        return 2;
+    }
+    float *in = NULL;
+    if (input) {
+        FILE *f = fopen(input, "rb");
+        if (!f || fseek(f, 0, SEEK_END) != 0) {
+            fprintf(stderr, "ring_allreduce: cannot read '%s'\n", input);
+            return 2;
+        }
+        long len = ftell(f);
+        rewind(f);
+        floats = (uint64_t)len / 4;
+        in = malloc((size_t)len + 4);
+        if (!in || fread(in, 1, (size_t)len, f) != (size_t)len) {
+            fprintf(stderr, "ring_allreduce: cannot read '%s'\n", input);
+            return 2;
+        }
+        fclose(f);
+    } else {
+        in = malloc(floats * 4 + 4);
+        if (!in)
+            return 1;
+        for (uint64_t i = 0; i < floats; i++)
+            in[i] = (float)(rank + 1) + (float)(i % 7) / 8;
+    }
+    cluster_input ci = {.job_name = "worker", .task_index = rank, .worker_hosts = hosts, .default_job = "worker"};
+    cluster_spec cs;
+    if (cluster_spec_build(&ci, &cs, err, sizeof(err)) != 0) {
+        fprintf(stderr, "ring_allreduce: %s\n", err);
+        return 2;
+    }
+    char name[32];
+    snprintf(name, sizeof(name), "worker %d", rank);
+    ring_options o = {.peers = cs.jobs[JOB_WORKER].tasks, .n = cs.jobs[JOB_WORKER].n, .rank = rank,
+                      .n_floats = floats, .piece_bytes = piece, .timeout_secs = timeout, .name = name};
+    ring *r = ring_new(&o, err, sizeof(err));
+    if (!r) {
+        fprintf(stderr, "ring_allreduce: %s\n", err);
+        return 1;
+    }
+    float *buf = malloc(floats * 4 + 4);
+    double total = 0, first = 0;
+    int rc = 0;
+    for (int s = 0; s < steps && buf; s++) {
+        memcpy(buf, in, floats * 4);
+        double t0 = now_secs();
+        if (ring_allreduce(r, s, buf, s == 0 ? 60 : 0, err, sizeof(err)) != 0) {
+            fprintf(stderr, "ring_allreduce: %s\n", err);
+            rc = 1;
+            break;
+        }
+        double dt = now_secs() - t0;
+        if (s == 0)
+            first = dt;
+        else
+            total += dt;
+    }
+    if (rc == 0 && output) {
+        FILE *f = fopen(output, "wb");
+        if (!f || fwrite(buf, 4, floats, f) != floats || fclose(f) != 0) {
+            fprintf(stderr, "ring_allreduce: cannot write '%s'\n", output);
+            rc = 1;
+        }
+    }
+    if (rc == 0) {
+        int n = o.n;
+        printf("ring_allreduce: rank %d of %d: %llu floats, %d all-reduces, %.6f s each after the first (the first %.6f s), "
+               "%.0f bytes sent each (2(N-1)/N x bytes = %.0f)\n",
+               rank, n, (unsigned long long)floats, steps, steps > 1 ? total / (steps - 1) : first, first,
+               (double)ring_bytes_sent(r) / steps, 2.0 * (n - 1) / n * (double)floats * 4);
+        fflush(stdout);
+    }
+    /* the right neighbour may still be reading our last pieces: they were
+     * answered, so it has them; nothing to wait for */
+    ring_free(r);
+    cluster_spec_free(&cs);
+    free(buf);
+    free(in);
+    return rc;
+}

@@ -1,0 +1,640 @@
+/* mlp_cuda.cu - the CUDA backend of mlp.h, function for function the CPU
+ * backend (mlp_cpu.c): every linear layer is one cublasSgemm forward and two
+ * backward; small kernels do the bias add, the ReLU and its gradient, the
+ * softmax cross-entropy with its gradient, and the loss and accuracy sums; the
+ * bias gradients (column sums) are one cublasSgemv with a vector of ones.
+ *
+ * Row-major on cuBLAS's column-major: a row-major [M, N] matrix is the
+ * column-major [N, M] matrix (its transpose) with the same leading dimension,
+ * so row-major C = A @ B is computed as C^T = B^T A^T.
+ *
+ * Everything lives on the device, allocated once in create(): one parameter
+ * buffer and one gradient buffer in the CPU layout, the activations, the
+ * batch. The caller's host buffers travel through pinned host buffers
+ * (cudaHostAlloc). One stream, one synchronization per step: the copies in,
+ * the compute and the copies out are queued back to back. The copies are cut
+ * into pieces so that the host's memcpy into (out of) the pinned buffer of
+ * one piece overlaps the DMA of the previous one; there is no overlap between
+ * steps (the caller's API hands over one batch at a time).
+ *
+ * TF32 is off by default (CUBLAS_DEFAULT_MATH: full FP32 sgemm, results match
+ * the CPU reference to ~1e-6); mlp_cuda_use(..., tf32 = 1) opts in.
+ *
+ * Every CUDA and cuBLAS call is checked: file, line, the call and the
+ * library's error string. A failure inside a step prints that line on stderr
+ * (the backend table's functions have no error buffer) and returns -1.
+ *
+ * Linking: the CUDA runtime is static (it loads the driver, libcuda.so, itself
+ * when first used) and cuBLAS is loaded with dlopen once a device is chosen:
+ * libcublas + libcublasLt are ~600 MB, and linking them made every workerd
+ * start 0.8 s slower, GPU or not. So workerd starts on any machine; only
+ * --device=cuda/auto on a machine with a device needs libcublas.so.N (the
+ * toolkit's major version), found on the library path or in the toolkit's
+ * lib64 the build used. */
+extern "C" {
+#include "errmsg.h"
+#include "mlp.h"
+}
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The device chosen by mlp_cuda_use (process-wide, like the CPU backend's
+ * thread count); -1: none chosen yet (create() then uses device 0). */
+static int g_device = -1;
+static int g_tf32 = 0;
+
+#ifndef RESTPS_CUDA_LIBDIR
+#define RESTPS_CUDA_LIBDIR "/usr/local/cuda/lib64"
+#endif
+#define STR_(x) #x
+#define STR(x) STR_(x)
+#define CUBLAS_SONAME "libcublas.so." STR(CUBLAS_VER_MAJOR)
+
+/* The cuBLAS functions this file calls, from dlopen (see the top). */
+static struct {
+    void *lib;
+    decltype(&cublasCreate_v2) Create;
+    decltype(&cublasDestroy_v2) Destroy;
+    decltype(&cublasSetStream_v2) SetStream;
+    decltype(&cublasSetMathMode) SetMathMode;
+    decltype(&cublasSgemm_v2) Sgemm;
+    decltype(&cublasSgemv_v2) Sgemv;
+} blas;
+
+/* 0, or -1 with err; once per process (the first caller is the main thread). */
+static int blas_load(char *err, size_t errlen)
+{
+    if (blas.lib)
+        return 0;
+    const char *names[] = {CUBLAS_SONAME, RESTPS_CUDA_LIBDIR "/" CUBLAS_SONAME};
+    char first[512] = "";
+    void *h = NULL;
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]) && !h; i++) {
+        h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (!h && !first[0])
+            snprintf(first, sizeof(first), "%s", dlerror());
+    }
+    if (!h)
+        return errmsg(err, errlen,
+                      "cannot load cuBLAS (%s, nor in " RESTPS_CUDA_LIBDIR "): %s; install the "
+                      "CUDA toolkit's libcublas or add its folder to LD_LIBRARY_PATH",
+                      CUBLAS_SONAME, first);
+#define SYM(field, name)                                                                    \
+    if (!(blas.field = (decltype(blas.field))dlsym(h, name))) {                             \
+        errmsg(err, errlen, "%s has no %s: a cuBLAS older than this build's (%d)",        \
+               CUBLAS_SONAME, name, CUBLAS_VER_MAJOR);                                      \
+        dlclose(h);                                                                         \
+        return -1;                                                                          \
+    }
+    SYM(Create, "cublasCreate_v2")
+    SYM(Destroy, "cublasDestroy_v2")
+    SYM(SetStream, "cublasSetStream_v2")
+    SYM(SetMathMode, "cublasSetMathMode")
+    SYM(Sgemm, "cublasSgemm_v2")
+    SYM(Sgemv, "cublasSgemv_v2")
+#undef SYM
+    blas.lib = h;
+    return 0;
+}
+
+static const char *cublas_name(cublasStatus_t s)
+{
+    switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "CUBLAS_STATUS_(unknown)";
+    }
+}
+
+/* In a function with `char *err, size_t errlen` and a `fail:` label. */
+#define CK(call)                                                                            \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        if (e_ != cudaSuccess) {                                                            \
+            errmsg(err, errlen, "%s:%d: %s: %s", __FILE__, __LINE__, #call,                 \
+                   cudaGetErrorString(e_));                                                 \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+#define CKB(call)                                                                           \
+    do {                                                                                    \
+        cublasStatus_t s_ = (call);                                                         \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                  \
+            errmsg(err, errlen, "%s:%d: %s: %s", __FILE__, __LINE__, #call, cublas_name(s_)); \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+/* after a kernel launch: a bad configuration shows here, a fault at the sync */
+#define CKL() CK(cudaGetLastError())
+
+typedef struct mlp_cuda {
+    mlp base; /* first: an mlp_cuda * is an mlp * */
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    /* device */
+    float *params, *grads;               /* n_params each, the CPU layout */
+    float *x;                            /* [max_batch, n_in] */
+    uint8_t *y;                          /* [max_batch] */
+    float *act[MLP_MAX_LAYERS + 1];      /* act[l], l = 1..L as in mlp_cpu.c */
+    float *d[2];                         /* [max_batch, max dims[1..L]] each */
+    float *ones;                         /* [max_batch] of 1.0f: column sums by gemv */
+    double *rowloss;                     /* [max_batch] */
+    int *rowright;                       /* [max_batch]: argmax == label */
+    double *sums;                        /* [2]: loss sum, correct count */
+    void *dmem;                          /* owns all device memory above */
+    /* pinned host */
+    float *h_params, *h_grads, *h_x;
+    uint8_t *h_y;
+    double *h_sums;
+    void *hmem;                          /* owns all pinned memory above */
+    cudaEvent_t piece_done[8];           /* copy_out's pieces */
+    int n_events;
+} mlp_cuda;
+
+/* the pieces of copy_in and copy_out */
+#define PIECE_BYTES ((size_t)2 << 20)
+#define OUT_PIECES 8
+
+/* ---- kernels ---- */
+
+/* z[B, N] = relu(z + b) (relu = 1) or z + b (relu = 0); blocks stride over
+ * the rows (y) and the columns (x), so no index needs a division. */
+static __global__ void k_bias_act(float *z, const float *b, int B, int N, int relu)
+{
+    for (int r = blockIdx.y; r < B; r += gridDim.y) {
+        float *zr = z + (size_t)r * N;
+        for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < N; j += gridDim.x * blockDim.x) {
+            float v = zr[j] + b[j];
+            zr[j] = relu ? (v > 0.0f ? v : 0.0f) : v;
+        }
+    }
+}
+
+/* The ReLU's backward: d = d * (a > 0) */
+static __global__ void k_relu_back(float *d, const float *a, size_t total)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x)
+        d[i] = a[i] > 0.0f ? d[i] : 0.0f;
+}
+
+static __global__ void k_fill(float *p, float v, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        p[i] = v;
+}
+
+/* One thread per row of logits [B, C], as mlp_cpu.c's loop: the stable
+ * softmax cross-entropy into rowloss[i], argmax == label (the first maximum
+ * wins a tie) into rowright[i], and, when dz is not NULL,
+ * dz[i] = (softmax - onehot) / B. */
+static __global__ void k_softmax_xent(const float *logits, const uint8_t *y, int B, int C, float invB,
+                               float *dz, double *rowloss, int *rowright)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= B)
+        return;
+    const float *zi = logits + (size_t)i * C;
+    float mx = zi[0];
+    int arg = 0;
+    for (int j = 1; j < C; j++)
+        if (zi[j] > mx) {
+            mx = zi[j];
+            arg = j;
+        }
+    float s = 0.0f;
+    float *di = dz ? dz + (size_t)i * C : NULL;
+    for (int j = 0; j < C; j++) {
+        float e = expf(zi[j] - mx);
+        if (di)
+            di[j] = e;
+        s += e;
+    }
+    const int yi = y[i];
+    rowloss[i] = (double)logf(s) - (double)(zi[yi] - mx);
+    rowright[i] = arg == yi;
+    if (di) {
+        const float k = invB / s;
+        for (int j = 0; j < C; j++)
+            di[j] *= k;
+        di[yi] -= invB;
+    }
+}
+
+/* sums[0] (+)= sum rowloss, sums[1] (+)= sum rowright; one block of
+ * SUM_THREADS threads, in double, deterministic. */
+#define SUM_THREADS 256
+static __global__ void k_sum_rows(const double *rowloss, const int *rowright, int B, double *sums,
+                           int accumulate)
+{
+    __shared__ double sl[SUM_THREADS], sr[SUM_THREADS];
+    double l = 0.0, r = 0.0;
+    for (int i = threadIdx.x; i < B; i += SUM_THREADS) {
+        l += rowloss[i];
+        r += rowright[i];
+    }
+    sl[threadIdx.x] = l;
+    sr[threadIdx.x] = r;
+    __syncthreads();
+    for (int w = SUM_THREADS / 2; w > 0; w /= 2) {
+        if ((int)threadIdx.x < w) {
+            sl[threadIdx.x] += sl[threadIdx.x + w];
+            sr[threadIdx.x] += sr[threadIdx.x + w];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        sums[0] = (accumulate ? sums[0] : 0.0) + sl[0];
+        sums[1] = (accumulate ? sums[1] : 0.0) + sr[0];
+    }
+}
+
+static unsigned grid_for(size_t n, unsigned threads)
+{
+    size_t g = (n + threads - 1) / threads;
+    return (unsigned)(g < 4096 ? (g ? g : 1) : 4096); /* grid-stride loops do the rest */
+}
+
+/* ---- helpers of the header ---- */
+
+extern "C" int mlp_cuda_built(void)
+{
+    return 1;
+}
+
+extern "C" int mlp_cuda_device_count(char *err, size_t errlen)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        /* no driver, no device: "no device", not a failure */
+        errmsg(err, errlen, "no CUDA device (cudaGetDeviceCount: %s)", cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* clear it */
+        return 0;
+    }
+    if (n == 0)
+        errmsg(err, errlen, "no CUDA device (cudaGetDeviceCount found none)");
+    return n;
+}
+
+extern "C" int mlp_cuda_use(int gpu, int tf32, char *desc, size_t desclen, char *err,
+                            size_t errlen)
+{
+    char why[256] = "";
+    int n = mlp_cuda_device_count(why, sizeof(why));
+    cudaDeviceProp p;
+    size_t free_b = 0, total_b = 0;
+    if (n < 1)
+        return errmsg(err, errlen, "%s", why);
+    if (gpu < 0 || gpu >= n)
+        return errmsg(err, errlen, "--gpu=%d: this process sees %d CUDA device%s (0 to %d; "
+                                   "CUDA_VISIBLE_DEVICES narrows and renumbers them)",
+                      gpu, n, n == 1 ? "" : "s", n - 1);
+    if (blas_load(err, errlen) != 0)
+        return -1;
+    CK(cudaSetDevice(gpu));
+    CK(cudaGetDeviceProperties(&p, gpu));
+    CK(cudaMemGetInfo(&free_b, &total_b));
+    g_device = gpu;
+    g_tf32 = tf32 != 0;
+    if (desc && desclen)
+        snprintf(desc, desclen, "GPU %d of %d: %s, sm_%d%d, %.1f GiB free of %.1f, TF32 %s", gpu, n,
+                 p.name, p.major, p.minor, free_b / 1073741824.0, total_b / 1073741824.0,
+                 g_tf32 ? "on" : "off");
+    return 0;
+fail:
+    return -1;
+}
+
+extern "C" const mlp_backend *mlp_cuda_backend(void)
+{
+    return &mlp_backend_cuda;
+}
+
+/* ---- the backend ---- */
+
+static void cuda_destroy(mlp *m);
+
+static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size_t errlen)
+{
+    const int L = layout->n_layers;
+    const size_t B = (size_t)max_batch, P = layout->n_params, D = (size_t)layout->dims[0];
+    size_t dmax = 0, nact = 0;
+    for (int l = 1; l <= L; l++) {
+        nact += B * (size_t)layout->dims[l];
+        if ((size_t)layout->dims[l] > dmax)
+            dmax = (size_t)layout->dims[l];
+    }
+    /* the device block: floats (256-byte aligned pieces), then the rest */
+#define ALIGN(n) (((n) + 255) & ~(size_t)255)
+    size_t off_params = 0, off_grads = ALIGN(P * 4), off_x = off_grads + ALIGN(P * 4);
+    size_t off_act = off_x + ALIGN(B * D * 4), off_d = off_act + ALIGN(nact * 4);
+    size_t off_ones = off_d + ALIGN(2 * B * dmax * 4), off_rowloss = off_ones + ALIGN(B * 4);
+    size_t off_rowright = off_rowloss + ALIGN(B * 8), off_sums = off_rowright + ALIGN(B * 4);
+    size_t off_y = off_sums + ALIGN(2 * 8), dbytes = off_y + ALIGN(B);
+    /* pinned host: params, grads, x, y, sums */
+    size_t h_grads = ALIGN(P * 4), h_x = h_grads + ALIGN(P * 4), h_y = h_x + ALIGN(B * D * 4);
+    size_t h_sums = h_y + ALIGN(B), hbytes = h_sums + ALIGN(2 * 8);
+#undef ALIGN
+    char *dm, *hm;
+    cudaError_t e;
+    mlp_cuda *c = (mlp_cuda *)calloc(1, sizeof(*c));
+    if (!c) {
+        errmsg(err, errlen, "mlp_cuda: out of host memory");
+        return NULL;
+    }
+    c->base.backend = &mlp_backend_cuda;
+    c->base.layout = *layout;
+    c->base.max_batch = max_batch;
+    c->device = g_device < 0 ? 0 : g_device;
+    if (blas_load(err, errlen) != 0)
+        goto fail;
+    CK(cudaSetDevice(c->device));
+    e = cudaMalloc(&c->dmem, dbytes);
+    if (e == cudaErrorMemoryAllocation) {
+        size_t fr = 0, tot = 0;
+        (void)cudaGetLastError();
+        cudaMemGetInfo(&fr, &tot);
+        errmsg(err, errlen,
+               "%s:%d: out of device memory: the model (%zu parameters) at batch %d needs %zu "
+               "bytes on GPU %d, %zu of %zu are free",
+               __FILE__, __LINE__, P, max_batch, dbytes, c->device, fr, tot);
+        goto fail;
+    }
+    CK(e);
+    e = cudaHostAlloc(&c->hmem, hbytes, cudaHostAllocDefault);
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        errmsg(err, errlen, "%s:%d: cudaHostAlloc: out of pinned host memory: %zu bytes asked",
+               __FILE__, __LINE__, hbytes);
+        goto fail;
+    }
+    CK(e);
+    dm = (char *)c->dmem;
+    hm = (char *)c->hmem;
+    c->params = (float *)(dm + off_params);
+    c->grads = (float *)(dm + off_grads);
+    c->x = (float *)(dm + off_x);
+    {
+        float *p = (float *)(dm + off_act);
+        for (int l = 1; l <= L; l++) {
+            c->act[l] = p;
+            p += B * (size_t)layout->dims[l];
+        }
+    }
+    c->d[0] = (float *)(dm + off_d);
+    c->d[1] = c->d[0] + B * dmax;
+    c->ones = (float *)(dm + off_ones);
+    c->rowloss = (double *)(dm + off_rowloss);
+    c->rowright = (int *)(dm + off_rowright);
+    c->sums = (double *)(dm + off_sums);
+    c->y = (uint8_t *)(dm + off_y);
+    c->h_params = (float *)hm;
+    c->h_grads = (float *)(hm + h_grads);
+    c->h_x = (float *)(hm + h_x);
+    c->h_y = (uint8_t *)(hm + h_y);
+    c->h_sums = (double *)(hm + h_sums);
+    memset(c->hmem, 0, hbytes); /* touch the pinned pages now */
+    CK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    for (; c->n_events < OUT_PIECES; c->n_events++)
+        CK(cudaEventCreateWithFlags(&c->piece_done[c->n_events], cudaEventDisableTiming));
+    CKB(blas.Create(&c->blas));
+    CKB(blas.SetStream(c->blas, c->stream));
+    CKB(blas.SetMathMode(c->blas, g_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    CK(cudaMemsetAsync(c->dmem, 0, dbytes, c->stream));
+    k_fill<<<grid_for(B, 256), 256, 0, c->stream>>>(c->ones, 1.0f, B);
+    CKL();
+    CK(cudaStreamSynchronize(c->stream));
+    return &c->base;
+fail:
+    cuda_destroy(&c->base);
+    return NULL;
+}
+
+static void cuda_destroy(mlp *m)
+{
+    mlp_cuda *c = (mlp_cuda *)m;
+    if (!c)
+        return;
+    cudaSetDevice(c->device);
+    if (c->stream)
+        cudaStreamSynchronize(c->stream);
+    if (c->blas)
+        blas.Destroy(c->blas);
+    for (int i = 0; i < c->n_events; i++)
+        cudaEventDestroy(c->piece_done[i]);
+    if (c->stream)
+        cudaStreamDestroy(c->stream);
+    cudaFree(c->dmem);
+    cudaFreeHost(c->hmem);
+    free(c);
+}
+
+/* Queue host src -> device dst through the pinned buffer, in pieces: the
+ * memcpy of a piece overlaps the DMA of the one before. */
+static int copy_in(mlp_cuda *c, void *dst, void *pinned, const void *src, size_t bytes, char *err,
+                   size_t errlen)
+{
+    for (size_t off = 0; off < bytes; off += PIECE_BYTES) {
+        size_t n = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
+        memcpy((char *)pinned + off, (const char *)src + off, n);
+        CK(cudaMemcpyAsync((char *)dst + off, (char *)pinned + off, n, cudaMemcpyHostToDevice,
+                           c->stream));
+    }
+    return 0;
+fail:
+    return -1;
+}
+
+/* Queue device src -> pinned, then wait for it piece by piece, copying each
+ * piece to host dst as soon as it has arrived. Ends with the stream idle. */
+static int copy_out(mlp_cuda *c, void *dst, void *pinned, const void *src, size_t bytes, char *err,
+                    size_t errlen)
+{
+    size_t piece = (bytes + OUT_PIECES - 1) / OUT_PIECES;
+    piece = (piece + 255) & ~(size_t)255;
+    int n = 0;
+    for (size_t off = 0; off < bytes; off += piece, n++) {
+        size_t len = bytes - off < piece ? bytes - off : piece;
+        CK(cudaMemcpyAsync((char *)pinned + off, (const char *)src + off, len,
+                           cudaMemcpyDeviceToHost, c->stream));
+        CK(cudaEventRecord(c->piece_done[n], c->stream));
+    }
+    n = 0;
+    for (size_t off = 0; off < bytes; off += piece, n++) {
+        size_t len = bytes - off < piece ? bytes - off : piece;
+        CK(cudaEventSynchronize(c->piece_done[n]));
+        memcpy((char *)dst + off, (const char *)pinned + off, len);
+    }
+    CK(cudaStreamSynchronize(c->stream));
+    return 0;
+fail:
+    return -1;
+}
+
+/* Queue the forward pass of c->x[0..B) (already on the device); logits land
+ * in act[L]. */
+static int forward(mlp_cuda *c, int B, char *err, size_t errlen)
+{
+    const mlp_layout *ly = &c->base.layout;
+    const int L = ly->n_layers;
+    const float one = 1.0f, zero = 0.0f;
+    const float *a = c->x;
+    for (int l = 0; l < L; l++) {
+        const int K = ly->dims[l], N = ly->dims[l + 1];
+        const float *W = c->params + ly->tensors[2 * l].offset; /* [K, N] */
+        const float *b = c->params + ly->tensors[2 * l + 1].offset;
+        float *z = c->act[l + 1];                               /* [B, N] */
+        /* z = a @ W, as z^T [N, B] = W^T [N, K] a^T [K, B] */
+        CKB(blas.Sgemm(c->blas, CUBLAS_OP_N, CUBLAS_OP_N, N, B, K, &one, W, N, a, K, &zero, z, N));
+        dim3 grid((N + 255) / 256 < 64 ? (N + 255) / 256 : 64, B < 8192 ? B : 8192);
+        k_bias_act<<<grid, 256, 0, c->stream>>>(z, b, B, N, l < L - 1);
+        CKL();
+        a = z;
+    }
+    return 0;
+fail:
+    return -1;
+}
+
+static int check_labels(const uint8_t *labels, int64_t n, int n_out)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (labels[i] >= n_out)
+            return -1;
+    return 0;
+}
+
+static int cuda_forward_backward(mlp *m, const float *params, const float *x,
+                                 const uint8_t *labels, int B, float *grads, double *loss)
+{
+    mlp_cuda *c = (mlp_cuda *)m;
+    const mlp_layout *ly = &m->layout;
+    const int L = ly->n_layers, C = ly->dims[L], D = ly->dims[0];
+    const size_t P = ly->n_params;
+    const float one = 1.0f, zero = 0.0f;
+    char err[512];
+    const size_t errlen = sizeof(err);
+    int cur = 0;
+    if (B < 1 || B > m->max_batch || !params || !x || !labels || !grads || !loss)
+        return -1;
+    if (check_labels(labels, B, C) != 0)
+        return -1;
+    CK(cudaSetDevice(c->device));
+    /* in: through the pinned buffers */
+    if (copy_in(c, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0 ||
+        copy_in(c, c->x, c->h_x, x, (size_t)B * D * sizeof(float), err, errlen) != 0 ||
+        copy_in(c, c->y, c->h_y, labels, (size_t)B, err, errlen) != 0)
+        goto fail;
+
+    if (forward(c, B, err, errlen) != 0)
+        goto fail;
+
+    /* dz [B, C] = (softmax - onehot) / B, the row losses; db_L-1 = column sums */
+    k_softmax_xent<<<grid_for((size_t)B, 128), 128, 0, c->stream>>>(
+        c->act[L], c->y, B, C, 1.0f / (float)B, c->d[0], c->rowloss, c->rowright);
+    CKL();
+    k_sum_rows<<<1, SUM_THREADS, 0, c->stream>>>(c->rowloss, c->rowright, B, c->sums, 0);
+    CKL();
+    /* db [C] = dz^T ones: the column-major [C, B] matrix times ones [B] */
+    CKB(blas.Sgemv(c->blas, CUBLAS_OP_N, C, B, &one, c->d[0], C, c->ones, 1, &zero,
+                    c->grads + ly->tensors[2 * (L - 1) + 1].offset, 1));
+
+    /* Backward, layer L-1 down to 0, as mlp_cpu.c:
+     *   dW_l [K, N] = a_l^T @ dz: dW^T [N, K] = dz^T [N, B] (a^T)^T;
+     *   da_l [B, K] = dz @ W_l^T: da^T [K, B] = (W^T)^T [K, N] dz^T [N, B];
+     *   dz_{l-1} = da_l * (a_l > 0), db_{l-1} = its column sums. */
+    for (int l = L - 1; l >= 0; l--) {
+        const int K = ly->dims[l], N = ly->dims[l + 1];
+        const float *a = l == 0 ? c->x : c->act[l];
+        const float *W = c->params + ly->tensors[2 * l].offset;
+        float *dW = c->grads + ly->tensors[2 * l].offset;
+        const float *dzl = c->d[cur];
+        CKB(blas.Sgemm(c->blas, CUBLAS_OP_N, CUBLAS_OP_T, N, K, B, &one, dzl, N, a, K, &zero, dW, N));
+        if (l == 0)
+            break;
+        float *da = c->d[cur ^ 1];
+        CKB(blas.Sgemm(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, K, B, N, &one, W, N, dzl, N, &zero, da, K));
+        size_t total = (size_t)B * K;
+        k_relu_back<<<grid_for(total, 256), 256, 0, c->stream>>>(da, a, total);
+        CKL();
+        CKB(blas.Sgemv(c->blas, CUBLAS_OP_N, K, B, &one, da, K, c->ones, 1, &zero,
+                        c->grads + ly->tensors[2 * (l - 1) + 1].offset, 1));
+        cur ^= 1;
+    }
+
+    /* out: the loss sum first (it is small), then the gradients */
+    CK(cudaMemcpyAsync(c->h_sums, c->sums, 2 * sizeof(double), cudaMemcpyDeviceToHost, c->stream));
+    if (copy_out(c, grads, c->h_grads, c->grads, P * sizeof(float), err, errlen) != 0)
+        goto fail;
+    *loss = c->h_sums[0] / B;
+    return 0;
+fail:
+    fprintf(stderr, "mlp_cuda: forward_backward: %s\n", err);
+    *loss = NAN;
+    return -1;
+}
+
+static int cuda_evaluate(mlp *m, const float *params, const float *x, const uint8_t *labels,
+                         int64_t n, double *loss, double *accuracy)
+{
+    mlp_cuda *c = (mlp_cuda *)m;
+    const mlp_layout *ly = &m->layout;
+    const int L = ly->n_layers, C = ly->dims[L], D = ly->dims[0];
+    const size_t P = ly->n_params;
+    char err[512];
+    const size_t errlen = sizeof(err);
+    if (n < 1 || !params || !x || !labels || !loss || !accuracy)
+        return -1;
+    if (check_labels(labels, n, C) != 0)
+        return -1;
+    CK(cudaSetDevice(c->device));
+    if (copy_in(c, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0)
+        goto fail;
+    for (int64_t start = 0; start < n; start += m->max_batch) {
+        int B = (int)(n - start < m->max_batch ? n - start : m->max_batch);
+        /* the pinned x is reused: the previous chunk's copy must be done */
+        CK(cudaStreamSynchronize(c->stream));
+        if (copy_in(c, c->x, c->h_x, x + (size_t)start * D, (size_t)B * D * sizeof(float), err,
+                    errlen) != 0 ||
+            copy_in(c, c->y, c->h_y, labels + start, (size_t)B, err, errlen) != 0)
+            goto fail;
+        if (forward(c, B, err, errlen) != 0)
+            goto fail;
+        k_softmax_xent<<<grid_for((size_t)B, 128), 128, 0, c->stream>>>(
+            c->act[L], c->y, B, C, 1.0f, NULL, c->rowloss, c->rowright);
+        CKL();
+        k_sum_rows<<<1, SUM_THREADS, 0, c->stream>>>(c->rowloss, c->rowright, B, c->sums, start > 0);
+        CKL();
+    }
+    CK(cudaMemcpyAsync(c->h_sums, c->sums, 2 * sizeof(double), cudaMemcpyDeviceToHost, c->stream));
+    CK(cudaStreamSynchronize(c->stream));
+    *loss = c->h_sums[0] / (double)n;
+    *accuracy = c->h_sums[1] / (double)n;
+    return 0;
+fail:
+    fprintf(stderr, "mlp_cuda: evaluate: %s\n", err);
+    *loss = NAN;
+    *accuracy = NAN;
+    return -1;
+}
+
+extern "C" const mlp_backend mlp_backend_cuda = {
+    "cuda", cuda_create, cuda_destroy, cuda_forward_backward, cuda_evaluate,
+};

@@ -1,0 +1,763 @@
+/* ring.c - ring all-reduce over HTTP: the endpoint each worker serves
+ * (libmicrohttpd), the pushes to the right neighbour (libcurl, one keep-alive
+ * handle), and the reduce-scatter / all-gather between them. See ring.h. */
+#include "ring.h"
+
+#include <arpa/inet.h>
+#include <curl/curl.h>
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "web.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "ring.c sends the host's floats as little-endian float32"
+#endif
+
+#define PEER_MAX (CLUSTER_HOST_MAX + 16)
+
+struct ring {
+    int n, rank;
+    char name[64];
+    char (*peer)[PEER_MAX]; /* "host:port" */
+    char right_url[PEER_MAX + 16];
+    size_t n_floats, piece;  /* piece: floats */
+    size_t *off;             /* chunk c is [off[c], off[c+1]) */
+    size_t chunk_max, pieces_max;
+    int K;                   /* ring steps per all-reduce: 2(N-1) */
+    double timeout;
+    int (*abort)(void);
+    struct MHD_Daemon *d;
+    struct timespec started;
+
+    /* receive slots: [parity][k] a buffer of chunk_max floats, and per piece
+     * the training step whose data it holds (-1: none yet) */
+    float *slots;
+    int64_t *piece_step;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+
+    CURL *curl;
+    struct curl_slist *hdrs;
+    char resp[512];
+    size_t resp_len;
+    _Atomic uint64_t bytes_sent;
+    _Atomic int64_t allreduces;
+    _Atomic int uploads; /* pieces being received or answered */
+
+    /* under mu */
+    void *state;
+    size_t state_len;
+    ring_info info;
+    char optimizer[32];
+    int64_t global_step, ckpt_step;
+    double loss;
+    int has_loss;
+    char ckpt_path[512];
+};
+
+static double now_secs(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* The chunk rank receives at ring step k: reduce-scatter (k < N-1) the one
+ * its left neighbour just added to, all-gather the next finished sum. */
+static int recv_chunk(const ring *r, int k)
+{
+    return k < r->n - 1 ? mod(r->rank - k - 1, r->n) : mod(r->rank - (k - (r->n - 1)), r->n);
+}
+
+static size_t chunk_len(const ring *r, int c) { return r->off[c + 1] - r->off[c]; }
+
+static float *slot(ring *r, int64_t step, int k)
+{
+    return r->slots + ((size_t)(step & 1) * (size_t)r->K + (size_t)k) * r->chunk_max;
+}
+
+static int64_t *slot_steps(ring *r, int64_t step, int k)
+{
+    return r->piece_step + ((size_t)(step & 1) * (size_t)r->K + (size_t)k) * r->pieces_max;
+}
+
+/* ---- the endpoint ---- */
+
+typedef struct req {
+    int kind; /* 1 chunk upload */
+    float *dst;
+    size_t len, got; /* bytes */
+    int64_t step;
+    int k;
+    size_t piece;
+    unsigned bad;     /* refused: swallow the body, then answer this status */
+    char msg[400];
+} req;
+
+static enum MHD_Result reply_json(struct MHD_Connection *c, unsigned status, json_t *j)
+{
+    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
+    json_decref(j);
+    if (!s)
+        return MHD_NO;
+    size_t n = strlen(s);
+    char *t = realloc(s, n + 2);
+    if (t) {
+        s = t;
+        s[n++] = '\n';
+        s[n] = '\0';
+    }
+    struct MHD_Response *resp = MHD_create_response_from_buffer(n, s, MHD_RESPMEM_MUST_FREE);
+    if (!resp) {
+        free(s);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+    enum MHD_Result rc = MHD_queue_response(c, status, resp);
+    MHD_destroy_response(resp);
+    return rc;
+}
+
+static enum MHD_Result reply_error(struct MHD_Connection *c, unsigned status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static enum MHD_Result reply_error(struct MHD_Connection *c, unsigned status, const char *fmt, ...)
+{
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    for (char *p = msg; *p; p++)
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
+            *p = '?';
+    return reply_json(c, status, json_pack("{s:s}", "error", msg));
+}
+
+/* A query argument as a non-negative integer; -1 when missing or malformed. */
+static long long query_int(struct MHD_Connection *c, const char *name)
+{
+    const char *s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, name);
+    if (!s || !*s || *s == '-' || *s == '+')
+        return -1;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (*end || errno)
+        return -1;
+    return v;
+}
+
+/* Check a chunk upload's arguments against what this worker expects, and
+ * point q at where it goes. 0, or an HTTP status with msg. */
+static unsigned chunk_begin(ring *r, struct MHD_Connection *c, req *q, char *msg, size_t cap)
+{
+    long long step = query_int(c, "step"), k = query_int(c, "k"), offset = query_int(c, "offset"),
+              from = query_int(c, "from"), n = query_int(c, "n"), floats = query_int(c, "floats");
+    const char *names[] = {"step", "k", "offset", "from", "n", "floats"};
+    long long vals[] = {step, k, offset, from, n, floats};
+    for (int i = 0; i < 6; i++)
+        if (vals[i] < 0) {
+            snprintf(msg, cap, "query argument '%s' is missing or not a non-negative integer", names[i]);
+            return MHD_HTTP_BAD_REQUEST;
+        }
+    if (n != r->n || (size_t)floats != r->n_floats) {
+        snprintf(msg, cap,
+                 "the sender's ring has %lld workers and %lld floats, this worker's %d and %zu: "
+                 "start every worker with the same --worker_hosts and model",
+                 n, floats, r->n, r->n_floats);
+        return MHD_HTTP_CONFLICT;
+    }
+    if (from != mod(r->rank - 1, r->n)) {
+        snprintf(msg, cap, "a piece from worker %lld, but this worker's left neighbour is worker %d",
+                 from, mod(r->rank - 1, r->n));
+        return MHD_HTTP_CONFLICT;
+    }
+    if (k >= r->K) {
+        snprintf(msg, cap, "k=%lld: a ring of %d workers has ring steps 0 to %d", k, r->n, r->K - 1);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    size_t len = chunk_len(r, recv_chunk(r, (int)k));
+    if ((size_t)offset >= len || (size_t)offset % r->piece) {
+        snprintf(msg, cap, "offset=%lld: pieces of chunk %d start at multiples of %zu below %zu",
+                 offset, recv_chunk(r, (int)k), r->piece, len);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    size_t want = len - (size_t)offset < r->piece ? len - (size_t)offset : r->piece;
+    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (!cl) {
+        snprintf(msg, cap, "Content-Length is required");
+        return MHD_HTTP_LENGTH_REQUIRED;
+    }
+    char *end;
+    errno = 0;
+    unsigned long long body = strtoull(cl, &end, 10);
+    if (*end || errno || body != want * 4) {
+        snprintf(msg, cap, "the piece at offset %lld of ring step %lld has %zu floats (%zu bytes), the body %s bytes",
+                 offset, k, want, want * 4, cl);
+        return body > want * 4 ? MHD_HTTP_CONTENT_TOO_LARGE : MHD_HTTP_BAD_REQUEST;
+    }
+    q->kind = 1;
+    q->step = step;
+    q->k = (int)k;
+    q->piece = (size_t)offset / r->piece;
+    q->dst = slot(r, step, (int)k) + offset;
+    q->len = want * 4;
+    return 0;
+}
+
+static json_t *status_json(ring *r)
+{
+    pthread_mutex_lock(&r->mu);
+    double up = now_secs() - ((double)r->started.tv_sec + (double)r->started.tv_nsec / 1e9);
+    json_t *o = json_pack("{s:{s:s,s:i},s:s,s:I,s:o,s:b,s:s,s:f,s:i,s:I,s:f}", "task", "type",
+                          r->info.task_type ? r->info.task_type : "worker", "index", r->info.task_index,
+                          "mode", "ring", "global_step", (json_int_t)r->global_step, "last_loss",
+                          r->has_loss ? json_real(r->loss) : json_null(), "ready", r->info.optimizer != NULL,
+                          "optimizer", r->optimizer, "learning_rate", r->info.learning_rate, "workers", r->n,
+                          "train_steps", (json_int_t)r->info.train_steps, "uptime_secs", up);
+    json_object_set_new(o, "ring",
+                        json_pack("{s:i,s:i,s:s,s:s,s:I,s:I}", "size", r->n, "rank", r->rank, "left",
+                                  r->peer[mod(r->rank - 1, r->n)], "right", r->peer[mod(r->rank + 1, r->n)],
+                                  "bytes_sent", (json_int_t)atomic_load(&r->bytes_sent), "allreduces",
+                                  (json_int_t)atomic_load(&r->allreduces)));
+    json_object_set_new(o, "checkpoint",
+                        r->ckpt_path[0] ? json_pack("{s:I,s:s}", "global_step", (json_int_t)r->ckpt_step,
+                                                    "path", r->ckpt_path)
+                                        : json_null());
+    pthread_mutex_unlock(&r->mu);
+    return o;
+}
+
+static enum MHD_Result on_get(ring *r, struct MHD_Connection *c, const char *url)
+{
+    if (strcmp(url, "/healthz") == 0)
+        return reply_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+    if (strcmp(url, "/v1/status") == 0)
+        return reply_json(c, MHD_HTTP_OK, status_json(r));
+    if (strcmp(url, "/v1/ring/state") == 0) {
+        pthread_mutex_lock(&r->mu);
+        void *s = r->state;
+        size_t len = r->state_len;
+        pthread_mutex_unlock(&r->mu);
+        if (!s)
+            return reply_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
+                               "%s has not published the parameters (yet): only the chief does", r->name);
+        /* published once and kept until ring_free, which stops this server first */
+        struct MHD_Response *resp = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_PERSISTENT);
+        if (!resp)
+            return MHD_NO;
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
+        enum MHD_Result rc = MHD_queue_response(c, MHD_HTTP_OK, resp);
+        MHD_destroy_response(resp);
+        return rc;
+    }
+    if (strcmp(url, "/v1/ring/chunk") == 0)
+        return reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
+    for (size_t i = 0; i < n_web_assets; i++) {
+        const struct web_asset *a = &web_assets[i];
+        if (strcmp(a->path, url) != 0)
+            continue;
+        struct MHD_Response *resp =
+            MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+        if (!resp)
+            return MHD_NO;
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        enum MHD_Result rc = MHD_queue_response(c, MHD_HTTP_OK, resp);
+        MHD_destroy_response(resp);
+        return rc;
+    }
+    return reply_error(c, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", url);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
+                                  const char *method, const char *version, const char *upload,
+                                  size_t *upload_size, void **req_cls)
+{
+    (void)version;
+    ring *r = cls;
+    req *q = *req_cls;
+    if (!q) {
+        if (strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0)
+            return on_get(r, c, url);
+        if (strcmp(url, "/v1/ring/chunk") != 0)
+            return reply_error(c, strcmp(url, "/v1/ring/state") == 0 ? MHD_HTTP_METHOD_NOT_ALLOWED
+                                                                     : MHD_HTTP_NOT_FOUND,
+                               "no route %s '%.200s' on a ring worker", method, url);
+        if (strcmp(method, "POST") != 0)
+            return reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
+        if (!(q = calloc(1, sizeof(*q))))
+            return MHD_NO;
+        q->bad = chunk_begin(r, c, q, q->msg, sizeof(q->msg));
+        if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE) {
+            /* answered before the body is read: libmicrohttpd closes the connection */
+            enum MHD_Result rc = reply_error(c, MHD_HTTP_CONTENT_TOO_LARGE, "%s", q->msg);
+            free(q);
+            return rc;
+        }
+        *req_cls = q;
+        atomic_fetch_add(&r->uploads, 1);
+        return MHD_YES;
+    }
+    if (*upload_size && q->bad) {
+        *upload_size = 0; /* swallowed, so the client reads the answer */
+        return MHD_YES;
+    }
+    if (q->bad)
+        return reply_error(c, q->bad, "%s", q->msg);
+    if (*upload_size) {
+        size_t n = *upload_size;
+        if (n > q->len - q->got) /* cannot happen: Content-Length was checked */
+            n = q->len - q->got;
+        memcpy((char *)q->dst + q->got, upload, n);
+        q->got += n;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (q->got != q->len)
+        return reply_error(c, MHD_HTTP_BAD_REQUEST, "the body ended after %zu of %zu bytes", q->got, q->len);
+    pthread_mutex_lock(&r->mu);
+    slot_steps(r, q->step, q->k)[q->piece] = q->step;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+    if (!resp)
+        return MHD_NO;
+    enum MHD_Result rc = MHD_queue_response(c, MHD_HTTP_NO_CONTENT, resp);
+    MHD_destroy_response(resp);
+    return rc;
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    ring *r = cls;
+    (void)c;
+    (void)toe;
+    if (*req_cls)
+        atomic_fetch_sub(&r->uploads, 1);
+    free(*req_cls);
+    *req_cls = NULL;
+}
+
+/* ---- the client side ---- */
+
+static size_t on_body(char *p, size_t size, size_t n, void *ctx)
+{
+    ring *r = ctx;
+    size_t len = size * n, room = sizeof(r->resp) - 1 - r->resp_len;
+    size_t k = len < room ? len : room;
+    memcpy(r->resp + r->resp_len, p, k);
+    r->resp_len += k;
+    r->resp[r->resp_len] = '\0';
+    return len;
+}
+
+/* The "error" of a JSON error body, or the body itself. */
+static const char *resp_error(ring *r)
+{
+    static __thread char out[sizeof(((ring *)0)->resp)];
+    json_t *j = json_loads(r->resp, 0, NULL);
+    const char *e = j ? json_string_value(json_object_get(j, "error")) : NULL;
+    snprintf(out, sizeof(out), "%s", e ? e : r->resp);
+    json_decref(j);
+    return out;
+}
+
+/* POST one piece to the right neighbour, retrying what may pass (it is not up
+ * yet, a 5xx) until `deadline`. */
+static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *data, size_t n,
+                      double deadline, char *err, size_t errlen)
+{
+    char url[PEER_MAX + 200];
+    snprintf(url, sizeof(url), "%s/v1/ring/chunk?step=%lld&k=%d&offset=%zu&from=%d&n=%d&floats=%zu",
+             r->right_url, (long long)step, k, offset, r->rank, r->n, r->n_floats);
+    int right = mod(r->rank + 1, r->n);
+    long wait = 20;
+    for (;;) {
+        r->resp_len = 0;
+        r->resp[0] = '\0';
+        curl_easy_setopt(r->curl, CURLOPT_URL, url);
+        curl_easy_setopt(r->curl, CURLOPT_POSTFIELDS, (const char *)data);
+        curl_easy_setopt(r->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
+        CURLcode cc = curl_easy_perform(r->curl);
+        long status = 0;
+        if (cc == CURLE_OK)
+            curl_easy_getinfo(r->curl, CURLINFO_RESPONSE_CODE, &status);
+        if (cc == CURLE_OK && status >= 200 && status < 300) {
+            atomic_fetch_add(&r->bytes_sent, (uint64_t)n * 4);
+            return 0;
+        }
+        if (cc == CURLE_OK && status >= 400 && status < 500) {
+            seterr(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
+                   status, resp_error(r));
+            return -1;
+        }
+        if (r->abort && r->abort())
+            return -2;
+        if (now_secs() + (double)wait / 1000 > deadline) {
+            if (cc != CURLE_OK)
+                seterr(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
+                       right, r->peer[right], curl_easy_strerror(cc));
+            else
+                seterr(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
+                       r->peer[right], status, resp_error(r));
+            return -1;
+        }
+        sleep_ms(wait);
+        wait = wait * 2 > 500 ? 500 : wait * 2;
+    }
+}
+
+/* Wait until piece p of ring step k holds step's data. */
+static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, double patience,
+                      char *err, size_t errlen)
+{
+    int64_t *st = slot_steps(r, step, k);
+    int rc = 0;
+    pthread_mutex_lock(&r->mu);
+    while (st[p] != step) {
+        double t = now_secs();
+        if (r->abort && r->abort()) {
+            rc = -2;
+            break;
+        }
+        if (t >= deadline) {
+            int left = mod(r->rank - 1, r->n);
+            seterr(err, errlen,
+                   "nothing from worker %d (%s), the left neighbour, for %.0f s (step %lld, ring step %d): "
+                   "it died or is stuck",
+                   left, r->peer[left], patience, (long long)step, k);
+            rc = -1;
+            break;
+        }
+        /* wake at least every 200 ms to see abort() */
+        double until = deadline < t + 0.2 ? deadline : t + 0.2;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        double add = until - t;
+        ts.tv_sec += (time_t)add;
+        ts.tv_nsec += (long)((add - (double)(time_t)add) * 1e9);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen)
+{
+    if (r->n == 1) {
+        atomic_fetch_add(&r->allreduces, 1);
+        return 0;
+    }
+    double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
+    double deadline = now_secs() + patience;
+    /* ring step 0: this worker's own chunk */
+    size_t len = chunk_len(r, r->rank);
+    for (size_t o = 0; o < len; o += r->piece) {
+        size_t m = len - o < r->piece ? len - o : r->piece;
+        int rc = send_piece(r, step, 0, o, buf + r->off[r->rank] + o, m, deadline, err, errlen);
+        if (rc)
+            return rc;
+        deadline = now_secs() + patience;
+    }
+    for (int k = 0; k < r->K; k++) {
+        int c = recv_chunk(r, k);
+        len = chunk_len(r, c);
+        const float *in = slot(r, step, k);
+        float *own = buf + r->off[c];
+        for (size_t o = 0, p = 0; o < len; o += r->piece, p++) {
+            size_t m = len - o < r->piece ? len - o : r->piece;
+            int rc = wait_piece(r, step, k, p, deadline, patience, err, errlen);
+            if (rc)
+                return rc;
+            if (k < r->n - 1)
+                for (size_t i = 0; i < m; i++) /* the left partial sum + this worker's */
+                    own[o + i] = in[o + i] + own[o + i];
+            else
+                memcpy(own + o, in + o, m * 4);
+            if (k + 1 < r->K && (rc = send_piece(r, step, k + 1, o, own + o, m,
+                                                 now_secs() + patience, err, errlen)) != 0)
+                return rc;
+            deadline = now_secs() + patience;
+        }
+    }
+    atomic_fetch_add(&r->allreduces, 1);
+    return 0;
+}
+
+/* ---- state, status ---- */
+
+void ring_publish(ring *r, void *body, size_t len)
+{
+    pthread_mutex_lock(&r->mu);
+    void *old = r->state;
+    r->state = body;
+    r->state_len = len;
+    pthread_mutex_unlock(&r->mu);
+    /* a response may still point into the old body: keep it out of reach
+     * only when nothing was published before (the one use: once at start) */
+    free(old);
+}
+
+typedef struct grow {
+    char *p;
+    size_t len, cap;
+} grow;
+
+static size_t on_grow(char *p, size_t size, size_t n, void *ctx)
+{
+    grow *g = ctx;
+    size_t len = size * n;
+    if (g->len + len > g->cap) {
+        size_t cap = g->cap ? g->cap : 1 << 16;
+        while (cap < g->len + len)
+            cap *= 2;
+        char *q = realloc(g->p, cap);
+        if (!q)
+            return 0;
+        g->p = q;
+        g->cap = cap;
+    }
+    memcpy(g->p + g->len, p, len);
+    g->len += len;
+    return len;
+}
+
+int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *len, char *err,
+                     size_t errlen)
+{
+    CURL *h = curl_easy_init();
+    if (!h) {
+        seterr(err, errlen, "out of memory");
+        return -1;
+    }
+    char url[PEER_MAX + 40];
+    snprintf(url, sizeof(url), "http://%s/v1/ring/state", r->peer[from]);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(wait_secs * 1000) + 60000);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_grow);
+    double deadline = now_secs() + wait_secs, said = now_secs();
+    int rc = -1;
+    for (;;) {
+        grow g = {0};
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, &g);
+        CURLcode cc = curl_easy_perform(h);
+        long status = 0;
+        if (cc == CURLE_OK)
+            curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+        if (cc == CURLE_OK && status == 200) {
+            *body = g.p;
+            *len = g.len;
+            rc = 0;
+            break;
+        }
+        free(g.p);
+        if (r->abort && r->abort()) {
+            rc = -2;
+            break;
+        }
+        if (now_secs() > deadline) {
+            if (cc != CURLE_OK)
+                seterr(err, errlen, "cannot reach the chief, worker %d (%s), for %.0f s: %s", from,
+                       r->peer[from], wait_secs, curl_easy_strerror(cc));
+            else
+                seterr(err, errlen, "the chief, worker %d (%s), answers HTTP %ld to %s", from, r->peer[from],
+                       status, url);
+            break;
+        }
+        if (now_secs() - said > 5) {
+            printf("%s: waiting for the chief (%s) to publish the parameters\n", r->name, r->peer[from]);
+            fflush(stdout);
+            said = now_secs();
+        }
+        sleep_ms(200);
+    }
+    curl_easy_cleanup(h);
+    return rc;
+}
+
+void ring_set_info(ring *r, const ring_info *info)
+{
+    pthread_mutex_lock(&r->mu);
+    r->info = *info;
+    snprintf(r->optimizer, sizeof(r->optimizer), "%s", info->optimizer ? info->optimizer : "");
+    r->info.optimizer = info->optimizer ? r->optimizer : NULL;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void ring_set_progress(ring *r, int64_t global_step, double loss)
+{
+    pthread_mutex_lock(&r->mu);
+    r->global_step = global_step;
+    r->loss = loss;
+    r->has_loss = !isnan(loss);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void ring_set_checkpoint(ring *r, int64_t step, const char *path)
+{
+    pthread_mutex_lock(&r->mu);
+    r->ckpt_step = step;
+    snprintf(r->ckpt_path, sizeof(r->ckpt_path), "%s", path);
+    pthread_mutex_unlock(&r->mu);
+}
+
+uint64_t ring_bytes_sent(const ring *r) { return atomic_load(&r->bytes_sent); }
+int64_t ring_allreduces(const ring *r) { return atomic_load(&r->allreduces); }
+const char *ring_peer(const ring *r, int i) { return r->peer[i]; }
+
+/* ---- life ---- */
+
+static int is_loopback(const char *host)
+{
+    return strcmp(host, "localhost") == 0 || strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0;
+}
+
+ring *ring_new(const ring_options *o, char *err, size_t errlen)
+{
+    if (o->n < 1 || o->rank < 0 || o->rank >= o->n || o->n_floats < (size_t)o->n) {
+        seterr(err, errlen, "a ring of %d workers cannot all-reduce %zu floats", o->n, o->n_floats);
+        return NULL;
+    }
+    ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        seterr(err, errlen, "out of memory");
+        return NULL;
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&r->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    clock_gettime(CLOCK_MONOTONIC, &r->started);
+    r->n = o->n;
+    r->rank = o->rank;
+    r->K = 2 * (o->n - 1);
+    r->n_floats = o->n_floats;
+    r->piece = o->piece_bytes / 4 ? o->piece_bytes / 4 : 1;
+    r->timeout = o->timeout_secs;
+    r->abort = o->abort;
+    snprintf(r->name, sizeof(r->name), "%s", o->name ? o->name : "ring");
+    r->peer = calloc((size_t)o->n, sizeof(*r->peer));
+    r->off = calloc((size_t)o->n + 1, sizeof(size_t));
+    if (!r->peer || !r->off)
+        goto oom;
+    for (int i = 0; i < o->n; i++)
+        snprintf(r->peer[i], PEER_MAX, strchr(o->peers[i].host, ':') ? "[%s]:%d" : "%s:%d",
+                 o->peers[i].host, o->peers[i].port);
+    snprintf(r->right_url, sizeof(r->right_url), "http://%s", r->peer[mod(o->rank + 1, o->n)]);
+    for (int c = 0; c <= o->n; c++)
+        r->off[c] = (size_t)((unsigned __int128)o->n_floats * (unsigned)c / (unsigned)o->n);
+    for (int c = 0; c < o->n; c++)
+        if (chunk_len(r, c) > r->chunk_max)
+            r->chunk_max = chunk_len(r, c);
+    r->pieces_max = (r->chunk_max + r->piece - 1) / r->piece;
+    if (r->K) {
+        size_t slots = 2 * (size_t)r->K;
+        r->slots = malloc(slots * r->chunk_max * sizeof(float));
+        r->piece_step = malloc(slots * r->pieces_max * sizeof(int64_t));
+        if (!r->slots || !r->piece_step)
+            goto oom;
+        for (size_t i = 0; i < slots * r->pieces_max; i++)
+            r->piece_step[i] = -1;
+    }
+    if (!(r->curl = curl_easy_init()))
+        goto oom;
+    r->hdrs = curl_slist_append(NULL, "Content-Type: application/octet-stream");
+    r->hdrs = curl_slist_append(r->hdrs, "Expect:"); /* no 100-continue round trip */
+    curl_easy_setopt(r->curl, CURLOPT_HTTPHEADER, r->hdrs);
+    curl_easy_setopt(r->curl, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(r->curl, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(r->curl, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(r->curl, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+    curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS, (long)(o->timeout_secs * 1000) + 1000);
+    curl_easy_setopt(r->curl, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(r->curl, CURLOPT_WRITEDATA, r);
+
+    const cluster_addr *self = &o->peers[o->rank];
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)self->port);
+    sa.sin_addr.s_addr = htonl(is_loopback(self->host) ? INADDR_LOOPBACK : INADDR_ANY);
+    r->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
+                                MHD_USE_ERROR_LOG,
+                            (uint16_t)self->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, &sa,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
+                            MHD_OPTION_CONNECTION_TIMEOUT, 120u,
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024), MHD_OPTION_END);
+    if (!r->d) {
+        seterr(err, errlen, "cannot serve the ring endpoint on %s (port %d): %s", r->peer[o->rank],
+               self->port, errno ? strerror(errno) : "libmicrohttpd failed to start");
+        ring_free(r);
+        return NULL;
+    }
+    return r;
+oom:
+    seterr(err, errlen, "out of memory for a ring of %d workers and %zu floats", o->n, o->n_floats);
+    ring_free(r);
+    return NULL;
+}
+
+void ring_free(ring *r)
+{
+    if (!r)
+        return;
+    if (r->d) {
+        /* the left neighbour's last piece was marked before its answer went
+         * out: let the answer go (else it sees an error and waits to retry) */
+        for (int i = 0; i < 200 && atomic_load(&r->uploads) > 0; i++)
+            sleep_ms(10);
+        MHD_stop_daemon(r->d);
+    }
+    if (r->curl)
+        curl_easy_cleanup(r->curl);
+    curl_slist_free_all(r->hdrs);
+    free(r->slots);
+    free(r->piece_step);
+    free(r->peer);
+    free(r->off);
+    free(r->state);
+    pthread_cond_destroy(&r->cv);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}

@@ -1,0 +1,84 @@
+/* ring.h - ring all-reduce between workers over HTTP, with no ps.
+ *
+ * Every worker serves a small libmicrohttpd endpoint on its own address and
+ * pushes pieces of the buffer to its right neighbour (rank + 1 mod N) with
+ * libcurl. One all-reduce sums a float buffer over the N workers in place:
+ * the buffer is split into N chunks; a reduce-scatter (N-1 steps: receive a
+ * chunk from the left, add it to one's own, pass it on) leaves each worker
+ * with one fully summed chunk, an all-gather (N-1 steps: receive, copy, pass
+ * on) hands the sums round. Chunks travel in pieces (--ring_piece_bytes), and
+ * a piece is passed on as soon as it is added, so sending and receiving
+ * overlap. Each chunk is summed along one path in one order, and everyone
+ * copies the result, so all workers end with bit-identical buffers. Each
+ * worker sends 2(N-1)/N of the buffer per all-reduce, whatever N is.
+ *
+ * The receive side: a slot per (step parity, ring step, piece) that the HTTP
+ * thread fills and marks with the training step; the caller waits on a
+ * condition variable for it, up to a timeout (a dead or stuck neighbour).
+ *
+ * Routes (every worker):
+ *   POST /v1/ring/chunk?step=S&k=K&offset=O&from=R&n=N&floats=F
+ *        one piece, raw little-endian float32; 204; 400/404/409/411/413 with
+ *        {"error": ...} for a piece this worker does not expect
+ *   GET  /v1/ring/state   what ring_publish set (the chief's parameters, a
+ *        safetensors body); 503 until then
+ *   GET  /v1/status, /healthz, and the monitoring page (/, /app.js, /style.css) */
+#ifndef RESTPS_RING_H
+#define RESTPS_RING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cluster.h"
+
+typedef struct ring ring;
+
+typedef struct ring_options {
+    const cluster_addr *peers; /* the ring in rank order; peers[rank] is this worker */
+    int n, rank;
+    size_t n_floats;           /* the length of every buffer all-reduced */
+    size_t piece_bytes;        /* a chunk travels in pieces of at most this (rounded to floats) */
+    double timeout_secs;       /* wait this long for the left neighbour (or to reach the right) */
+    const char *name;          /* "worker 1", for messages */
+    int (*abort)(void);        /* non-zero: stop waiting (a signal); may be NULL */
+} ring_options;
+
+/* Start this worker's endpoint on peers[rank]'s port (loopback when its host
+ * is localhost or 127.x, else every address). NULL with err. */
+ring *ring_new(const ring_options *o, char *err, size_t errlen);
+void ring_free(ring *r);
+
+/* Sum buf (n_floats) over the ring in place; step tells this all-reduce from
+ * the previous and the next one (every worker passes the same). wait_secs
+ * replaces the timeout for this call when larger (the first one, while the
+ * others start). 0; -1 with err naming the peer (it died, or refused what we
+ * sent); -2 when abort() asked to stop. */
+int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen);
+
+/* Serve body at GET /v1/ring/state from now on (ring takes the malloc'd body). */
+void ring_publish(ring *r, void *body, size_t len);
+/* GET /v1/ring/state from peer `from`, retrying while it is not up or has not
+ * published yet, for up to wait_secs. 0 with *body (malloc'd) and *len; -1 with err. */
+int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *len, char *err,
+                     size_t errlen);
+
+/* What /v1/status says. */
+typedef struct ring_info {
+    const char *task_type; /* "chief" or "worker" */
+    int task_index;
+    const char *optimizer;
+    double learning_rate;
+    int64_t train_steps;
+} ring_info;
+void ring_set_info(ring *r, const ring_info *info);
+/* loss NAN: none yet */
+void ring_set_progress(ring *r, int64_t global_step, double loss);
+void ring_set_checkpoint(ring *r, int64_t step, const char *path);
+
+/* Body bytes this worker sent, and all-reduces done. */
+uint64_t ring_bytes_sent(const ring *r);
+int64_t ring_allreduces(const ring *r);
+/* "host:port" of peer i, for messages. */
+const char *ring_peer(const ring *r, int i);
+
+#endif

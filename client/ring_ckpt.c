@@ -1,0 +1,362 @@
+/* ring_ckpt.c - the ring mode's training state as safetensors: the body the
+ * chief broadcasts at start and the checkpoints it writes. See ring_ckpt.h. */
+#include "ring_ckpt.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <time.h>
+
+#include "crc32c.h"
+#include "safetensors.h"
+
+#define PREFIX "model.ckpt-"
+#define SUFFIX ".safetensors"
+
+static const char *const slot_names[OPTIM_KINDS][2] = {
+    {NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}, {"adagrad", NULL},
+    {"rmsprop_ms", "rmsprop_mom"}};
+
+static void layers_string(const mlp_layout *L, char *out, size_t cap)
+{
+    out[0] = '\0';
+    for (int l = 0; l <= L->n_layers; l++) {
+        size_t k = strlen(out);
+        snprintf(out + k, cap - k, "%s%d", l ? "," : "", L->dims[l]);
+    }
+}
+
+/* The tensors in body order and the data's pieces. */
+typedef struct plan {
+    st_desc d[3 * MLP_MAX_TENSORS];
+    char names[3 * MLP_MAX_TENSORS][MLP_NAME_MAX + 16];
+    int n;
+    st_part parts[3];
+    int n_parts;
+    char step_s[32], layers[128], workers_s[16], when[32], crc_s[16];
+    const char *meta[12];
+} plan;
+
+static void make_plan(const ring_state *s, plan *p)
+{
+    const mlp_layout *L = s->layout;
+    int ns = optim_slots(s->optimizer);
+    float *bufs[3] = {s->params, s->slot0, s->slot1};
+    p->n = 0;
+    p->n_parts = 0;
+    uint32_t crc = 0;
+    for (int j = 0; j <= ns; j++) {
+        for (int t = 0; t < L->n_tensors; t++) {
+            if (j == 0)
+                snprintf(p->names[p->n], sizeof(p->names[0]), "%s", L->tensors[t].name);
+            else
+                snprintf(p->names[p->n], sizeof(p->names[0]), "%s:%s", L->tensors[t].name,
+                         slot_names[s->optimizer][j - 1]);
+            p->d[p->n] = (st_desc){p->names[p->n], "F32", &L->tensors[t].shape};
+            p->n++;
+        }
+        p->parts[p->n_parts++] = (st_part){bufs[j], L->n_params * 4};
+        crc = crc32c_update(crc, bufs[j], L->n_params * 4);
+    }
+    snprintf(p->step_s, sizeof(p->step_s), "%lld", (long long)s->step);
+    layers_string(L, p->layers, sizeof(p->layers));
+    snprintf(p->workers_s, sizeof(p->workers_s), "%d", s->workers);
+    time_t now = time(NULL);
+    struct tm tmv;
+    gmtime_r(&now, &tmv);
+    strftime(p->when, sizeof(p->when), "%Y-%m-%dT%H:%M:%SZ", &tmv);
+    snprintf(p->crc_s, sizeof(p->crc_s), "%08x", crc);
+    const char *meta[] = {"format", RING_CKPT_FORMAT, "format_version", "1", "global_step", p->step_s,
+                          "optimizer", optim_name(s->optimizer), "layers", p->layers,
+                          "workers", p->workers_s};
+    memcpy(p->meta, meta, sizeof(meta));
+}
+
+int ring_state_encode(const ring_state *s, void **out, size_t *len, char *err, size_t errlen)
+{
+    plan *p = malloc(sizeof(*p));
+    if (!p) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    make_plan(s, p);
+    const char *meta[16];
+    memcpy(meta, p->meta, sizeof(p->meta));
+    meta[12] = "crc32c";
+    meta[13] = p->crc_s;
+    char *head;
+    size_t head_len;
+    if (st_header_build(p->d, p->n, meta, 7, &head, &head_len, err, errlen) != 0) {
+        free(p);
+        return -1;
+    }
+    size_t total = head_len;
+    for (int i = 0; i < p->n_parts; i++)
+        total += p->parts[i].len;
+    char *b = realloc(head, total);
+    if (!b) {
+        free(head);
+        free(p);
+        snprintf(err, errlen, "out of memory for a state of %zu bytes", total);
+        return -1;
+    }
+    size_t at = head_len;
+    for (int i = 0; i < p->n_parts; i++) {
+        memcpy(b + at, p->parts[i].data, p->parts[i].len);
+        at += p->parts[i].len;
+    }
+    free(p);
+    *out = b;
+    *len = total;
+    return 0;
+}
+
+int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, size_t errlen)
+{
+    st_file f;
+    char e2[300];
+    if (st_parse(buf, len, &f, e2, sizeof(e2)) != 0) {
+        snprintf(err, errlen, "%s", e2);
+        return -1;
+    }
+    const mlp_layout *L = s->layout;
+    int rc = -1, ns = optim_slots(s->optimizer);
+    const char *fmt = st_meta_get(&f, "format"), *opt = st_meta_get(&f, "optimizer"),
+               *layers = st_meta_get(&f, "layers"), *step_s = st_meta_get(&f, "global_step"),
+               *crc_s = st_meta_get(&f, "crc32c"), *workers_s = st_meta_get(&f, "workers");
+    char mine[128];
+    layers_string(L, mine, sizeof(mine));
+    if (!fmt || strcmp(fmt, RING_CKPT_FORMAT) != 0 || !opt || !layers || !step_s || !crc_s) {
+        snprintf(err, errlen, "not a %s body (format, optimizer, layers, global_step or crc32c missing)",
+                 RING_CKPT_FORMAT);
+        goto out;
+    }
+    if (strcmp(layers, mine) != 0 || strcmp(opt, optim_name(s->optimizer)) != 0) {
+        snprintf(err, errlen, "it holds a %s model trained with %s; this job: %s with %s", layers, opt, mine,
+                 optim_name(s->optimizer));
+        rc = -3;
+        goto out;
+    }
+    const uint8_t *data = (const uint8_t *)buf + f.data_start;
+    uint32_t crc = crc32c(data, f.data_len);
+    char *end;
+    unsigned long want = strtoul(crc_s, &end, 16);
+    if (*end || (uint32_t)want != crc) {
+        snprintf(err, errlen, "the data's CRC-32C is %08x, the header says %s", crc, crc_s);
+        goto out;
+    }
+    errno = 0;
+    long long step = strtoll(step_s, &end, 10);
+    if (*end || errno || step < 0) {
+        snprintf(err, errlen, "global_step '%s' is not a step", step_s);
+        goto out;
+    }
+    if (f.n_tensors != (ns + 1) * L->n_tensors) {
+        snprintf(err, errlen, "%d tensors, the model and its %s slots need %d", f.n_tensors,
+                 optim_name(s->optimizer), (ns + 1) * L->n_tensors);
+        goto out;
+    }
+    float *bufs[3] = {s->params, s->slot0, s->slot1};
+    for (int j = 0; j <= ns; j++)
+        for (int t = 0; t < L->n_tensors; t++) {
+            char name[MLP_NAME_MAX + 16];
+            if (j == 0)
+                snprintf(name, sizeof(name), "%s", L->tensors[t].name);
+            else
+                snprintf(name, sizeof(name), "%s:%s", L->tensors[t].name, slot_names[s->optimizer][j - 1]);
+            int i = st_find(&f, name);
+            if (i < 0 || strcmp(f.tensors[i].dtype, "F32") != 0 ||
+                !tensor_shape_equal(&f.tensors[i].shape, &L->tensors[t].shape)) {
+                snprintf(err, errlen, "tensor '%s' is missing or not F32 of the model's shape", name);
+                goto out;
+            }
+            memcpy(bufs[j] + L->tensors[t].offset, data + f.tensors[i].begin, L->tensors[t].numel * 4);
+        }
+    s->step = step;
+    s->workers = workers_s ? atoi(workers_s) : 0;
+    rc = 0;
+out:
+    st_file_free(&f);
+    return rc;
+}
+
+static int mkdirs(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof(p), "%s", dir);
+    for (char *q = p + 1; *q; q++)
+        if (*q == '/') {
+            *q = '\0';
+            if (mkdir(p, 0755) != 0 && errno != EEXIST)
+                return -1;
+            *q = '/';
+        }
+    return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* The step in "model.ckpt-<step>.safetensors", or -1. */
+static int64_t step_of(const char *name)
+{
+    size_t n = strlen(name), lp = strlen(PREFIX), ls = strlen(SUFFIX);
+    if (n <= lp + ls || strncmp(name, PREFIX, lp) != 0 || strcmp(name + n - ls, SUFFIX) != 0)
+        return -1;
+    int64_t v = 0;
+    for (size_t i = lp; i < n - ls; i++) {
+        if (name[i] < '0' || name[i] > '9' || v > INT64_MAX / 10 - 9)
+            return -1;
+        v = v * 10 + (name[i] - '0');
+    }
+    return v;
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* The steps of the checkpoints in dir, newest first; -1 when unreadable
+ * (a missing folder has none). */
+static int list_steps(const char *dir, int64_t **out, int *n)
+{
+    *out = NULL;
+    *n = 0;
+    DIR *d = opendir(dir);
+    if (!d)
+        return errno == ENOENT ? 0 : -1;
+    int cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t s = step_of(e->d_name);
+        if (s < 0)
+            continue;
+        if (*n == cap) {
+            cap = cap ? cap * 2 : 16;
+            int64_t *v = realloc(*out, sizeof(int64_t) * (size_t)cap);
+            if (!v) {
+                closedir(d);
+                return -1;
+            }
+            *out = v;
+        }
+        (*out)[(*n)++] = s;
+    }
+    closedir(d);
+    if (*n > 1)
+        qsort(*out, (size_t)*n, sizeof(int64_t), cmp_desc);
+    return 0;
+}
+
+int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, size_t cap,
+                    char *err, size_t errlen)
+{
+    if (mkdirs(dir) != 0) {
+        snprintf(err, errlen, "cannot create '%s': %s", dir, strerror(errno));
+        return -1;
+    }
+    plan *p = malloc(sizeof(*p));
+    if (!p) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    make_plan(s, p);
+    const char *meta[16];
+    memcpy(meta, p->meta, sizeof(p->meta));
+    meta[12] = "saved_at";
+    meta[13] = p->when;
+    meta[14] = "crc32c";
+    meta[15] = p->crc_s;
+    snprintf(path, cap, "%s/" PREFIX "%lld" SUFFIX, dir, (long long)s->step);
+    int rc = st_write_file_parts(path, p->d, p->n, meta, 8, p->parts, p->n_parts, NULL, NULL, err, errlen);
+    free(p);
+    if (rc != 0)
+        return -1;
+    int64_t *steps;
+    int n;
+    if (keep > 0 && list_steps(dir, &steps, &n) == 0) {
+        for (int i = keep; i < n; i++) {
+            char old[4200];
+            snprintf(old, sizeof(old), "%s/" PREFIX "%lld" SUFFIX, dir, (long long)steps[i]);
+            unlink(old);
+        }
+        free(steps);
+    }
+    return 0;
+}
+
+static int read_all(const char *path, void **out, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return -1;
+    char *b = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            cap = cap ? cap * 2 : 1 << 20;
+            char *q = realloc(b, cap);
+            if (!q) {
+                free(b);
+                fclose(f);
+                errno = ENOMEM;
+                return -1;
+            }
+            b = q;
+        }
+        size_t k = fread(b + n, 1, cap - n, f);
+        n += k;
+        if (k == 0)
+            break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(b);
+        errno = EIO;
+        return -1;
+    }
+    *out = b;
+    *len = n;
+    return 0;
+}
+
+int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, char *err,
+                      size_t errlen)
+{
+    int64_t *steps;
+    int n;
+    if (list_steps(dir, &steps, &n) != 0) {
+        snprintf(err, errlen, "cannot read '%s': %s", dir, strerror(errno));
+        return -1;
+    }
+    int rc = 0;
+    for (int i = 0; i < n; i++) {
+        snprintf(path, cap, "%s/" PREFIX "%lld" SUFFIX, dir, (long long)steps[i]);
+        void *b;
+        size_t len;
+        if (read_all(path, &b, &len) != 0) {
+            fprintf(stderr, "workerd: skipping checkpoint '%s': %s\n", path, strerror(errno));
+            continue;
+        }
+        char e2[400];
+        int d = ring_state_decode(b, len, s, e2, sizeof(e2));
+        free(b);
+        if (d == 0) {
+            rc = 1;
+            break;
+        }
+        if (d == -3) {
+            snprintf(err, errlen, "checkpoint '%s': %s: start with the same flags, or another --logdir",
+                     path, e2);
+            rc = -1;
+            break;
+        }
+        fprintf(stderr, "workerd: skipping checkpoint '%s': %s\n", path, e2);
+    }
+    free(steps);
+    return rc;
+}

@@ -1,0 +1,277 @@
+/* ring_train.c - workerd --allreduce=ring: the training tasks as peers in a
+ * ring, no ps. The chief (the chief task, else worker 0) initializes the
+ * parameters, or restores them with the optimizer's slots from its newest
+ * checkpoint in --logdir, and publishes them; the others fetch them. Each
+ * step every task computes the gradient of its own batch (the same batches
+ * as ps sync mode: batch number = global step), the ring sums the gradients
+ * (and the losses, one float appended), and every task applies the average
+ * with the same optimizer, so all replicas stay bit-identical. The chief
+ * serves /v1/status and the monitoring page, writes a checkpoint every
+ * --save_checkpoint_secs, at the end, on a stop and when the ring breaks, and
+ * exports the model at the end. */
+#include "train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "crc32c.h"
+#include "progress.h"
+#include "ring.h"
+#include "ring_ckpt.h"
+
+#define RING_START_SECS 120.0 /* the first exchange waits this long for everyone to start */
+#define RING_KEEP_CKPTS 5
+
+static double now_secs(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+/* Write a checkpoint of st (the chief); 0 or -1 after a message. */
+static int save(const train_config *c, ring *r, const ring_state *st)
+{
+    char path[4200], err[512];
+    if (ring_ckpt_write(c->logdir, st, RING_KEEP_CKPTS, path, sizeof(path), err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: checkpoint: %s\n", err);
+        return -1;
+    }
+    ring_set_checkpoint(r, st->step, path);
+    printf("%s: wrote checkpoint %s (global step %lld)\n", c->name, path, (long long)st->step);
+    fflush(stdout);
+    return 0;
+}
+
+int train_ring(const train_config *c)
+{
+    idx_dataset ds;
+    int rc = train_load(c, &ds);
+    if (rc)
+        return rc;
+    char err[512];
+    const mlp_layout *L = &c->layout;
+    size_t np = L->n_params;
+    mlp *m = mlp_new(mlp_device_backend(), L, c->batch_size, err, sizeof(err));
+    /* the gradient buffer carries the loss after the gradients: the ring sums both */
+    float *params = calloc(np, sizeof(float)), *grads = calloc(np + 1, sizeof(float));
+    float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
+    float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
+    uint8_t *y = malloc((size_t)c->batch_size);
+    batcher b = {0};
+    ring *r = NULL;
+    rc = 1;
+    if (!m || !params || !grads || !s0 || !s1 || !x || !y ||
+        batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
+        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
+        goto out;
+    }
+
+    /* the ring: the chief task (when there is one), then the workers */
+    const cluster_spec *cs = c->cluster;
+    int has_chief = cs->jobs[JOB_CHIEF].n > 0, n = c->n_trainers;
+    cluster_addr *peers = calloc((size_t)n, sizeof(*peers));
+    if (!peers) {
+        fprintf(stderr, "workerd: out of memory\n");
+        goto out;
+    }
+    if (has_chief)
+        peers[0] = cs->jobs[JOB_CHIEF].tasks[0];
+    for (int i = 0; i < cs->jobs[JOB_WORKER].n; i++)
+        peers[i + has_chief] = cs->jobs[JOB_WORKER].tasks[i];
+    ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = np + 1,
+                       .piece_bytes = c->ring_piece_bytes, .timeout_secs = c->ring_timeout_secs,
+                       .name = c->name, .abort = train_stop_requested};
+    r = ring_new(&ro, err, sizeof(err));
+    free(peers);
+    if (!r) {
+        fprintf(stderr, "workerd: ring: %s\n", err);
+        goto out;
+    }
+    int chief = c->trainer == 0;
+    ring_info info = {.task_type = cluster_job_name(cs->job), .task_index = cs->task_index,
+                      .optimizer = optim_name(c->optim.kind),
+                      .learning_rate = c->optim.learning_rate, .train_steps = c->train_steps};
+    ring_set_info(r, &info);
+
+    /* the start: the chief's parameters and slots on every task */
+    ring_state st = {.layout = L, .optimizer = c->optim.kind, .params = params, .slot0 = s0,
+                     .slot1 = s1, .step = 0, .workers = n};
+    if (chief) {
+        char path[4200];
+        int got = c->logdir && *c->logdir
+                      ? ring_ckpt_restore(c->logdir, &st, path, sizeof(path), err, sizeof(err))
+                      : 0;
+        if (got < 0) {
+            fprintf(stderr, "workerd: %s\n", err);
+            rc = 2;
+            goto out;
+        }
+        if (got) {
+            printf("%s: restored global step %lld from %s (written by a ring of %d)\n", c->name,
+                   (long long)st.step, path, st.workers);
+            ring_set_checkpoint(r, st.step, path);
+        } else {
+            mlp_init_params(L, params, c->seed);
+        }
+        st.workers = n;
+        void *body;
+        size_t len;
+        if (ring_state_encode(&st, &body, &len, err, sizeof(err)) != 0) {
+            fprintf(stderr, "workerd: %s\n", err);
+            goto out;
+        }
+        ring_publish(r, body, len);
+    } else {
+        void *body = NULL;
+        size_t len = 0;
+        int frc = ring_fetch_state(r, 0, RING_START_SECS, &body, &len, err, sizeof(err));
+        if (frc == -2) {
+            printf("%s: stopped by a signal while waiting for the chief\n", c->name);
+            rc = 0;
+            goto out;
+        }
+        if (frc != 0) {
+            fprintf(stderr, "workerd: ring: %s\n", err);
+            goto out;
+        }
+        int drc = ring_state_decode(body, len, &st, err, sizeof(err));
+        free(body);
+        if (drc != 0) {
+            fprintf(stderr, "workerd: the chief's parameters: %s%s\n", err,
+                    drc == -3 ? ": start every task with the same --hidden_units and --optimizer" : "");
+            rc = 2;
+            goto out;
+        }
+        st.workers = n;
+    }
+    int64_t step = st.step;
+    ring_set_progress(r, step, NAN);
+    printf("%s: training ring all-reduce, %s, %d tasks, batch %d, from global step %lld until %lld; "
+           "left %s, right %s; %s\n",
+           c->name, optim_name(c->optim.kind), n, c->batch_size, (long long)step,
+           (long long)c->train_steps, ring_peer(r, (c->trainer + n - 1) % n),
+           ring_peer(r, (c->trainer + 1) % n), mlp_device_describe(c->threads));
+    fflush(stdout);
+
+    double t_start = now_secs(), t_log = t_start, t_saved = t_start, t_comm = 0;
+    int64_t local = 0, ex_since = 0, saved_step = chief && st.step > 0 ? st.step : -1;
+    int stopped = 0, broken = 0;
+    progress bar;
+    progress_init(&bar, c->name, c->train_steps, -1);
+    while (step < c->train_steps) {
+        if (train_stop_requested()) {
+            stopped = 1;
+            break;
+        }
+        batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
+        double loss;
+        if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
+            fprintf(stderr, "workerd: forward/backward failed\n");
+            goto out;
+        }
+        grads[np] = (float)loss;
+        if (c->step_delay_ms > 0) /* test hook: a slow worker */
+            sleep_ms(c->step_delay_ms);
+        double t0 = now_secs();
+        int arc = ring_allreduce(r, step, grads, local == 0 ? RING_START_SECS : 0, err, sizeof(err));
+        t_comm += now_secs() - t0;
+        if (arc == -2) {
+            stopped = 1;
+            break;
+        }
+        if (arc != 0) {
+            progress_clear(&bar);
+            fprintf(stderr, "workerd: %s: ring broken at global step %lld: %s; stopping%s\n", c->name,
+                    (long long)step, err, chief ? " (the last checkpoint is written now)" : "");
+            broken = 1;
+            break;
+        }
+        /* every variable, as the ps applies them: the average of the N gradients */
+        float scale = 1.0f / (float)n;
+        for (int k = 0; k < L->n_tensors; k++) {
+            const mlp_tensor *t = &L->tensors[k];
+            optim_apply(&c->optim, params + t->offset, params + t->offset, grads + t->offset, scale,
+                        s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
+        }
+        double mean_loss = (double)grads[np] / n;
+        step++;
+        local++;
+        ex_since += c->batch_size;
+        ring_set_progress(r, step, mean_loss);
+        if (c->log_param_hash) {
+            printf("%s: global step %lld params crc32c %08x\n", c->name, (long long)step,
+                   crc32c(params, np * 4));
+            fflush(stdout);
+        }
+        progress_update(&bar, step, mean_loss,
+                        (double)(local * c->batch_size) / (now_secs() - t_start));
+        if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
+            double t = now_secs();
+            printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
+                   (long long)local, (long long)step, mean_loss, (double)ex_since / (t - t_log));
+            fflush(stdout);
+            t_log = t;
+            ex_since = 0;
+        }
+        if (chief && c->logdir && *c->logdir && c->save_checkpoint_secs > 0 &&
+            now_secs() - t_saved >= c->save_checkpoint_secs) {
+            st.step = step;
+            if (save(c, r, &st) == 0)
+                saved_step = step;
+            t_saved = now_secs();
+        }
+    }
+    progress_clear(&bar);
+    st.step = step;
+    if (chief && c->logdir && *c->logdir && step != saved_step && step > 0)
+        save(c, r, &st);
+    double secs = now_secs() - t_start;
+    uint64_t sent = ring_bytes_sent(r);
+    int64_t ars = ring_allreduces(r);
+    printf("%s: ring: %lld all-reduces, %llu bytes sent (%.0f per step; 2(N-1)/N x %zu bytes = %.0f), "
+           "%.4f s per step in the all-reduce\n",
+           c->name, (long long)ars, (unsigned long long)sent, ars ? (double)sent / (double)ars : 0.0,
+           (np + 1) * 4, 2.0 * (n - 1) / n * (double)((np + 1) * 4), ars ? t_comm / (double)ars : 0.0);
+    if (broken)
+        goto out;
+    if (stopped) {
+        printf("%s: stopped by a signal after %lld local steps (global step %lld)%s\n", c->name,
+               (long long)local, (long long)step,
+               chief ? "; a restart resumes from the checkpoint" : "");
+        rc = 0;
+        goto out;
+    }
+    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name, (long long)local,
+           secs, secs > 0 ? (double)local / secs : 0.0);
+    fflush(stdout);
+    rc = 0;
+    if (chief) {
+        final_report(c, m, params, &ds, step);
+        if (c->export_path && export_model(c, params, step) != 0)
+            rc = 1;
+    }
+out:
+    fflush(stdout);
+    ring_free(r);
+    free(b.order);
+    mlp_free(m);
+    free(params);
+    free(grads);
+    free(s0);
+    free(s1);
+    free(x);
+    free(y);
+    idx_dataset_free(&ds);
+    return rc;
+}

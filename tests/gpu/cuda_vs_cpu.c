@@ -1,0 +1,248 @@
+/* cuda_vs_cpu.c - the CUDA backend against the CPU reference (mlp_cpu.c) on
+ * fresh random inputs: the loss and every gradient tensor of forward_backward,
+ * and evaluate's loss and accuracy, for several shapes (no hidden layer, the
+ * example's, deep and odd-sized ones, batch below max_batch, evaluation in
+ * uneven chunks), plus exact ties (the first maximum wins) and bad arguments.
+ * Outputs are poisoned with NaN before each run, so an element the backend
+ * does not write shows. Error of a tensor: max |cuda - cpu| / max |cpu|
+ * (the relative error in the max norm); the limit is 1e-4.
+ *
+ * Models with hidden layers get "exact" random inputs: pixels k/4, weights and
+ * biases j/16 (|j| <= 2), so every pre-activation of the forward pass is a sum
+ * of products that FP32 holds exactly, whatever the summation order: the CPU
+ * and the GPU then agree bit for bit on which ReLUs are on. With continuous
+ * inputs a pre-activation within rounding of 0 (about one in a million) may
+ * be on for one and off for the other, and that example's whole gradient
+ * through the unit differs: a real but irrelevant disagreement that would make
+ * the check flaky. The backward pass is then compared with its rounding.
+ * The model without hidden layers gets continuous inputs.
+ *
+ *   cuda_vs_cpu [--seed=N]      exit 0 all agree, 1 a mismatch or a CUDA
+ *                               failure, 77 no CUDA device (skipped; the
+ *                               reason on stdout)
+ *   cuda_vs_cpu --probe         exit 0 when a device is visible, else 77 */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mlp.h"
+#include "rng.h"
+
+#define LIMIT 1e-4
+
+static int failures;
+
+static double rel_err(const float *got, const float *want, size_t n, int *nan_at)
+{
+    double num = 0, den = 0;
+    *nan_at = -1;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(got[i]) || !isfinite(want[i])) {
+            *nan_at = (int)i;
+            return INFINITY;
+        }
+        double d = fabs((double)got[i] - (double)want[i]);
+        num = d > num ? d : num;
+        den = fabs((double)want[i]) > den ? fabs((double)want[i]) : den;
+    }
+    return den > 0 ? num / den : num;
+}
+
+static void fill_poison(float *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = NAN;
+}
+
+static void report(const char *what, const char *tensor, double err, int nan_at)
+{
+    int bad = !(err <= LIMIT);
+    if (bad)
+        failures++;
+    if (nan_at >= 0)
+        printf("  %-4s %-28s %-8s element %d is not finite (unwritten?)\n", bad ? "FAIL" : "ok", what,
+               tensor, nan_at);
+    else
+        printf("  %-4s %-28s %-8s rel err %.2e\n", bad ? "FAIL" : "ok", what, tensor, err);
+}
+
+/* One shape: forward_backward at batch B (max_batch mb) and evaluate over
+ * n_eval examples; zero_weights gives all-equal logits (ties). */
+/* A random input value: continuous in [0, 1) with a quarter exact zeros, or
+ * exact (k/4). */
+static float rand_x(uint64_t *st, int exact)
+{
+    if (exact)
+        return (float)rng_below(st, 5) / 4.0f;
+    return rng_below(st, 4) == 0 ? 0.0f : (float)rng_uniform_open0(st);
+}
+
+static void compare(const char *what, int n_in, const int *hidden, int n_hidden, int n_out, int mb,
+                    int B, int n_eval, uint64_t seed, int zero_weights)
+{
+    char err[512];
+    mlp_layout ly;
+    if (mlp_layout_init(&ly, n_in, hidden, n_hidden, n_out, err, sizeof(err)) != 0) {
+        printf("  FAIL %s: layout: %s\n", what, err);
+        failures++;
+        return;
+    }
+    size_t P = ly.n_params;
+    int64_t nx = n_eval > B ? n_eval : B;
+    float *params = malloc(P * sizeof(float)), *g_cpu = malloc(P * sizeof(float)),
+          *g_gpu = malloc(P * sizeof(float)), *x = malloc((size_t)nx * n_in * sizeof(float));
+    uint8_t *y = malloc((size_t)nx);
+    mlp *mc = mlp_new(&mlp_backend_cpu, &ly, mb, err, sizeof(err));
+    mlp *mg = mc ? mlp_new(&mlp_backend_cuda, &ly, mb, err, sizeof(err)) : NULL;
+    if (!params || !g_cpu || !g_gpu || !x || !y || !mc || !mg) {
+        printf("  FAIL %s: %s\n", what, mc ? err : "out of memory");
+        failures++;
+        goto out;
+    }
+    uint64_t st = rng_stream(seed, 1000);
+    const int exact = n_hidden > 0;
+    mlp_init_params(&ly, params, seed);
+    for (int i = 0; i < ly.n_tensors; i++) {
+        const mlp_tensor *t = &ly.tensors[i];
+        for (size_t k = 0; k < t->numel; k++)
+            if (zero_weights)
+                params[t->offset + k] = 0.0f;
+            else if (exact)
+                params[t->offset + k] = (float)((int)rng_below(&st, 5) - 2) / 16.0f;
+            else if (t->shape.ndim == 1) /* non-zero biases, so the bias paths show */
+                params[t->offset + k] = (float)(0.1 * rng_normal(&st));
+    }
+    for (int64_t k = 0; k < nx * n_in; k++) /* like pixels in [0, 1], some exactly 0 */
+        x[k] = rand_x(&st, exact);
+    for (int64_t k = 0; k < nx; k++)
+        y[k] = (uint8_t)rng_below(&st, (uint64_t)n_out);
+
+    double l_cpu = NAN, l_gpu = NAN;
+    fill_poison(g_cpu, P);
+    fill_poison(g_gpu, P);
+    int rc_c = mlp_forward_backward(mc, params, x, y, B, g_cpu, &l_cpu);
+    int rc_g = mlp_forward_backward(mg, params, x, y, B, g_gpu, &l_gpu);
+    if (rc_c != 0 || rc_g != 0) {
+        printf("  FAIL %s: forward_backward returned cpu %d, cuda %d\n", what, rc_c, rc_g);
+        failures++;
+        goto out;
+    }
+    float lc = (float)l_cpu, lg = (float)l_gpu;
+    int nan_at;
+    double e = rel_err(&lg, &lc, 1, &nan_at); /* before nan_at is read */
+    report(what, "loss", e, nan_at);
+    for (int i = 0; i < ly.n_tensors; i++) {
+        const mlp_tensor *t = &ly.tensors[i];
+        e = rel_err(g_gpu + t->offset, g_cpu + t->offset, t->numel, &nan_at);
+        report(what, t->name, e, nan_at);
+    }
+    /* a second step with other inputs on the same instances: nothing stale */
+    for (int64_t k = 0; k < (int64_t)B * n_in; k++)
+        x[k] = rand_x(&st, exact);
+    fill_poison(g_cpu, P);
+    fill_poison(g_gpu, P);
+    rc_c = mlp_forward_backward(mc, params, x, y, B, g_cpu, &l_cpu);
+    rc_g = mlp_forward_backward(mg, params, x, y, B, g_gpu, &l_gpu);
+    if (rc_c != 0 || rc_g != 0) {
+        printf("  FAIL %s: second forward_backward returned cpu %d, cuda %d\n", what, rc_c, rc_g);
+        failures++;
+        goto out;
+    }
+    double worst = 0;
+    int any_nan = -1;
+    for (int i = 0; i < ly.n_tensors; i++) {
+        const mlp_tensor *t = &ly.tensors[i];
+        e = rel_err(g_gpu + t->offset, g_cpu + t->offset, t->numel, &nan_at);
+        worst = e > worst ? e : worst;
+        any_nan = any_nan >= 0 ? any_nan : nan_at;
+    }
+    report(what, "step 2", worst, any_nan);
+
+    double el_c = NAN, ea_c = NAN, el_g = NAN, ea_g = NAN;
+    rc_c = mlp_evaluate(mc, params, x, y, n_eval, &el_c, &ea_c);
+    rc_g = mlp_evaluate(mg, params, x, y, n_eval, &el_g, &ea_g);
+    if (rc_c != 0 || rc_g != 0) {
+        printf("  FAIL %s: evaluate returned cpu %d, cuda %d\n", what, rc_c, rc_g);
+        failures++;
+        goto out;
+    }
+    lc = (float)el_c;
+    lg = (float)el_g;
+    e = rel_err(&lg, &lc, 1, &nan_at);
+    report(what, "eval.loss", e, nan_at);
+    /* accuracy: an argmax may flip where two logits are within rounding (the
+     * logits of a deep model may round); all-equal logits must not differ */
+    int acc_bad = !(fabs(ea_g - ea_c) <= (zero_weights ? 0.0 : 2.0 / n_eval));
+    if (acc_bad)
+        failures++;
+    printf("  %-4s %-28s %-8s cpu %.6f cuda %.6f\n", acc_bad ? "FAIL" : "ok", what, "eval.acc", ea_c,
+           ea_g);
+    if (zero_weights) { /* all logits equal: class 0 wins, on both */
+        int64_t zeros = 0;
+        for (int64_t k = 0; k < n_eval; k++)
+            zeros += y[k] == 0;
+        int tie_bad = fabs(ea_g - (double)zeros / n_eval) > 1e-12;
+        failures += tie_bad;
+        printf("  %-4s %-28s %-8s first maximum wins: want %.6f, cuda %.6f\n", tie_bad ? "FAIL" : "ok",
+               what, "ties", (double)zeros / n_eval, ea_g);
+    }
+    /* bad arguments: refused, as the CPU refuses them */
+    y[0] = (uint8_t)n_out;
+    int r1 = mlp_forward_backward(mg, params, x, y, B, g_gpu, &l_gpu);
+    int r2 = mlp_forward_backward(mg, params, x, y, mb + 1, g_gpu, &l_gpu);
+    int r3 = mlp_evaluate(mg, params, x, y, n_eval, &el_g, &ea_g);
+    if (r1 >= 0 || r2 >= 0 || r3 >= 0) {
+        printf("  FAIL %s: a label >= n_out or batch > max_batch was accepted (%d %d %d)\n", what,
+               r1, r2, r3);
+        failures++;
+    }
+out:
+    mlp_free(mc);
+    mlp_free(mg);
+    free(params);
+    free(g_cpu);
+    free(g_gpu);
+    free(x);
+    free(y);
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t seed = (uint64_t)time(NULL);
+    int probe = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--probe") == 0)
+            probe = 1;
+        else if (strncmp(argv[i], "--seed=", 7) == 0)
+            seed = strtoull(argv[i] + 7, NULL, 10);
+        else {
+            fprintf(stderr, "usage: cuda_vs_cpu [--seed=N | --probe]\n");
+            return 2;
+        }
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    char why[256] = "", desc[256] = "", err[512];
+    if (mlp_cuda_device_count(why, sizeof(why)) < 1) {
+        printf("SKIP: %s\n", why);
+        return 77;
+    }
+    if (probe)
+        return 0;
+    if (mlp_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
+        printf("FAIL: %s\n", err);
+        return 1;
+    }
+    mlp_cpu_set_threads(1);
+    printf("cuda_vs_cpu: %s; seed %llu; limit %.0e\n", desc, (unsigned long long)seed, LIMIT);
+    const int h100[] = {100}, h2[] = {64, 33}, hbig[] = {1024, 1024}, h3[] = {300, 200, 100};
+    compare("784-10 (softmax regression)", 784, NULL, 0, 10, 64, 64, 150, seed + 1, 0);
+    compare("784-100-10 batch 100", 784, h100, 1, 10, 100, 100, 1000, seed + 2, 0);
+    compare("37-64-33-3 batch 5 of 8", 37, h2, 2, 3, 8, 5, 21, seed + 3, 0);
+    compare("784-1024-1024-10 batch 256", 784, hbig, 2, 10, 256, 256, 600, seed + 4, 0);
+    compare("50-300-200-100-17 batch 129", 50, h3, 3, 17, 129, 129, 300, seed + 5, 0);
+    compare("784-100-10 all weights 0", 784, h100, 1, 10, 100, 100, 250, seed + 6, 1);
+    printf("cuda_vs_cpu: %s\n", failures ? "FAILED" : "all agree");
+    return failures ? 1 : 0;
+}

@@ -1,0 +1,236 @@
+/* gpu_bench.c - the CUDA backend's speed (tests/gpu/check.sh):
+ *   gpu_bench step DIMS BATCH SECS [tf32]   forward_backward of an MLP
+ *       (DIMS e.g. 784,1024,1024,10) at BATCH for about SECS seconds, with the
+ *       host copies the worker makes; prints steps/s and GFLOP/s.
+ *   gpu_bench sgemm N SECS                  cublasSgemm N x N x N (FP32,
+ *       CUBLAS_DEFAULT_MATH, as the backend) for about SECS; prints GFLOP/s.
+ *   gpu_bench gemms DIMS BATCH SECS         only the step's sgemm calls (the
+ *       shapes the backend uses, on zeros), back to back: the step's ceiling
+ *       without the copies and the small kernels; prints GFLOP/s.
+ * Output: one line "key=value ..." for the script, after a readable one.
+ * Exit 77 with the reason when there is no CUDA device, 1 on a failure. */
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mlp.h"
+#include "rng.h"
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int bench_step(const char *dims_s, int B, double secs, int tf32)
+{
+    int dims[MLP_MAX_LAYERS + 1], nd = 0;
+    char err[512], desc[256];
+    for (const char *p = dims_s; *p && nd <= MLP_MAX_LAYERS;) {
+        dims[nd++] = atoi(p);
+        p = strchr(p, ',');
+        if (!p)
+            break;
+        p++;
+    }
+    mlp_layout ly;
+    if (nd < 2 || mlp_layout_init(&ly, dims[0], dims + 1, nd - 2, dims[nd - 1], err, sizeof(err)) != 0) {
+        fprintf(stderr, "gpu_bench: bad dims %s: %s\n", dims_s, nd < 2 ? "need 2 or more" : err);
+        return 1;
+    }
+    if (mlp_cuda_use(0, tf32, desc, sizeof(desc), err, sizeof(err)) != 0) {
+        fprintf(stderr, "gpu_bench: %s\n", err);
+        return 1;
+    }
+    size_t P = ly.n_params;
+    float *params = malloc(P * 4), *grads = malloc(P * 4), *x = malloc((size_t)B * dims[0] * 4);
+    uint8_t *y = malloc((size_t)B);
+    mlp *m = mlp_new(&mlp_backend_cuda, &ly, B, err, sizeof(err));
+    if (!params || !grads || !x || !y || !m) {
+        fprintf(stderr, "gpu_bench: %s\n", m ? "out of memory" : err);
+        return 1;
+    }
+    mlp_init_params(&ly, params, 1);
+    uint64_t st = rng_stream(7, 0);
+    for (size_t k = 0; k < (size_t)B * dims[0]; k++)
+        x[k] = (float)rng_uniform_open0(&st);
+    for (int k = 0; k < B; k++)
+        y[k] = (uint8_t)rng_below(&st, (uint64_t)dims[nd - 1]);
+    double loss, flop = 0;
+    for (int l = 0; l + 1 < nd; l++) /* forward, dW, and dA except for the input */
+        flop += 2.0 * B * dims[l] * dims[l + 1] * (l == 0 ? 2 : 3);
+    for (int i = 0; i < 3; i++)
+        if (mlp_forward_backward(m, params, x, y, B, grads, &loss) != 0)
+            return 1;
+    long n = 0;
+    double t0 = now(), t;
+    do {
+        if (mlp_forward_backward(m, params, x, y, B, grads, &loss) != 0)
+            return 1;
+        n++;
+        t = now() - t0;
+    } while (t < secs);
+    double sps = n / t;
+    printf("gpu_bench step %s batch %d%s: %ld steps in %.2f s: %.1f steps/s, %.1f GFLOP/s (%.2f GFLOP a step)\n",
+           dims_s, B, tf32 ? " tf32" : "", n, t, sps, sps * flop / 1e9, flop / 1e9);
+    printf("steps_per_s=%.3f gflops=%.3f flop_per_step=%.0f\n", sps, sps * flop / 1e9, flop);
+    mlp_free(m);
+    free(params);
+    free(grads);
+    free(x);
+    free(y);
+    return 0;
+}
+
+#define CKC(call)                                                                                  \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+#define CKB(call)                                                                        \
+    do {                                                                                 \
+        cublasStatus_t s_ = (call);                                                      \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                               \
+            fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, \
+                    (int)s_);                                                            \
+            return 1;                                                                    \
+        }                                                                                \
+    } while (0)
+
+static int bench_sgemm(int N, double secs)
+{
+    char err[512], desc[256];
+    if (mlp_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
+        fprintf(stderr, "gpu_bench: %s\n", err);
+        return 1;
+    }
+    size_t bytes = (size_t)N * N * sizeof(float);
+    float *a, *b, *c;
+    CKC(cudaMalloc((void **)&a, bytes));
+    CKC(cudaMalloc((void **)&b, bytes));
+    CKC(cudaMalloc((void **)&c, bytes));
+    CKC(cudaMemset(a, 0, bytes)); /* the values do not change an sgemm's speed */
+    CKC(cudaMemset(b, 0, bytes));
+    cublasHandle_t h;
+    CKB(cublasCreate(&h));
+    CKB(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    const float one = 1.0f, zero = 0.0f;
+    for (int i = 0; i < 3; i++)
+        CKB(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, N, N, N, &one, a, N, b, N, &zero, c, N));
+    CKC(cudaDeviceSynchronize());
+    long n = 0;
+    double t0 = now(), t;
+    do { /* in groups of 10, timed at the synchronization */
+        for (int i = 0; i < 10; i++)
+            CKB(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, N, N, N, &one, a, N, b, N, &zero, c, N));
+        CKC(cudaDeviceSynchronize());
+        n += 10;
+        t = now() - t0;
+    } while (t < secs);
+    double gf = 2.0 * N * N * (double)N * n / t / 1e9;
+    printf("gpu_bench sgemm %d: %ld in %.2f s: %.1f GFLOP/s (%s)\n", N, n, t, gf, desc);
+    printf("sgemm_gflops=%.3f\n", gf);
+    cublasDestroy(h);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
+    return 0;
+}
+
+static int bench_gemms(const char *dims_s, int B, double secs)
+{
+    int dims[MLP_MAX_LAYERS + 1], nd = 0, maxd = 0;
+    char err[512], desc[256];
+    for (const char *p = dims_s; *p && nd <= MLP_MAX_LAYERS;) {
+        dims[nd] = atoi(p);
+        maxd = dims[nd] > maxd ? dims[nd] : maxd;
+        nd++;
+        p = strchr(p, ',');
+        if (!p)
+            break;
+        p++;
+    }
+    if (nd < 2 || B < 1 || maxd < 1) {
+        fprintf(stderr, "gpu_bench: bad dims %s or batch %d\n", dims_s, B);
+        return 1;
+    }
+    if (mlp_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
+        fprintf(stderr, "gpu_bench: %s\n", err);
+        return 1;
+    }
+    size_t n = (size_t)maxd * (B > maxd ? B : maxd), bytes = n * sizeof(float);
+    float *a, *w, *z;
+    CKC(cudaMalloc((void **)&a, bytes));
+    CKC(cudaMalloc((void **)&w, bytes));
+    CKC(cudaMalloc((void **)&z, bytes));
+    CKC(cudaMemset(a, 0, bytes));
+    CKC(cudaMemset(w, 0, bytes));
+    cublasHandle_t h;
+    CKB(cublasCreate(&h));
+    CKB(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+    const float one = 1.0f, zero = 0.0f;
+    double flop = 0;
+    long steps = 0;
+    double t0 = 0, t = 0;
+    for (int round = 0; round < 2; round++) { /* round 0: warm-up, one step */
+        if (round == 1)
+            t0 = now();
+        do {
+            for (int l = nd - 2; l >= 0; l--) { /* forward, dW, dA as mlp_cuda.cu */
+                int K = dims[l], N = dims[l + 1];
+                CKB(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, N, B, K, &one, w, N, a, K, &zero, z, N));
+                CKB(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, N, K, B, &one, a, N, z, K, &zero, w, N));
+                if (l > 0)
+                    CKB(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, K, B, N, &one, w, N, a, N, &zero, z, K));
+                if (round == 1 && steps == 0)
+                    flop += 2.0 * B * K * N * (l == 0 ? 2 : 3);
+            }
+            CKC(cudaDeviceSynchronize());
+            if (round == 0)
+                break;
+            steps++;
+            t = now() - t0;
+        } while (t < secs);
+    }
+    double sps = steps / t;
+    printf("gpu_bench gemms %s batch %d: %ld steps' sgemms in %.2f s: %.1f steps/s, %.1f GFLOP/s\n",
+           dims_s, B, steps, t, sps, sps * flop / 1e9);
+    printf("steps_per_s=%.3f gflops=%.3f flop_per_step=%.0f\n", sps, sps * flop / 1e9, flop);
+    cublasDestroy(h);
+    cudaFree(a);
+    cudaFree(w);
+    cudaFree(z);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    char why[256] = "";
+    if (argc < 2 || (strcmp(argv[1], "step") != 0 && strcmp(argv[1], "sgemm") != 0 &&
+                     strcmp(argv[1], "gemms") != 0)) {
+        fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] | gpu_bench sgemm N SECS | "
+                        "gpu_bench gemms DIMS BATCH SECS\n");
+        return 2;
+    }
+    if (mlp_cuda_device_count(why, sizeof(why)) < 1) {
+        printf("SKIP: %s\n", why);
+        return 77;
+    }
+    if (strcmp(argv[1], "step") == 0 && argc >= 5)
+        return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), argc > 5 && strcmp(argv[5], "tf32") == 0);
+    if (strcmp(argv[1], "sgemm") == 0 && argc >= 4)
+        return bench_sgemm(atoi(argv[2]), atof(argv[3]));
+    if (strcmp(argv[1], "gemms") == 0 && argc >= 5)
+        return bench_gemms(argv[2], atoi(argv[3]), atof(argv[4]));
+    fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] | gpu_bench sgemm N SECS | "
+                    "gpu_bench gemms DIMS BATCH SECS\n");
+    return 2;
+}
