@@ -61,6 +61,7 @@ struct ring {
     ring_info info;
     char optimizer[32];
     int64_t global_step, ckpt_step;
+    int64_t cur_step; /* the all-reduce in progress or last done; -1 before the first */
     double loss;
     int has_loss;
     char ckpt_path[512];
@@ -200,6 +201,20 @@ static unsigned chunk_begin(ring *r, struct MHD_Connection *c, req *q, char *msg
     if (from != mod(r->rank - 1, r->n)) {
         snprintf(msg, cap, "a piece from worker %lld, but this worker's left neighbour is worker %d",
                  from, mod(r->rank - 1, r->n));
+        return MHD_HTTP_CONFLICT;
+    }
+    /* the left neighbour sends pieces of this worker's step or the next (it
+     * is never further ahead: that step needs this worker's gradient), or
+     * resends one of the step before; anything else comes from a worker
+     * that is not in step with this ring, and must not land in its slots */
+    pthread_mutex_lock(&r->mu);
+    int64_t cur = r->cur_step;
+    pthread_mutex_unlock(&r->mu);
+    if (cur >= 0 && (step < cur - 1 || step > cur + 1)) {
+        snprintf(msg, cap,
+                 "a piece of global step %lld, but this worker is at global step %lld: a worker "
+                 "restarted alone cannot rejoin a running ring; restart the whole job",
+                 step, (long long)cur);
         return MHD_HTTP_CONFLICT;
     }
     if (k >= r->K) {
@@ -485,6 +500,9 @@ int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *er
         atomic_fetch_add(&r->allreduces, 1);
         return 0;
     }
+    pthread_mutex_lock(&r->mu);
+    r->cur_step = step;
+    pthread_mutex_unlock(&r->mu);
     double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
     double deadline = now_secs() + patience;
     /* ring step 0: this worker's own chunk */
@@ -629,7 +647,7 @@ void ring_set_progress(ring *r, int64_t global_step, double loss)
     pthread_mutex_lock(&r->mu);
     r->global_step = global_step;
     r->loss = loss;
-    r->has_loss = !isnan(loss);
+    r->has_loss = isfinite(loss); /* json_real refuses inf: /v1/status would fail */
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -672,6 +690,7 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     clock_gettime(CLOCK_MONOTONIC, &r->started);
     r->n = o->n;
     r->rank = o->rank;
+    r->cur_step = -1;
     r->K = 2 * (o->n - 1);
     r->n_floats = o->n_floats;
     r->piece = o->piece_bytes / 4 ? o->piece_bytes / 4 : 1;
@@ -710,18 +729,32 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     curl_easy_setopt(r->curl, CURLOPT_NOPROXY, "*");
     curl_easy_setopt(r->curl, CURLOPT_TCP_NODELAY, 1L);
     curl_easy_setopt(r->curl, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
-    curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS, (long)(o->timeout_secs * 1000) + 1000);
+    /* (a timeout past ~30 years: no limit; converting it to long would overflow) */
+    curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS,
+                     o->timeout_secs < 1e9 ? (long)(o->timeout_secs * 1000) + 1000 : 0L);
     curl_easy_setopt(r->curl, CURLOPT_WRITEFUNCTION, on_body);
     curl_easy_setopt(r->curl, CURLOPT_WRITEDATA, r);
 
     const cluster_addr *self = &o->peers[o->rank];
+    /* a loopback host: that very address (a socket on 127.0.0.1 refuses
+     * connections to 127.0.0.2, and one on IPv4 those to [::1]); any other
+     * host: every address, both families when the host is an IPv6 one */
+    int v6 = strchr(self->host, ':') != NULL;
     struct sockaddr_in sa = {0};
+    struct sockaddr_in6 sa6 = {0};
     sa.sin_family = AF_INET;
     sa.sin_port = htons((uint16_t)self->port);
     sa.sin_addr.s_addr = htonl(is_loopback(self->host) ? INADDR_LOOPBACK : INADDR_ANY);
-    r->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION |
-                                MHD_USE_ERROR_LOG,
-                            (uint16_t)self->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR, &sa,
+    if (strncmp(self->host, "127.", 4) == 0 && inet_pton(AF_INET, self->host, &sa.sin_addr) != 1)
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa6.sin6_family = AF_INET6;
+    sa6.sin6_port = htons((uint16_t)self->port);
+    sa6.sin6_addr = is_loopback(self->host) ? in6addr_loopback : in6addr_any;
+    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG;
+    if (v6)
+        mflags |= is_loopback(self->host) ? MHD_USE_IPv6 : MHD_USE_DUAL_STACK;
+    r->d = MHD_start_daemon(mflags, (uint16_t)self->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
+                            v6 ? (struct sockaddr *)&sa6 : (struct sockaddr *)&sa,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
                             MHD_OPTION_CONNECTION_TIMEOUT, 120u,
                             MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024), MHD_OPTION_END);

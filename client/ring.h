@@ -19,7 +19,8 @@
  * Routes (every worker):
  *   POST /v1/ring/chunk?step=S&k=K&offset=O&from=R&n=N&floats=F
  *        one piece, raw little-endian float32; 204; 400/404/409/411/413 with
- *        {"error": ...} for a piece this worker does not expect
+ *        {"error": ...} for a piece this worker does not expect (409 also for
+ *        a step other than this worker's step - 1 (a resend), step or step + 1)
  *   GET  /v1/ring/state   what ring_publish set (the chief's parameters, a
  *        safetensors body); 503 until then
  *   GET  /v1/status, /healthz, and the monitoring page (/, /app.js, /style.css) */
@@ -44,7 +45,7 @@ typedef struct ring_options {
 } ring_options;
 
 /* Start this worker's endpoint on peers[rank]'s port (loopback when its host
- * is localhost or 127.x, else every address). NULL with err. */
+ * is localhost, 127.x (that address) or ::1, else every address). NULL with err. */
 ring *ring_new(const ring_options *o, char *err, size_t errlen);
 void ring_free(ring *r);
 

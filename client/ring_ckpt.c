@@ -161,6 +161,9 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
         goto out;
     }
     float *bufs[3] = {s->params, s->slot0, s->slot1};
+    /* check every tensor before copying any: a body refused half-way must
+     * leave s as it was (the caller falls back to an older one, or to none) */
+    int at[3][MLP_MAX_TENSORS];
     for (int j = 0; j <= ns; j++)
         for (int t = 0; t < L->n_tensors; t++) {
             char name[MLP_NAME_MAX + 16];
@@ -174,8 +177,11 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
                 snprintf(err, errlen, "tensor '%s' is missing or not F32 of the model's shape", name);
                 goto out;
             }
-            memcpy(bufs[j] + L->tensors[t].offset, data + f.tensors[i].begin, L->tensors[t].numel * 4);
+            at[j][t] = i;
         }
+    for (int j = 0; j <= ns; j++)
+        for (int t = 0; t < L->n_tensors; t++)
+            memcpy(bufs[j] + L->tensors[t].offset, data + f.tensors[at[j][t]].begin, L->tensors[t].numel * 4);
     s->step = step;
     s->workers = workers_s ? atoi(workers_s) : 0;
     rc = 0;
@@ -239,6 +245,9 @@ static int list_steps(const char *dir, int64_t **out, int *n)
             int64_t *v = realloc(*out, sizeof(int64_t) * (size_t)cap);
             if (!v) {
                 closedir(d);
+                free(*out);
+                *out = NULL;
+                errno = ENOMEM;
                 return -1;
             }
             *out = v;
@@ -278,7 +287,11 @@ int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, 
     int64_t *steps;
     int n;
     if (keep > 0 && list_steps(dir, &steps, &n) == 0) {
-        for (int i = keep; i < n; i++) {
+        /* the newest `keep` up to this one; newer ones are not this run's
+         * (broken ones restore passed over) and must not push this one out */
+        for (int i = 0, kept = 0; i < n; i++) {
+            if (steps[i] > s->step || ++kept <= keep)
+                continue;
             char old[4200];
             snprintf(old, sizeof(old), "%s/" PREFIX "%lld" SUFFIX, dir, (long long)steps[i]);
             unlink(old);

@@ -254,9 +254,10 @@ int main(int argc, char **argv)
         return 2;
     }
     if (strcmp(allreduce, "ring") == 0) {
-        if (!(ring_timeout > 0) || ring_piece < 4 || save_ckpt_secs < 0 || local) {
+        if (!(ring_timeout > 0) || ring_piece < 4 || save_ckpt_secs < 0 || local || num_epochs > 0) {
             fprintf(stderr, "workerd: --allreduce=ring needs --ring_timeout_secs > 0, --ring_piece_bytes >= 4, "
-                            "--save_checkpoint_secs >= 0 and no --local\n");
+                            "--save_checkpoint_secs >= 0, no --local and no --num_epochs (one task leaving "
+                            "stops the ring: use --train_steps)\n");
             free((char *)c.token);
             return 2;
         }
