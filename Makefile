@@ -5,6 +5,7 @@
 #   make bench      benchmarks against nginx, printing ratios
 #   make deps       apt-get what is missing (quiet, idempotent)
 #   make demo       train on Fashion-MNIST and show where to look
+#   make fuzz       run each libFuzzer harness FUZZ_SECS (60) s; tests/fuzz/
 
 CC      ?= cc
 OPT     ?= -O2 -g
@@ -18,13 +19,13 @@ LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c
+             server/membership.c server/conntrack.c
 CLIENT_SRC = client/libps.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
@@ -190,5 +191,8 @@ demo: deps all
 
 clean:
 	rm -rf build bin
+
+# libFuzzer harnesses (make fuzz, make fuzz-replay): tests/fuzz/fuzz.mk
+include tests/fuzz/fuzz.mk
 
 -include $(shell find build -name '*.d' 2>/dev/null)

@@ -149,4 +149,6 @@ for s in psd2 psd0; do
     rc=1
   fi
 done
+# the step rate beside many pulling clients (wrk), and its errors
+sh bench/load.sh || rc=1
 exit $rc

@@ -17,7 +17,12 @@
 
 #include "rng.h"
 
-#define CHUNK (1u << 18)                 /* bytes per gzread */
+/* bytes per gzread; the fuzz build makes it small, so that small inputs
+ * cross chunk boundaries (and zlib's buffers are not 1 MiB per run) */
+#ifndef IDX_CHUNK
+#define IDX_CHUNK (1u << 18)
+#endif
+#define CHUNK IDX_CHUNK
 #define MAX_ITEMS ((uint64_t)1 << 32)    /* bytes of data one file may declare */
 
 int idx_find(const char *dir, const char *name, char *path, size_t pathlen, char *err,
@@ -92,6 +97,27 @@ static int read_fail(const char *path, int rc, size_t got, size_t want, const ch
                     path, want, what, got);
     }
     return errmsg(err, errlen, "idx: %s: corrupt: %s", path, zlib_msg(path, zmsg));
+}
+
+/* Make room for `need` elements of `elem` bytes in *buf (capacity *cap),
+ * doubling, never past `max`. The header's count alone never sizes an
+ * allocation: a short file that declares 4 GiB ends as "truncated" having
+ * asked for about twice the bytes it holds. 0, or -1 (buf untouched). */
+static int grow(void **buf, uint64_t *cap, uint64_t need, uint64_t max, size_t elem)
+{
+    if (need <= *cap)
+        return 0;
+    uint64_t c = *cap ? *cap : CHUNK;
+    while (c < need)
+        c *= 2;
+    if (c > max)
+        c = max;
+    void *p = realloc(*buf, c * elem);
+    if (!p)
+        return -1;
+    *buf = p;
+    *cap = c;
+    return 0;
 }
 
 /* Open, check the magic, read ndim dims. */
@@ -177,14 +203,12 @@ int idx_read_images(const char *path, float **images, int64_t *n, int *rows, int
     for (int i = 0; i < 256; i++)
         lut[i] = (float)i * scale;
 
-    float *out = malloc(total * sizeof(float));
+    float *out = NULL;
+    uint64_t cap = 0;
     unsigned char *buf = malloc(CHUNK);
-    if (!out || !buf) {
-        free(out);
-        free(buf);
+    if (!buf) {
         gzclose(f);
-        return errmsg(err, errlen, "idx: %s: out of memory for %llu pixels", path,
-                    (unsigned long long)total);
+        return errmsg(err, errlen, "idx: %s: out of memory", path);
     }
     uint64_t done = 0;
     while (done < total) {
@@ -196,6 +220,11 @@ int idx_read_images(const char *path, float **images, int64_t *n, int *rows, int
             char what[96];
             snprintf(what, sizeof(what), "header + %ux%ux%u pixels", dims[0], dims[1], dims[2]);
             read_fail(path, rc, 16 + done + got, 16 + total, what, zerrnum, zmsg, err, errlen);
+            goto fail;
+        }
+        if (grow((void **)&out, &cap, done + want, total, sizeof(float)) != 0) {
+            errmsg(err, errlen, "idx: %s: out of memory for %llu pixels", path,
+                   (unsigned long long)total);
             goto fail;
         }
         for (size_t i = 0; i < want; i++)
@@ -226,20 +255,25 @@ int idx_read_labels(const char *path, int n_classes, uint8_t **labels, int64_t *
     *labels = NULL;
     if (open_header(path, IDX_MAGIC_LABELS, 1, &f, dims, err, errlen) != 0)
         return -1;
-    uint8_t *out = malloc(dims[0]);
-    if (!out) {
-        gzclose(f);
-        return errmsg(err, errlen, "idx: %s: out of memory for %u labels", path, dims[0]);
-    }
-    size_t got = 0;
-    int zerrnum = 0;
-    const char *zmsg = NULL;
-    int rc = read_exact(f, out, dims[0], &got, &zerrnum, &zmsg);
-    if (rc != 0) {
-        char what[64];
-        snprintf(what, sizeof(what), "header + %u labels", dims[0]);
-        read_fail(path, rc, 8 + got, 8 + (size_t)dims[0], what, zerrnum, zmsg, err, errlen);
-        goto fail;
+    uint8_t *out = NULL;
+    uint64_t cap = 0, done = 0;
+    while (done < dims[0]) {
+        size_t want = dims[0] - done < CHUNK ? (size_t)(dims[0] - done) : CHUNK, got = 0;
+        if (grow((void **)&out, &cap, done + want, dims[0], 1) != 0) {
+            errmsg(err, errlen, "idx: %s: out of memory for %u labels", path, dims[0]);
+            goto fail;
+        }
+        int zerrnum = 0;
+        const char *zmsg = NULL;
+        int rc = read_exact(f, out + done, want, &got, &zerrnum, &zmsg);
+        if (rc != 0) {
+            char what[64];
+            snprintf(what, sizeof(what), "header + %u labels", dims[0]);
+            read_fail(path, rc, 8 + done + got, 8 + (size_t)dims[0], what, zerrnum, zmsg, err,
+                      errlen);
+            goto fail;
+        }
+        done += want;
     }
     if (check_end(f, path, dims[0], err, errlen) != 0)
         goto fail;

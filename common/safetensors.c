@@ -1,5 +1,6 @@
 /* safetensors.c - parse, validate and build safetensors headers. */
 #include "safetensors.h"
+#include "jsonmem.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -155,8 +156,15 @@ int st_parse_header(const void *header, uint64_t header_len, uint64_t data_len,
         return -1;
     }
     json_error_t jerr;
+    int oom = 0;
+    unsigned long failed = json_failed_allocs();
     json_t *root = json_loadb(h, header_len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {
+        /* jansson may call a failed allocation a syntax error (jsonmem.h) */
+        if (json_failed_allocs() != failed || json_error_code(&jerr) == json_error_out_of_memory) {
+            snprintf(err, errlen, "safetensors: out of memory parsing the header");
+            return ST_ENOMEM;
+        }
         snprintf(err, errlen, "safetensors: header JSON: %s at position %d", jerr.text,
                  jerr.position);
         return -1;
@@ -171,6 +179,7 @@ int st_parse_header(const void *header, uint64_t header_len, uint64_t data_len,
     st_tensor **order = calloc(n ? n : 1, sizeof(st_tensor *));
     if (!out->tensors || !order) {
         snprintf(err, errlen, "safetensors: out of memory");
+        oom = 1;
         goto fail;
     }
     const char *key;
@@ -186,6 +195,7 @@ int st_parse_header(const void *header, uint64_t header_len, uint64_t data_len,
             out->meta = calloc(m ? m : 1, sizeof(st_meta));
             if (!out->meta) {
                 snprintf(err, errlen, "safetensors: out of memory");
+                oom = 1;
                 goto fail;
             }
             const char *mk;
@@ -202,16 +212,22 @@ int st_parse_header(const void *header, uint64_t header_len, uint64_t data_len,
                 out->n_meta++;
                 if (!out->meta[out->n_meta - 1].key || !out->meta[out->n_meta - 1].value) {
                     snprintf(err, errlen, "safetensors: out of memory");
+                    oom = 1;
                     goto fail;
                 }
             }
             continue;
+        }
+        if (key[0] == '\0') { /* st_header_build refuses it too */
+            snprintf(err, errlen, "safetensors: a tensor has an empty name");
+            goto fail;
         }
         st_tensor *t = &out->tensors[out->n_tensors];
         t->name = strdup(key);
         out->n_tensors++;
         if (!t->name) {
             snprintf(err, errlen, "safetensors: out of memory");
+            oom = 1;
             goto fail;
         }
         if (parse_tensor(key, val, data_len, t, err, errlen) != 0)
@@ -246,7 +262,7 @@ fail:
     free(order);
     json_decref(root);
     st_file_free(out);
-    return -1;
+    return oom ? ST_ENOMEM : -1;
 }
 
 int st_parse(const void *buf, uint64_t len, st_file *out, char *err, size_t errlen)
@@ -309,7 +325,10 @@ int st_header_build(const st_desc *t, int n, const char *const *meta_kv, int n_m
         if (!shape)
             goto oom;
         for (int d = 0; d < t[i].shape->ndim; d++)
-            json_array_append_new(shape, json_integer(t[i].shape->dims[d]));
+            if (json_array_append_new(shape, json_integer(t[i].shape->dims[d])) != 0) {
+                json_decref(shape);
+                goto oom;
+            }
         json_t *e = json_pack("{s:s,s:o,s:[I,I]}", "dtype", dt, "shape", shape, "data_offsets",
                               (json_int_t)at, (json_int_t)(at + nb));
         if (!e || json_object_set_new(root, t[i].name, e) != 0) {
@@ -319,7 +338,7 @@ int st_header_build(const st_desc *t, int n, const char *const *meta_kv, int n_m
         }
         at += nb;
     }
-    char *js = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    char *js = json_dumps_checked(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
     json_decref(root);
     if (!js)
         goto oom_nofree;

@@ -47,7 +47,9 @@ int st_read_prefix(const void *buf8, uint64_t total_len, uint64_t *header_len, c
 /* Parse and validate a header (the N JSON bytes) for a data section of
  * `data_len` bytes: known dtypes, sizes that match the shapes, offsets inside
  * the data that tile it exactly (no overlap, no hole), no duplicate names,
- * string metadata. On success fills *out (free with st_file_free). */
+ * string metadata. On success fills *out (free with st_file_free); -1 with
+ * err for a bad header, ST_ENOMEM when memory ran out (not the sender's fault). */
+#define ST_ENOMEM (-2)
 int st_parse_header(const void *header, uint64_t header_len, uint64_t data_len,
                     st_file *out, char *err, size_t errlen);
 

@@ -3,12 +3,17 @@
 # Idempotent and quiet: asks apt only for what is missing.
 # chromium, chromium-driver, python3-selenium: the headless browser test
 # (tests/system/test_browser.py). yamllint: deploy/k8s (tests/system/test_deploy_files.py).
+# clang-14, libclang-rt-14-dev: the libFuzzer harnesses (tests/fuzz/, make fuzz).
+# wrk: the load test and bench (tests/system/test_load.py, bench/load.sh);
+# valgrind: tests/system/test_valgrind.py.
 set -eu
 PKGS="gcc make pkg-config ca-certificates curl openssl \
 libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
 libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox nginx-light \
 dataset-fashion-mnist yamllint \
-chromium chromium-driver python3-selenium"
+chromium chromium-driver python3-selenium \
+clang-14 libclang-rt-14-dev \
+wrk valgrind"
 missing=""
 # Node.js and npm (for the OpenAPI validator): any install will do; Debian's when none
 command -v npm >/dev/null 2>&1 || missing="nodejs npm"

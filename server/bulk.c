@@ -170,8 +170,10 @@ enum MHD_Result h_grads_post(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     st_file f;
     uint64_t data_len = b->len - 8 - hl;
-    if (st_parse_header(b->data + 8, hl, data_len, &f, err, sizeof(err)) != 0)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    int pr = st_parse_header(b->data + 8, hl, data_len, &f, err, sizeof(err));
+    if (pr != 0)
+        return http_reply_error(r, pr == ST_ENOMEM ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_BAD_REQUEST,
+                                "%s", err);
     enum MHD_Result rc;
     unsigned char *data = b->data + 8 + hl;
     size_t mis = (uintptr_t)data % 4;

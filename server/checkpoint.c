@@ -1,5 +1,6 @@
 /* checkpoint.c - the checkpoint file format (see checkpoint.h). */
 #include "checkpoint.h"
+#include "jsonmem.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -84,7 +85,7 @@ static json_t *config_to_json(const store_saved *sv)
 
 static char *dump(json_t *j)
 {
-    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_ENCODE_ANY) : NULL;
+    char *s = j ? json_dumps_checked(j, JSON_COMPACT | JSON_PRESERVE_ORDER | JSON_ENCODE_ANY) : NULL;
     json_decref(j);
     return s;
 }
@@ -500,7 +501,7 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
     /* the chief's placement map, when it sent one (older files may lack it) */
     place = meta_json(&f, "placement", err, errlen);
     json_t *map = place ? json_object_get(place, "map") : NULL;
-    if (json_is_object(map) && !(out->placement = json_dumps(map, JSON_COMPACT | JSON_PRESERVE_ORDER))) {
+    if (json_is_object(map) && !(out->placement = json_dumps_checked(map, JSON_COMPACT | JSON_PRESERVE_ORDER))) {
         snprintf(err, errlen, "out of memory");
         goto out;
     }

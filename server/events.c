@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jsonmem.h"
 #include "history.h"
 #include "routes.h"
 
@@ -59,7 +60,7 @@ static void set_out(sse_client *c, char *s, size_t n)
 static void make_event(sse_client *c)
 {
     json_t *st = status_json(c->srv);
-    char *data = st ? json_dumps(st, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
+    char *data = st ? json_dumps_checked(st, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
     long long step = (long long)json_integer_value(json_object_get(st, "global_step"));
     json_decref(st);
     char *ev = NULL;

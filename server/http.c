@@ -1,5 +1,6 @@
 /* http.c - response helpers over libmicrohttpd. */
 #include "http.h"
+#include "jsonmem.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -50,7 +51,14 @@ enum MHD_Result http_reply_text(request *r, unsigned status, const char *content
 
 enum MHD_Result http_reply_json(request *r, unsigned status, json_t *body)
 {
-    char *s = body ? json_dumps(body, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
+    /* a jansson allocation failed while the handler built it: some
+     * json_object_set went missing, so the document may lack a member */
+    if (json_failed_allocs() != r->json_fail_mark && status != MHD_HTTP_SERVICE_UNAVAILABLE) {
+        json_decref(body);
+        r->json_fail_mark = json_failed_allocs();
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the answer");
+    }
+    char *s = body ? json_dumps_checked(body, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
     json_decref(body);
     if (!s)
         return queue(r, status, NULL);
@@ -67,6 +75,10 @@ enum MHD_Result http_reply_json(request *r, unsigned status, json_t *body)
 
 enum MHD_Result http_reply_error(request *r, unsigned status, const char *fmt, ...)
 {
+    /* jansson calls some failed allocations syntax errors (jsonmem.h): not
+     * the client's fault */
+    if (status >= 400 && status < 500 && json_failed_allocs() != r->json_fail_mark)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
     char msg[512];
     va_list ap;
     va_start(ap, fmt);

@@ -23,6 +23,7 @@
 #include "routes.h"
 #include "saver.h"
 #include "membership.h"
+#include "conntrack.h"
 #include "server.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -194,8 +195,8 @@ int main(int argc, char **argv)
         {"learning_rate", FLAG_FLOAT, &lr, "learning rate until the chief sends the training configuration (default 0.01, plain SGD, async)", 0},
         {"max_body_bytes", FLAG_U64, &max_body, "largest request body accepted, in bytes (default 1073741824); larger is refused with 413 before it is read", 0},
         {"http_threads", FLAG_INT, &http_threads, "HTTP threads polling with epoll (default 2); 0 = one thread per connection", 0},
-        {"connection_timeout", FLAG_INT, &conn_timeout, "close a connection idle for this many seconds (default 60)", 0},
-        {"max_connections", FLAG_INT, &max_conns, "most connections served at once (default 1024)", 0},
+        {"connection_timeout", FLAG_INT, &conn_timeout, "close a connection idle for this many seconds, or whose request headers take longer to arrive; past this many seconds a body must average 1 KiB/s or is cut off (default 60; long polls wait on)", 0},
+        {"max_connections", FLAG_INT, &max_conns, "most connections served at once; more wait in the listen queue (default 1024)", 0},
         {"auth_token_file", FLAG_STRING, &auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
         {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
         {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
@@ -307,8 +308,9 @@ int main(int argc, char **argv)
     if (bind_host)
         snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s", bind_host);
     else if (is_loopback(self->host))
+        /* the task's own loopback address: 127.0.0.1 does not answer for 127.0.0.2 */
         snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s",
-                 strchr(self->host, ':') ? "::1" : "127.0.0.1");
+                 !strcmp(self->host, "localhost") ? "127.0.0.1" : self->host);
     else
         cfg->bind_host[0] = '\0'; /* every address */
     cfg->learning_rate = lr;
@@ -410,18 +412,25 @@ int main(int argc, char **argv)
         {MHD_OPTION_CONNECTION_MEMORY_LIMIT, 128 * 1024, NULL},
         {MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, NULL},
         {MHD_OPTION_CONNECTION_LIMIT, max_conns, NULL},
+        {MHD_OPTION_NOTIFY_CONNECTION, (intptr_t)conntrack_notify, NULL}, /* set below */
         {MHD_OPTION_END, 0, NULL}, /* room for the optional ones below */
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
     };
-    int no = 6; /* the first free entry; an END entry ends the array */
+    int no = 7; /* the first free entry; an END entry ends the array */
     if (tls_cert) {
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, srv->tls_cert_pem};
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, srv->tls_key_pem};
     }
     if (http_threads > 1)
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, http_threads, NULL};
+    /* slowloris: a deadline for request headers, beside the idle timeout */
+    if (!(srv->conntrack = conntrack_start(conn_timeout))) {
+        fprintf(stderr, "psd: cannot start the connection tracker thread\n");
+        return 1;
+    }
+    opts[6].ptr_value = srv->conntrack;
     struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, NULL, NULL, routes_access, srv,
                                             MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!d) {
@@ -467,6 +476,7 @@ int main(int argc, char **argv)
         log_info("psd: %d requests still in flight after 5 s: closing them",
                  atomic_load(&srv->in_flight));
     MHD_stop_daemon(d);
+    conntrack_stop(srv->conntrack);
     membership_stop(srv->membership);
     int status = 0;
     if (srv->saver) {

@@ -4,8 +4,11 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "auth.h"
+#include "conntrack.h"
+#include "jsonmem.h"
 #include "log.h"
 #include "metrics.h"
 
@@ -116,6 +119,17 @@ static enum MHD_Result refuse_method(request *r, const char *pattern)
     return rc;
 }
 
+/* Counts the Content-Length headers into *cls. */
+static enum MHD_Result count_content_length(void *cls, enum MHD_ValueKind kind, const char *key,
+                                            const char *value)
+{
+    (void)kind;
+    (void)value;
+    if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) == 0)
+        ++*(int *)cls;
+    return MHD_YES;
+}
+
 /* Checks that need only the request line and headers. */
 static enum MHD_Result on_headers(request *r, const char *url)
 {
@@ -154,6 +168,16 @@ static enum MHD_Result on_headers(request *r, const char *url)
     r->expect_len = UINT64_MAX;
     if (rt->flags & ROUTE_BODY) {
         const char *cl = http_header(r, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        const char *te = http_header(r, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+        /* two lengths: which one frames the body is a guess (request smuggling) */
+        int n_cl = 0;
+        MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_content_length, &n_cl);
+        if (n_cl > 1)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "more than one Content-Length header");
+        /* libmicrohttpd reads chunked only; another coding left it waiting for a body forever */
+        if (te && strcasecmp(te, "chunked") != 0)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                    "Transfer-Encoding '%.40s' is not supported: send chunked or a Content-Length", te);
         if (cl) {
             char *end;
             errno = 0;
@@ -229,6 +253,20 @@ static enum MHD_Result on_upload(request *r, const char *data, size_t size)
     return MHD_YES;
 }
 
+/* Every byte resets libmicrohttpd's idle timeout, so a body sent a byte a
+ * second would hold its connection for ever: after the first
+ * --connection_timeout seconds a body must average BODY_MIN_RATE bytes a
+ * second, or the connection is closed. */
+#define BODY_MIN_RATE 1024
+static int body_too_slow(const request *r)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    uint64_t secs = now > r->t_start_ns ? (now - r->t_start_ns) / 1000000000u : 0;
+    return secs >= (uint64_t)r->srv->cfg.conn_timeout_secs && r->bytes_in < secs * BODY_MIN_RATE;
+}
+
 enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char *url,
                               const char *method, const char *version, const char *upload_data,
                               size_t *upload_data_size, void **req_cls)
@@ -248,6 +286,8 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
         r->t_start_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
         *req_cls = r;
         atomic_fetch_add(&r->srv->in_flight, 1);
+        conntrack_request_begins(conn);
+        r->json_fail_mark = json_failed_allocs();
         /* Refusals go out at once, before any body is read; an accepted
          * request is answered on a later call (libmicrohttpd 0.9.75 closes
          * the connection when a success is queued on the first call). */
@@ -257,21 +297,27 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
         size_t n = *upload_data_size;
         r->bytes_in += n;
         *upload_data_size = 0;
+        if (body_too_slow(r)) {
+            log_info("psd: %s %s: the body trickles in (%llu bytes so far): closing the connection",
+                     r->method, r->route ? r->route->path : "?", (unsigned long long)r->bytes_in);
+            return MHD_NO;
+        }
         return on_upload(r, upload_data, n);
     }
     if (r->answered)
         return MHD_YES;
     if (r->discard)
         return http_reply_error(r, r->discard_status, "%s", r->discard_msg);
+    r->json_fail_mark = json_failed_allocs();
     return r->route->handle(r);
 }
 
 void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
                       enum MHD_RequestTerminationCode toe)
 {
-    (void)conn;
     server *srv = cls;
     request *r = *req_cls;
+    conntrack_request_ends(conn);
     if (!r)
         return;
     if (r->parked && !r->resumed && r->parked_on)

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "jsonmem.h"
 #include "history.h"
 #include "log.h"
 #include "routes.h"
@@ -384,7 +385,7 @@ enum MHD_Result h_placement_put(request *r)
                                 (long long)got, ps);
     }
     json_object_del(j, "this_ps"); /* psd's own, added on GET */
-    char *text = json_dumps(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    char *text = json_dumps_checked(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
     json_decref(j);
     if (text && strlen(text) > PLACEMENT_MAX) {
         free(text);

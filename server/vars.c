@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jsonmem.h"
 #include "routes.h"
 
 static unsigned status_of(int rc)
@@ -198,7 +199,7 @@ enum MHD_Result h_var_get(request *r)
             json_object_set_new(meta, "offset", json_integer(off));
             json_object_set_new(meta, "count", json_integer(cnt));
         }
-        char *head = json_dumps(meta, JSON_COMPACT);
+        char *head = json_dumps_checked(meta, JSON_COMPACT);
         json_decref(meta);
         char *body = NULL;
         if (vals && head) {

@@ -28,5 +28,8 @@ for build in normal asan; do
       --junitxml="$OUT/system-$build.xml" -o junit_suite_name="system-$build" || status=1
 done
 
+echo "== fuzz corpus replay (clang, ASan+UBSan: tests/fuzz/)"
+${MAKE:-make} -s fuzz-replay FUZZ_XML_DIR="$OUT" || status=1
+
 /usr/bin/python3 tests/summary.py "$OUT"/*.xml || status=1
 exit $status

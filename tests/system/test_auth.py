@@ -433,3 +433,62 @@ def test_token_with_inner_space(tmp_path):
 
 def test_auth_reads_without_token_file():
     assert_refused(*run_psd("--auth_reads"), "--auth_token_file")
+
+
+# ------------------------------------------- the contract's table, every method
+
+def openapi_routes():
+    """(METHOD, path) of every operation openapi/openapi.yaml describes."""
+    import yaml
+    from conftest import ROOT
+    with open(os.path.join(ROOT, "openapi", "openapi.yaml")) as f:
+        doc = yaml.safe_load(f)
+    methods = {"get", "head", "put", "post", "delete", "patch", "options", "trace"}
+    return {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops if m in methods}
+
+
+def test_every_write_of_the_contract_is_a_write_route():
+    """Every PUT/POST/DELETE/PATCH operation of the contract is in psd's
+    table marked write (so the 401 tests above walk it); no GET is."""
+    table = {(m, p): w for m, p, w, _ in ROUTES}
+    contract = openapi_routes()
+    writes = {r for r in contract if r[0] in ("PUT", "POST", "DELETE", "PATCH")}
+    assert writes, "the contract lists no write operation"
+    for r in writes:
+        assert table.get(r) is True, f"{r} is in openapi.yaml but not a write route of psd --routes"
+    for r in contract - writes:
+        if r[0] == "GET":
+            assert table.get(r) is False, f"{r}: a read of the contract, but the table says {table.get(r)}"
+
+
+@pytest.mark.parametrize("auth", ["none", "wrong_same_length"])
+def test_no_method_writes_without_the_token(start_psd, token_file, auth):
+    """Every path of the contract and of the table, with every writing method
+    (PUT, POST, DELETE, PATCH), a body and no token or a wrong one: 401 for a
+    write route, 405 for a method the path does not have; psd still runs
+    (POST /v1/shutdown among them) and holds exactly what it held. With the
+    right token, DELETE and PATCH are still 405: no hidden write method."""
+    p, before = seeded(start_psd, token_file)
+    writes = {(m, path) for m, path, w, _ in WRITES}
+    paths = sorted({path for _, path in openapi_routes()} | {r[1] for r in ROUTES})
+    value = BAD_AUTH[auth]
+    auth_h = {"Authorization": value} if value else {}
+    tried = 0
+    for path in paths:
+        concrete = path.replace("{name}", "w")
+        for m in ("PUT", "POST", "DELETE", "PATCH"):
+            st, hd, body = http(m, p.url + concrete, b'{"worker": 0, "optimizer": "sgd"}',
+                                dict(auth_h, **{"Content-Type": "application/json"}))
+            if (m, path) in writes:
+                assert_401((st, hd, body))
+            else:
+                assert st == 405, (m, path, st, body)
+            tried += 1
+    assert tried >= 4 * len(paths)
+    assert_unchanged_auth(p, before)
+    for path in paths:
+        for m in ("DELETE", "PATCH"):
+            st, _, body = http(m, p.url + path.replace("{name}", "w"),
+                               headers={"Authorization": f"Bearer {TOKEN}"})
+            assert st == 405, (m, path, st, body)
+    assert_unchanged_auth(p, before)

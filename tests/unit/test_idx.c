@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -333,6 +334,69 @@ static void test_truncated(void **state)
     free(b);
 }
 
+/* Found by tests/fuzz/fuzz_idx: a header declaring 4G labels (or 65535x65535
+ * pixels) made the reader allocate all of it before reading a byte. Now a short
+ * file fails as truncated having asked for about what it holds: under an
+ * address-space limit of 256 MiB over what the process has (not under ASan,
+ * whose shadow memory needs terabytes of address space). */
+#if defined(__SANITIZE_ADDRESS__)
+#define UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define UNDER_ASAN 1
+#endif
+#endif
+static void test_huge_declared_count_is_not_allocated(void **state)
+{
+    (void)state;
+    struct rlimit old;
+    assert_int_equal(getrlimit(RLIMIT_AS, &old), 0);
+#ifndef UNDER_ASAN
+    long vm_kb = 0;
+    FILE *st = fopen("/proc/self/status", "r");
+    char line[256];
+    while (st && fgets(line, sizeof(line), st))
+        if (sscanf(line, "VmSize: %ld kB", &vm_kb) == 1)
+            break;
+    if (st)
+        fclose(st);
+    assert_true(vm_kb > 0);
+    struct rlimit lim = {(rlim_t)vm_kb * 1024 + ((rlim_t)256 << 20), old.rlim_max};
+    assert_int_equal(setrlimit(RLIMIT_AS, &lim), 0);
+#endif
+    char p[512], err[512];
+    unsigned char lab[8] = {0, 0, 0x08, 0x01, 0xff, 0xff, 0xff, 0xfb};
+    path_of(p, sizeof(p), "huge-labels", 0);
+    FILE *f = fopen(p, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(lab, 1, sizeof(lab), f), sizeof(lab));
+    fclose(f);
+    uint8_t *labels = NULL;
+    int64_t n = 0;
+    int rc = idx_read_labels(p, IDX_N_CLASSES, &labels, &n, err, sizeof(err));
+    unsigned char img[16 + 100] = {0, 0, 0x08, 0x03, 0, 0, 0, 1, 0, 0, 0xff, 0xff, 0, 0, 0xff, 0xff};
+    path_of(p, sizeof(p), "huge-images", 0);
+    f = fopen(p, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(img, 1, sizeof(img), f), sizeof(img));
+    fclose(f);
+    float *images = NULL;
+    int rows, cols;
+    char err2[512];
+    int rc2 = idx_read_images(p, &images, &n, &rows, &cols, err2, sizeof(err2));
+    assert_int_equal(setrlimit(RLIMIT_AS, &old), 0);
+    unlink(p);
+    path_of(p, sizeof(p), "huge-labels", 0);
+    unlink(p);
+    print_message("    %s\n    %s\n", err, err2);
+    assert_int_equal(rc, -1);
+    assert_null(labels);
+    assert_non_null(strstr(err, "truncated"));
+    assert_int_equal(rc2, -1);
+    assert_null(images);
+    assert_non_null(strstr(err2, "truncated"));
+}
+
 static void test_trailing_bytes(void **state)
 {
     (void)state;
@@ -646,6 +710,7 @@ int main(void)
         cmocka_unit_test(test_raw_preferred_over_gz),
         cmocka_unit_test(test_bad_magic),
         cmocka_unit_test(test_truncated),
+        cmocka_unit_test(test_huge_declared_count_is_not_allocated),
         cmocka_unit_test(test_trailing_bytes),
         cmocka_unit_test(test_corrupt_gzip),
         cmocka_unit_test(test_count_mismatch),

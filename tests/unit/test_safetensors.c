@@ -256,6 +256,10 @@ static void test_header_rejects(void **state)
     expect_reject("{" T("a", "U8", "[1,1,1,1,1,1,1,1,1]", 0, 1) "}", 1);
     /* zero-sized tensors are fine in the format */
     expect_ok("{" T("z", "F32", "[0,3]", 0, 0) "," T("a", "F32", "[1]", 0, 4) "}", 4);
+    /* an empty name, which st_header_build cannot write (found by
+     * tests/fuzz/fuzz_safetensors: corpus file crash-empty-tensor-name) */
+    expect_reject("{" T("", "F32", "[1]", 0, 4) "}", 4);
+    expect_reject("{" T("a", "F32", "[1]", 0, 4) "," T("", "F32", "[0]", 4, 4) "}", 4);
 }
 
 /* st_header_build against what the format says, byte by byte. */

@@ -1,0 +1,180 @@
+/* conntrack.c - a deadline for each request's headers (see conntrack.h). */
+#include "conntrack.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "log.h"
+
+typedef struct entry {
+    int fd;
+    struct sockaddr_storage peer; /* to tell a reused descriptor from this one */
+    socklen_t peer_len;
+    atomic_int in_request;
+    atomic_llong since_ms; /* waiting for headers since */
+    int cut;
+    struct entry *prev, *next;
+} entry;
+
+struct conntrack {
+    pthread_t thread;
+    pthread_mutex_t mu; /* the list, and stop */
+    pthread_cond_t cv;
+    entry *head;
+    int stop;
+    long long timeout_ms;
+};
+
+static long long now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+void conntrack_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
+                      enum MHD_ConnectionNotificationCode toe)
+{
+    struct conntrack *t = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *fd =
+            MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        entry *e = fd ? calloc(1, sizeof(*e)) : NULL;
+        if (!e)
+            return; /* untracked: only the idle timeout applies to it */
+        e->fd = fd->connect_fd;
+        e->peer_len = sizeof(e->peer);
+        if (getpeername(e->fd, (struct sockaddr *)&e->peer, &e->peer_len) != 0)
+            e->peer_len = 0;
+        atomic_store(&e->since_ms, now_ms());
+        pthread_mutex_lock(&t->mu);
+        e->next = t->head;
+        if (t->head)
+            t->head->prev = e;
+        t->head = e;
+        pthread_mutex_unlock(&t->mu);
+        *socket_context = e;
+    } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED && *socket_context) {
+        entry *e = *socket_context;
+        pthread_mutex_lock(&t->mu);
+        if (e->prev)
+            e->prev->next = e->next;
+        else
+            t->head = e->next;
+        if (e->next)
+            e->next->prev = e->prev;
+        pthread_mutex_unlock(&t->mu);
+        free(e);
+        *socket_context = NULL;
+    }
+}
+
+static entry *entry_of(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
+void conntrack_request_begins(struct MHD_Connection *conn)
+{
+    entry *e = entry_of(conn);
+    if (e)
+        atomic_store(&e->in_request, 1);
+}
+
+void conntrack_request_ends(struct MHD_Connection *conn)
+{
+    entry *e = entry_of(conn);
+    if (e) {
+        atomic_store(&e->since_ms, now_ms());
+        atomic_store(&e->in_request, 0);
+    }
+}
+
+/* The descriptor still belongs to the connection the entry was made for. */
+static int same_peer(const entry *e)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof(ss);
+    return e->peer_len && getpeername(e->fd, (struct sockaddr *)&ss, &len) == 0 &&
+           len == e->peer_len && memcmp(&ss, &e->peer, len) == 0;
+}
+
+static void *reap(void *arg)
+{
+    struct conntrack *t = arg;
+    pthread_mutex_lock(&t->mu);
+    while (!t->stop) {
+        struct timespec at;
+        clock_gettime(CLOCK_MONOTONIC, &at);
+        at.tv_nsec += 250 * 1000000L;
+        if (at.tv_nsec >= 1000000000L) {
+            at.tv_sec++;
+            at.tv_nsec -= 1000000000L;
+        }
+        while (!t->stop && pthread_cond_timedwait(&t->cv, &t->mu, &at) != ETIMEDOUT) {
+        }
+        if (t->stop)
+            break;
+        long long now = now_ms();
+        int n = 0;
+        for (entry *e = t->head; e; e = e->next)
+            if (!e->cut && !atomic_load(&e->in_request) &&
+                now - atomic_load(&e->since_ms) > t->timeout_ms && same_peer(e)) {
+                shutdown(e->fd, SHUT_RDWR); /* libmicrohttpd sees the end and closes it */
+                e->cut = 1;
+                n++;
+            }
+        if (n)
+            log_info("psd: closed %d connection%s whose request headers did not come within %lld s",
+                     n, n == 1 ? "" : "s", t->timeout_ms / 1000);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+struct conntrack *conntrack_start(int timeout_secs)
+{
+    struct conntrack *t = calloc(1, sizeof(*t));
+    if (!t)
+        return NULL;
+    t->timeout_ms = (long long)timeout_secs * 1000;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&t->thread, NULL, reap, t) != 0) {
+        pthread_cond_destroy(&t->cv);
+        pthread_mutex_destroy(&t->mu);
+        free(t);
+        return NULL;
+    }
+    return t;
+}
+
+void conntrack_stop(struct conntrack *t)
+{
+    if (!t)
+        return;
+    pthread_mutex_lock(&t->mu);
+    t->stop = 1;
+    pthread_cond_signal(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    pthread_join(t->thread, NULL);
+    while (t->head) { /* none after MHD_stop_daemon; just in case */
+        entry *e = t->head;
+        t->head = e->next;
+        free(e);
+    }
+    pthread_cond_destroy(&t->cv);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}

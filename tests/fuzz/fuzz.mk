@@ -1,0 +1,80 @@
+# fuzz.mk - libFuzzer harnesses (tests/fuzz/fuzz_*.c), included by the Makefile.
+#   make fuzz          build them and run each for FUZZ_SECS (60) seconds on its
+#                      corpus, with tests/fuzz/<harness>.dict; new inputs go
+#                      to $(FUZZ_WORK)/<harness>/, never into the committed
+#                      corpus; fails on any crash, leak or sanitizer report
+#   make fuzz-replay   build them and run each once over tests/fuzz/corpus/<harness>/
+#                      (part of make test; JUnit XML into FUZZ_XML_DIR)
+# clang with -fsanitize=fuzzer,address,undefined; the project's sources are
+# compiled again for it into $(FUZZ_BUILD) (the gcc build is not reused).
+
+.PHONY: fuzz fuzz-replay fuzz-bins
+FUZZ_CC    ?= $(firstword $(shell command -v clang-14 clang 2>/dev/null) clang)
+FUZZ_BUILD ?= $(BUILD)/fuzz
+FUZZ_SECS  ?= 60
+FUZZ_WORK  ?= /tmp/restps-fuzz
+FUZZ_XML_DIR ?= tests/out
+FUZZ_SAN    = -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+# no -Werror: gcc's build gates warnings; a clang-only warning must not stop the replay
+FUZZ_CFLAGS = -O1 -g $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c11 -D_GNU_SOURCE -Wall -Wextra \
+              -pthread -Icommon -Iserver -Iclient
+FUZZ_HARNESSES = fuzz_safetensors fuzz_idx fuzz_cluster fuzz_request fuzz_checkpoint
+
+FUZZ_COMMON = $(COMMON_SRC:%.c=$(FUZZ_BUILD)/%.o)
+# fuzz_request includes routes.c and vars.c to reach their static parsers
+FUZZ_SERVER = $(filter-out $(FUZZ_BUILD)/server/routes.o $(FUZZ_BUILD)/server/vars.o, \
+                $(SERVER_SRC:%.c=$(FUZZ_BUILD)/%.o)) $(FUZZ_BUILD)/web_assets.o
+
+$(FUZZ_BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -MMD -MP -c -o $@ $<
+
+$(FUZZ_BUILD)/web_assets.o: $(BUILD)/web_assets.c
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -c -o $@ $<
+
+# idx.c reads in chunks of 256 KiB; 512 bytes here puts chunk boundaries
+# inside small inputs and keeps zlib's buffers small
+$(FUZZ_BUILD)/client/idx.o: FUZZ_CFLAGS += -DIDX_CHUNK=512
+
+FUZZ_LINK = $(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^
+$(FUZZ_BUILD)/bin/fuzz_safetensors: $(FUZZ_BUILD)/tests/fuzz/fuzz_safetensors.o $(FUZZ_COMMON)
+	@mkdir -p $(dir $@)
+	$(FUZZ_LINK) -ljansson -lm
+$(FUZZ_BUILD)/bin/fuzz_cluster: $(FUZZ_BUILD)/tests/fuzz/fuzz_cluster.o $(FUZZ_COMMON)
+	@mkdir -p $(dir $@)
+	$(FUZZ_LINK) -ljansson -lm
+$(FUZZ_BUILD)/bin/fuzz_idx: $(FUZZ_BUILD)/tests/fuzz/fuzz_idx.o $(FUZZ_BUILD)/client/idx.o $(FUZZ_COMMON)
+	@mkdir -p $(dir $@)
+	$(FUZZ_LINK) -lz -ljansson -lm
+$(FUZZ_BUILD)/bin/fuzz_request: $(FUZZ_BUILD)/tests/fuzz/fuzz_request.o $(FUZZ_SERVER) $(FUZZ_COMMON)
+	@mkdir -p $(dir $@)
+	$(FUZZ_LINK) $(LDLIBS_SERVER)
+$(FUZZ_BUILD)/bin/fuzz_checkpoint: $(FUZZ_BUILD)/tests/fuzz/fuzz_checkpoint.o $(FUZZ_SERVER) \
+                                   $(FUZZ_BUILD)/server/routes.o $(FUZZ_BUILD)/server/vars.o $(FUZZ_COMMON)
+	@mkdir -p $(dir $@)
+	$(FUZZ_LINK) $(LDLIBS_SERVER)
+
+fuzz-bins: $(FUZZ_HARNESSES:%=$(FUZZ_BUILD)/bin/%)
+
+# ASan's leak check and UBSan stop the run at the first report.
+FUZZ_ENV = ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+fuzz: fuzz-bins
+	@for h in $(FUZZ_HARNESSES); do \
+	  mkdir -p $(FUZZ_WORK)/$$h $(FUZZ_WORK)/crashes; \
+	  echo "fuzz: $$h for $(FUZZ_SECS) s (new inputs in $(FUZZ_WORK)/$$h)"; \
+	  dict=; [ -f tests/fuzz/$$h.dict ] && dict=-dict=tests/fuzz/$$h.dict; \
+	  $(FUZZ_ENV) $(FUZZ_BUILD)/bin/$$h -max_total_time=$(FUZZ_SECS) -timeout=10 -rss_limit_mb=2048 $$dict \
+	    -artifact_prefix=$(FUZZ_WORK)/crashes/$$h- -print_final_stats=1 \
+	    $(FUZZ_WORK)/$$h tests/fuzz/corpus/$$h >$(FUZZ_WORK)/$$h.log 2>&1 \
+	    || { tail -40 $(FUZZ_WORK)/$$h.log; echo "fuzz: $$h FAILED (log $(FUZZ_WORK)/$$h.log)"; exit 1; }; \
+	  grep -E '^stat::number_of_executed_units' $(FUZZ_WORK)/$$h.log; \
+	done
+
+# Each harness replays its corpus once (no mutation): one JUnit test case per
+# harness; without clang every case is skipped with the reason.
+fuzz-replay:
+	@sh tests/fuzz/replay.sh "$(FUZZ_CC)" "$(FUZZ_BUILD)" "$(FUZZ_XML_DIR)" "$(MAKE)" $(FUZZ_HARNESSES)
+
+-include $(shell find $(FUZZ_BUILD) -name '*.d' 2>/dev/null)

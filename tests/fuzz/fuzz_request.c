@@ -1,0 +1,121 @@
+/* fuzz_request.c - what psd reads from a request before any handler runs, and
+ * the header and query helpers the handlers call: the URL's %XX decoding
+ * (routes_unescape), the route pattern and {name} (routes.c), variable names
+ * (tensor_name_check), X-Shape (tensor_shape_parse), If-None-Match
+ * (etag_matches), the bearer token (auth_check), ?format= and Accept
+ * (wants_json), ?offset=/?count= (query_count), and the JSON rendering of
+ * float values (values_json).
+ *
+ * routes.c and vars.c are included (and left out of the link) to reach their
+ * static helpers without widening their interfaces. libmicrohttpd's header
+ * lookup is replaced below by one that answers from the fuzz input.
+ *
+ * Input: newline-separated fields: URL, X-Shape, If-None-Match,
+ * Authorization, ?format=, Accept, ?count=; the rest is float32 values. */
+#include "../../server/routes.c"
+#include "../../server/vars.c"
+
+#include "fuzz_util.h"
+
+static const char *fake_format, *fake_accept, *fake_count, *fake_inm;
+
+/* Overrides libmicrohttpd's (the executable's definition wins). */
+const char *MHD_lookup_connection_value(struct MHD_Connection *connection,
+                                        enum MHD_ValueKind kind, const char *key)
+{
+    (void)connection;
+    if (kind == MHD_GET_ARGUMENT_KIND) {
+        const char *v = strcmp(key, "format") == 0 ? fake_format
+                        : strcmp(key, "count") == 0 ? fake_count : NULL;
+        return v && *v ? v : NULL;
+    }
+    if (kind == MHD_HEADER_KIND) {
+        const char *v = strcasecmp(key, MHD_HTTP_HEADER_ACCEPT) == 0 ? fake_accept
+                        : strcasecmp(key, MHD_HTTP_HEADER_IF_NONE_MATCH) == 0 ? fake_inm : NULL;
+        return v && *v ? v : NULL;
+    }
+    return NULL;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    char *f[7];
+    for (int i = 0; i < 7; i++)
+        f[i] = fuzz_field(&data, &size, '\n');
+    char err[512];
+
+    /* URL: decoding never grows the string nor puts a NUL inside it. */
+    size_t before = strlen(f[0]);
+    size_t after = routes_unescape(NULL, NULL, f[0]);
+    FUZZ_CHECK(after <= before && after == strlen(f[0]));
+    char name[TENSOR_NAME_MAX + 1];
+    int name_ok;
+    const char *pattern = pattern_of(f[0], name, sizeof(name), &name_ok);
+    FUZZ_CHECK(pattern && strlen(name) <= TENSOR_NAME_MAX);
+    if (strstr(pattern, "{name}") && name_ok && tensor_name_check(name, err, sizeof(err)) == 0) {
+        /* a valid name is a whole path segment list: no "..", no empty segment */
+        FUZZ_CHECK(name[0] && !strstr(name, "..") && !strstr(name, "//") && name[0] != '/');
+    }
+
+    /* X-Shape: what parses prints back to itself. */
+    tensor_shape s, s2;
+    if (tensor_shape_parse(f[1], &s, err, sizeof(err)) == 0) {
+        int64_t numel = tensor_shape_numel(&s);
+        FUZZ_CHECK(numel >= 1 && numel <= TENSOR_MAX_ELEMS && s.ndim <= TENSOR_MAX_DIMS);
+        char buf[256];
+        tensor_shape_header(&s, buf, sizeof(buf));
+        FUZZ_CHECK(tensor_shape_parse(buf, &s2, err, sizeof(err)) == 0 && tensor_shape_equal(&s, &s2));
+    }
+
+    /* If-None-Match against this shape's ETag form, and against itself. */
+    fake_inm = f[2];
+    (void)etag_matches(f[2], "\"3-7\"");
+    if (f[2][0] && !strchr(f[2], ',') && f[2][0] != ' ' && f[2][strlen(f[2]) - 1] != ' ' &&
+        strncmp(f[2], "W/", 2) != 0)
+        FUZZ_CHECK(etag_matches(f[2], f[2]));
+
+    /* Authorization: only the exact header passes. */
+    int ok = auth_check("s3cret-token", f[3]);
+    FUZZ_CHECK(ok == (strcmp(f[3], "Bearer s3cret-token") == 0));
+
+    /* ?format=, Accept, ?count= through the lookup above. */
+    request r;
+    memset(&r, 0, sizeof(r));
+    fake_format = f[4];
+    fake_accept = f[5];
+    fake_count = f[6];
+    int bad;
+    int j = wants_json(&r, &bad);
+    FUZZ_CHECK(!(j && bad));
+    int64_t c = query_count(&r, "count");
+    FUZZ_CHECK(c >= -2);
+
+    /* The rest: float values rendered as JSON must parse back, NaN/Inf as null. */
+    size_t n = size / sizeof(float);
+    if (n > 4096)
+        n = 4096;
+    float *x = malloc(n ? n * sizeof(float) : 1);
+    FUZZ_CHECK(x);
+    if (n)
+        memcpy(x, data, n * sizeof(float));
+    size_t len = 0;
+    char *js = values_json(x, (int64_t)n, &len);
+    FUZZ_CHECK(js && len == strlen(js));
+    json_error_t jerr;
+    json_t *arr = json_loadb(js, len, 0, &jerr);
+    FUZZ_CHECK(arr && json_is_array(arr) && json_array_size(arr) == n);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(arr, i);
+        if (isfinite(x[i]))
+            FUZZ_CHECK(json_is_number(v) && (float)json_number_value(v) == x[i]);
+        else
+            FUZZ_CHECK(json_is_null(v));
+    }
+    json_decref(arr);
+    free(js);
+    free(x);
+    fake_format = fake_accept = fake_count = fake_inm = NULL;
+    for (int i = 0; i < 7; i++)
+        free(f[i]);
+    return 0;
+}
