@@ -293,3 +293,22 @@ def test_signal_exits_0(sig, busy):
     assert proc.returncode == 0, err.decode(errors="replace")
     for mark in ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer"):
         assert mark not in err.decode(errors="replace")
+
+
+def test_a_task_on_another_loopback_address_listens_there(start_psd):
+    """--ps_hosts=127.0.0.2:P: psd binds 127.0.0.2 (a socket on 127.0.0.1 does
+    not answer for it), and not 127.0.0.1."""
+    s = socket.socket()
+    s.bind(("127.0.0.2", 0))
+    port = s.getsockname()[1]
+    s.close()
+    p = start_psd(f"--ps_hosts=127.0.0.2:{port}", port0=False)
+    assert p.url == f"http://127.0.0.2:{port}", p.url
+    st, _, body = http("GET", f"http://127.0.0.2:{port}/healthz")
+    assert st == 200, body
+    c = socket.socket()
+    try:
+        with pytest.raises(OSError):
+            c.connect(("127.0.0.1", port))
+    finally:
+        c.close()
