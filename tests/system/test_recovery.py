@@ -172,7 +172,9 @@ def test_kill_ps_during_sync_training_and_inside_a_checkpoint_write(jobs):
     args = ["--sync=1", "--hidden_units=32", "--optimizer=adam", "--learning_rate=0.003",
             "--batch_size=50", f"--train_steps={steps}", "--seed=5", "--log_every=0",
             "--ps_backoff_max_ms=300"]
-    ref_acc, ref_model = uninterrupted(jobs, args)
+    # the uninterrupted reference run: on the optimized build (under ASan the
+    # kill and restore paths run; the comparison would only double the time)
+    ref_acc, ref_model = (None, None) if ASAN else uninterrupted(jobs, args)
 
     job = jobs("crashed", 2, args)
     job.start_psd()
@@ -215,16 +217,18 @@ def test_kill_ps_during_sync_training_and_inside_a_checkpoint_write(jobs):
         ckpt_check.read(f)
     assert temps_left == 1 and not glob.glob(os.path.join(job.logdir, "ps-0", "*.tmp.*"))
     acc = accuracy_of(outs[1][1])
-    same = open(job.export, "rb").read() == ref_model
     print(f"ps kill points: {[w for w, _, _ in restarts]}")
     for where, restored, secs in restarts:
         print(f"  killed at {where}: restored global step {restored}, "
               f"global_step moved again {secs:.2f} s after the restart began")
+    assert acc >= 0.75  # chance is 0.10
+    if ASAN:
+        return
+    same = open(job.export, "rb").read() == ref_model
     print(f"checkpoints validated: {len(files)} at the end (+ after each kill); "
           f"test accuracy {acc:.4f} vs uninterrupted {ref_acc:.4f} "
           f"(difference {abs(acc - ref_acc):.4f}; models bit-identical: {same})")
     assert abs(acc - ref_acc) <= 0.01
-    assert acc >= 0.75  # chance is 0.10
 
 
 def test_kill_one_of_two_ps_tasks_during_sync_training(jobs):
@@ -236,7 +240,7 @@ def test_kill_one_of_two_ps_tasks_during_sync_training(jobs):
     args = ["--sync=1", "--hidden_units=32", "--optimizer=adam", "--learning_rate=0.003",
             "--batch_size=50", f"--train_steps={steps}", "--seed=5", "--log_every=0",
             "--ps_backoff_max_ms=300"]
-    ref_acc, ref_model = uninterrupted(jobs, args, n_ps=2)
+    ref_acc, ref_model = (None, None) if ASAN else uninterrupted(jobs, args, n_ps=2)
     job = jobs("two-ps", 2, args, n_ps=2)
     job.start_psd(task=0)
     job.start_psd(task=1)
@@ -258,6 +262,10 @@ def test_kill_one_of_two_ps_tasks_during_sync_training(jobs):
             meta, _ = ckpt_check.read(f)
             assert json.loads(meta["placement"])["ps_tasks"] == 2
     acc = accuracy_of(outs[1][1])
+    if ASAN:  # no reference run there (see above); far above chance (0.10)
+        print(f"2 ps, ps 1 killed at half-way: test accuracy {acc:.4f}")
+        assert acc >= 0.7
+        return
     same = open(job.export, "rb").read() == ref_model
     print(f"2 ps, ps 1 killed at half-way: test accuracy {acc:.4f} vs uninterrupted {ref_acc:.4f} "
           f"(bit-identical: {same})")
