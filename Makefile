@@ -182,6 +182,7 @@ test: deps
 bench: deps all bench-bins
 	sh bench/run.sh
 	sh bench/train.sh
+	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py
 	sh bench/tls.sh

@@ -157,18 +157,23 @@ int export_model(const train_config *c, const float *params, int64_t step)
     return 0;
 }
 
-void final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
-                  int64_t step)
+int final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+                 int64_t step)
 {
     double vloss = 0, vacc = 0, tloss = 0, tacc = 0;
-    if (ds->validation.n > 0)
-        mlp_evaluate(m, params, ds->validation.images, ds->validation.labels, ds->validation.n,
-                     &vloss, &vacc);
-    mlp_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &tloss, &tacc);
+    if ((ds->validation.n > 0 &&
+         mlp_evaluate(m, params, ds->validation.images, ds->validation.labels, ds->validation.n,
+                      &vloss, &vacc) != 0) ||
+        mlp_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &tloss, &tacc) != 0) {
+        /* the backend printed the call that failed */
+        fprintf(stderr, "workerd: the final evaluation failed at global step %lld\n", (long long)step);
+        return -1;
+    }
     printf("%s: training done at global step %lld: validation cross-entropy %.4f, test loss %.4f, "
            "test accuracy %.4f\n",
            c->name, (long long)step, vloss, tloss, tacc);
     fflush(stdout);
+    return 0;
 }
 
 /* ---- the cluster ---- */
@@ -584,7 +589,8 @@ int train_worker(const train_config *c)
             rc = 1;
             goto out;
         }
-        final_report(c, m, params, &ds, final_step);
+        if (final_report(c, m, params, &ds, final_step) != 0)
+            rc = 1;
         if (c->export_path && export_model(c, params, final_step) != 0)
             rc = 1;
         if (!c->keep_ps) {
@@ -649,7 +655,10 @@ int train_evaluator(const train_config *c)
         }
         if (step != last) {
             double loss, acc;
-            mlp_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc);
+            if (mlp_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc) != 0) {
+                fprintf(stderr, "workerd: evaluation failed at global step %lld\n", (long long)step);
+                goto out;
+            }
             printf("%s: global step %lld: test loss %.4f, test accuracy %.4f\n", c->name,
                    (long long)step, loss, acc);
             fflush(stdout);
@@ -712,7 +721,12 @@ int train_local(const train_config *c)
     for (int64_t step = 0; step < c->train_steps; step++) {
         batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
         double loss;
-        mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss);
+        if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
+            /* the backend printed what failed (a CUDA or cuBLAS call) */
+            progress_clear(&bar);
+            fprintf(stderr, "workerd: forward/backward failed at step %lld\n", (long long)step);
+            goto out;
+        }
         /* one update per variable, as the ps applies them (clipping is per
          * variable); the slots share the parameters' offsets */
         for (int k = 0; k < c->layout.n_tensors; k++) {
@@ -736,8 +750,7 @@ int train_local(const train_config *c)
     double secs = now_secs() - t0;
     printf("%s: %lld steps in %.2f s: %.1f steps/s\n", c->name, (long long)c->train_steps, secs,
            (double)c->train_steps / secs);
-    final_report(c, m, params, &ds, c->train_steps);
-    rc = 0;
+    rc = final_report(c, m, params, &ds, c->train_steps) != 0;
     if (c->export_path && export_model(c, params, c->train_steps) != 0)
         rc = 1;
 out:

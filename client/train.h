@@ -80,8 +80,9 @@ void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint
 int train_load(const train_config *c, idx_dataset *ds);
 /* Write --export (a safetensors file of the model); 0 or -1 after a message. */
 int export_model(const train_config *c, const float *params, int64_t step);
-/* Print the validation and test figures of params. */
-void final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
-                  int64_t step);
+/* Print the validation and test figures of params; 0, or -1 after a message
+ * when the backend failed (a CUDA or cuBLAS call). */
+int final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+                 int64_t step);
 
 #endif

@@ -136,6 +136,26 @@ def test_sync_runs_with_the_same_seed_are_bit_identical(cluster, tmp_path):
 
 
 @needs_data
+def test_one_async_worker_against_psd_is_bit_identical_to_local(cluster, tmp_path):
+    # The distributed path (pull, push, Adam applied on psd) adds nothing to
+    # the arithmetic: with one worker there is no staleness, and the model it
+    # exports is byte for byte the one `workerd --local` trains in-process.
+    # With two async workers the only difference left is the staleness of the
+    # gradients (see the next test).
+    steps = 300 if ASAN else 2000
+    args = ["--sync=0", "--hidden_units=100", "--optimizer=adam", "--learning_rate=0.01",
+            "--batch_size=100", f"--train_steps={steps}", "--log_every=0", "--seed=7"]
+    dist, outs = run(cluster, 1, args, tmp_path, "dist")
+    local = str(tmp_path / "local.safetensors")
+    r = subprocess.run([binary("workerd"), "--local", f"--data_dir={DATA}", f"--export={local}"] + args[1:],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert load_model(dist)[1]["global_step"] == str(steps)
+    assert open(dist, "rb").read() == open(local, "rb").read()
+    assert accuracy_of(outs[0][1]) == accuracy_of(r.stdout)
+
+
+@needs_data
 @pytest.mark.skipif(ASAN, reason="the full-length accuracy run uses the optimized build only")
 def test_example_settings_async_reach_085(cluster, tmp_path):
     # the original example: 784-100-10, Adam 0.01, batch 100, 2 workers, async, 10,000 steps
@@ -143,11 +163,14 @@ def test_example_settings_async_reach_085(cluster, tmp_path):
             "--batch_size=100", "--train_steps=10000", "--log_every=1000"]
     path, outs = run(cluster, 2, args, tmp_path)
     acc = accuracy_of(outs[-1][1])
-    # The target is 0.85. Measured: 0.857-0.873 over seeds (local and
-    # distributed), but one async run on a busy machine ended at 0.842: Adam at
-    # 0.01 leaves the last step's model noisy, and async runs are not
-    # reproducible. So this asserts a clear margin above chance (0.10) that
-    # holds every time, and prints the figure for the benchmark notes.
+    # The target is 0.85; this asserts 0.83. Measured (bench/async_accuracy.py,
+    # in make bench): one process or one worker, 0.859-0.873 (0.843 for one seed
+    # of 14); two async workers, mean 0.851 over 13 seeds, 0.835-0.863. The gap
+    # is the algorithm's, not this code's: a push is computed from parameters
+    # about half an update old (mean staleness 0.5), and an independent numpy
+    # model of the example loses the same ~0.015 when its gradients are one
+    # update old. So 0.85 holds for about half the async runs, and the
+    # assertion is the margin every run keeps (chance is 0.10).
     print(f"example settings, async, 2 workers, 10,000 steps: test accuracy {acc:.4f}")
     assert acc >= 0.83, outs[-1][1][-2000:]
     m, meta = load_model(path)
