@@ -164,13 +164,14 @@ def test_example_settings_async_reach_085(cluster, tmp_path):
     path, outs = run(cluster, 2, args, tmp_path)
     acc = accuracy_of(outs[-1][1])
     # The target is 0.85; this asserts 0.83. Measured (bench/async_accuracy.py,
-    # in make bench): one process or one worker, 0.859-0.873 (0.843 for one seed
-    # of 14); two async workers, mean 0.851 over 13 seeds, 0.835-0.863. The gap
-    # is the algorithm's, not this code's: a push is computed from parameters
-    # about half an update old (mean staleness 0.5), and an independent numpy
-    # model of the example loses the same ~0.015 when its gradients are one
-    # update old. So 0.85 holds for about half the async runs, and the
-    # assertion is the margin every run keeps (chance is 0.10).
+    # in make bench): one process or one worker, 0.843-0.873 (mean 0.863, 14
+    # seeds); two async workers, 0.835-0.863 (mean 0.852, 19 runs, 12 of them
+    # >= 0.85). Adam at 0.01 leaves the last step's model noisy, and async
+    # adds staleness: a push is computed from parameters about half an update
+    # old. An independent numpy model of the example shows both (0.845-0.873
+    # with current gradients; 0.827-0.852 with one-update-old ones). So 0.85
+    # holds for most runs but not every one, and the assertion is the margin
+    # every run keeps (chance is 0.10).
     print(f"example settings, async, 2 workers, 10,000 steps: test accuracy {acc:.4f}")
     assert acc >= 0.83, outs[-1][1][-2000:]
     m, meta = load_model(path)
