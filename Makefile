@@ -180,6 +180,7 @@ test: deps
 	sh tests/run.sh
 
 bench: deps all bench-bins
+	@sh scripts/nginx.sh
 	sh bench/run.sh
 	sh bench/train.sh
 	/usr/bin/python3 bench/async_accuracy.py

@@ -6,15 +6,18 @@
 # Environment: BENCH_REPS (default 15), BENCH_SCALE (batch sizes, default 1),
 # BENCH_ARGS (more bench_pull flags, e.g. --verbose for every repetition's figure),
 # PSD_FLAGS (more flags for both psd, e.g. --buffer_pool_mib=0),
-# NGINX (default /usr/sbin/nginx). OPENBLAS_CORETYPE is left as found.
+# NGINX (default build/tools/nginx, which scripts/nginx.sh fetches, else /usr/sbin/nginx). OPENBLAS_CORETYPE is left as found.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 
-NGINX=${NGINX:-/usr/sbin/nginx}
+if [ -z "${NGINX:-}" ]; then
+  NGINX=/usr/sbin/nginx
+  [ -x build/tools/nginx ] && NGINX=build/tools/nginx
+fi
 REPS=${BENCH_REPS:-15}
 SCALE=${BENCH_SCALE:-1}
 for f in bin/psd bin/bench_pull "$NGINX"; do
-  [ -x "$f" ] || { echo "bench: $f is missing (make all bench-bins; nginx-light)" >&2; exit 1; }
+  [ -x "$f" ] || { echo "bench: $f is missing (make all bench-bins; sh scripts/nginx.sh)" >&2; exit 1; }
 done
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/restps-bench.XXXXXX") || exit 1

@@ -6,10 +6,12 @@
 # clang-14, libclang-rt-14-dev: the libFuzzer harnesses (tests/fuzz/, make fuzz).
 # wrk: the load test and bench (tests/system/test_load.py, bench/load.sh);
 # valgrind: tests/system/test_valgrind.py.
+# nginx (make bench's peer) is not installed, which would enable a server on
+# port 80: scripts/nginx.sh takes its binary from Debian's package.
 set -eu
 PKGS="gcc make pkg-config ca-certificates curl openssl \
 libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
-libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox nginx-light \
+libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox \
 dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \
 clang-14 libclang-rt-14-dev \
