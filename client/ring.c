@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "token.h"
 #include "web.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -37,6 +38,7 @@ struct ring {
     int K;                   /* ring steps per all-reduce: 2(N-1) */
     double timeout;
     int (*abort)(void);
+    char *token; /* NULL: the endpoint is open */
     struct MHD_Daemon *d;
     struct timespec started;
 
@@ -48,7 +50,7 @@ struct ring {
     pthread_cond_t cv;
 
     CURL *curl;
-    struct curl_slist *hdrs;
+    struct curl_slist *hdrs, *auth; /* auth: the token alone (the state fetch); NULL: none */
     char resp[512];
     size_t resp_len;
     _Atomic uint64_t bytes_sent;
@@ -144,6 +146,8 @@ static enum MHD_Result reply_json(struct MHD_Connection *c, unsigned status, jso
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
+    if (status == MHD_HTTP_UNAUTHORIZED)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
     enum MHD_Result rc = MHD_queue_response(c, status, resp);
     MHD_destroy_response(resp);
     return rc;
@@ -250,6 +254,14 @@ static unsigned chunk_begin(ring *r, struct MHD_Connection *c, req *q, char *msg
     return 0;
 }
 
+/* 1 when the request may go on: no token is configured, or it carries it. */
+static int token_ok(const ring *r, struct MHD_Connection *c)
+{
+    return !r->token ||
+           token_header_ok(r->token, MHD_lookup_connection_value(c, MHD_HEADER_KIND,
+                                                                 MHD_HTTP_HEADER_AUTHORIZATION));
+}
+
 static json_t *status_json(ring *r)
 {
     pthread_mutex_lock(&r->mu);
@@ -280,6 +292,9 @@ static enum MHD_Result on_get(ring *r, struct MHD_Connection *c, const char *url
     if (strcmp(url, "/v1/status") == 0)
         return reply_json(c, MHD_HTTP_OK, status_json(r));
     if (strcmp(url, "/v1/ring/state") == 0) {
+        /* the whole model: a read that needs the token, as a write does */
+        if (!token_ok(r, c))
+            return reply_error(c, MHD_HTTP_UNAUTHORIZED, "missing or wrong bearer token for GET /v1/ring/state");
         pthread_mutex_lock(&r->mu);
         void *s = r->state;
         size_t len = r->state_len;
@@ -334,7 +349,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
             return reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
         if (!(q = calloc(1, sizeof(*q))))
             return MHD_NO;
-        q->bad = chunk_begin(r, c, q, q->msg, sizeof(q->msg));
+        /* the token first: no one learns anything else without it; the body
+         * is swallowed, unread, so the sender reads the 401 (not a reset) */
+        if (!token_ok(r, c)) {
+            q->bad = MHD_HTTP_UNAUTHORIZED;
+            snprintf(q->msg, sizeof(q->msg), "missing or wrong bearer token for POST /v1/ring/chunk");
+        } else {
+            q->bad = chunk_begin(r, c, q, q->msg, sizeof(q->msg));
+        }
         if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE) {
             /* answered before the body is read: libmicrohttpd closes the connection */
             enum MHD_Result rc = reply_error(c, MHD_HTTP_CONTENT_TOO_LARGE, "%s", q->msg);
@@ -410,6 +432,15 @@ static const char *resp_error(ring *r)
     return out;
 }
 
+/* What a peer's 401 means, after "worker N (host:port)". */
+static const char *token_refused(const ring *r)
+{
+    return r->token ? "refused this task's bearer token (HTTP 401): start every task with the same "
+                      "--auth_token_file"
+                    : "wants a bearer token (HTTP 401) and this task has none: start every task with "
+                      "the same --auth_token_file";
+}
+
 /* POST one piece to the right neighbour, retrying what may pass (it is not up
  * yet, a 5xx) until `deadline`. */
 static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *data, size_t n,
@@ -433,6 +464,11 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
         if (cc == CURLE_OK && status >= 200 && status < 300) {
             atomic_fetch_add(&r->bytes_sent, (uint64_t)n * 4);
             return 0;
+        }
+        if (cc == CURLE_OK && status == 401) {
+            seterr(err, errlen, "worker %d (%s), the right neighbour, %s", right, r->peer[right],
+                   token_refused(r));
+            return -1;
         }
         if (cc == CURLE_OK && status >= 400 && status < 500) {
             seterr(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
@@ -593,6 +629,7 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
     curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(wait_secs * 1000) + 60000);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_grow);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, r->auth);
     double deadline = now_secs() + wait_secs, said = now_secs();
     int rc = -1;
     for (;;) {
@@ -609,6 +646,10 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
             break;
         }
         free(g.p);
+        if (cc == CURLE_OK && status == 401) {
+            seterr(err, errlen, "the chief, worker %d (%s), %s", from, r->peer[from], token_refused(r));
+            break;
+        }
         if (r->abort && r->abort()) {
             rc = -2;
             break;
@@ -696,6 +737,8 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     r->piece = o->piece_bytes / 4 ? o->piece_bytes / 4 : 1;
     r->timeout = o->timeout_secs;
     r->abort = o->abort;
+    if (o->token && !(r->token = strdup(o->token)))
+        goto oom;
     snprintf(r->name, sizeof(r->name), "%s", o->name ? o->name : "ring");
     r->peer = calloc((size_t)o->n, sizeof(*r->peer));
     r->off = calloc((size_t)o->n + 1, sizeof(size_t));
@@ -724,6 +767,19 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         goto oom;
     r->hdrs = curl_slist_append(NULL, "Content-Type: application/octet-stream");
     r->hdrs = curl_slist_append(r->hdrs, "Expect:"); /* no 100-continue round trip */
+    if (r->token) {
+        size_t hl = strlen(r->token) + 32;
+        char *h = malloc(hl);
+        if (!h)
+            goto oom;
+        snprintf(h, hl, "Authorization: Bearer %s", r->token);
+        struct curl_slist *l = curl_slist_append(r->hdrs, h);
+        r->auth = curl_slist_append(NULL, h);
+        free(h);
+        if (!l || !r->auth)
+            goto oom;
+        r->hdrs = l;
+    }
     curl_easy_setopt(r->curl, CURLOPT_HTTPHEADER, r->hdrs);
     curl_easy_setopt(r->curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(r->curl, CURLOPT_NOPROXY, "*");
@@ -785,11 +841,13 @@ void ring_free(ring *r)
     if (r->curl)
         curl_easy_cleanup(r->curl);
     curl_slist_free_all(r->hdrs);
+    curl_slist_free_all(r->auth);
     free(r->slots);
     free(r->piece_step);
     free(r->peer);
     free(r->off);
     free(r->state);
+    free(r->token);
     pthread_cond_destroy(&r->cv);
     pthread_mutex_destroy(&r->mu);
     free(r);

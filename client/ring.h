@@ -23,7 +23,12 @@
  *        a step other than this worker's step - 1 (a resend), step or step + 1)
  *   GET  /v1/ring/state   what ring_publish set (the chief's parameters, a
  *        safetensors body); 503 until then
- *   GET  /v1/status, /healthz, and the monitoring page (/, /app.js, /style.css) */
+ *   GET  /v1/status, /healthz, and the monitoring page (/, /app.js, /style.css)
+ * With a token (workerd --auth_token_file, as psd's), the chunk and state
+ * routes need "Authorization: Bearer <token>" (401 with {"error": ...} and
+ * WWW-Authenticate: Bearer otherwise; the state is the whole model, so it is
+ * a protected read), and the pushes and the state fetch send it; the status,
+ * health and page routes stay open. */
 #ifndef RESTPS_RING_H
 #define RESTPS_RING_H
 
@@ -42,6 +47,7 @@ typedef struct ring_options {
     double timeout_secs;       /* wait this long for the left neighbour (or to reach the right) */
     const char *name;          /* "worker 1", for messages */
     int (*abort)(void);        /* non-zero: stop waiting (a signal); may be NULL */
+    const char *token;         /* bearer token every peer needs and sends (copied); NULL: open */
 } ring_options;
 
 /* Start this worker's endpoint on peers[rank]'s port (loopback when its host
@@ -53,13 +59,14 @@ void ring_free(ring *r);
  * the previous and the next one (every worker passes the same). wait_secs
  * replaces the timeout for this call when larger (the first one, while the
  * others start). 0; -1 with err naming the peer (it died, or refused what we
- * sent); -2 when abort() asked to stop. */
+ * sent, or its token: at once, no retry); -2 when abort() asked to stop. */
 int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen);
 
 /* Serve body at GET /v1/ring/state from now on (ring takes the malloc'd body). */
 void ring_publish(ring *r, void *body, size_t len);
 /* GET /v1/ring/state from peer `from`, retrying while it is not up or has not
- * published yet, for up to wait_secs. 0 with *body (malloc'd) and *len; -1 with err. */
+ * published yet, for up to wait_secs. 0 with *body (malloc'd) and *len; -1 with err
+ * (at once when it refuses this worker's token). */
 int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *len, char *err,
                      size_t errlen);
 

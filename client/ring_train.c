@@ -8,7 +8,8 @@
  * with the same optimizer, so all replicas stay bit-identical. The chief
  * serves /v1/status and the monitoring page, writes a checkpoint every
  * --save_checkpoint_secs, at the end, on a stop and when the ring breaks, and
- * exports the model at the end. */
+ * exports the model at the end. With --auth_token_file the ring endpoints
+ * want the token on the pieces and the state fetch, and send it. */
 #include "train.h"
 
 #include <errno.h>
@@ -91,7 +92,7 @@ int train_ring(const train_config *c)
         peers[i + has_chief] = cs->jobs[JOB_WORKER].tasks[i];
     ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = np + 1,
                        .piece_bytes = c->ring_piece_bytes, .timeout_secs = c->ring_timeout_secs,
-                       .name = c->name, .abort = train_stop_requested};
+                       .name = c->name, .abort = train_stop_requested, .token = c->token};
     r = ring_new(&ro, err, sizeof(err));
     free(peers);
     if (!r) {
@@ -193,7 +194,8 @@ int train_ring(const train_config *c)
         if (arc != 0) {
             progress_clear(&bar);
             fprintf(stderr, "workerd: %s: ring broken at global step %lld: %s; stopping%s\n", c->name,
-                    (long long)step, err, chief ? " (the last checkpoint is written now)" : "");
+                    (long long)step, err,
+                    chief && c->logdir && *c->logdir ? " (the last checkpoint is written now)" : "");
             broken = 1;
             break;
         }
@@ -248,7 +250,7 @@ int train_ring(const train_config *c)
     if (stopped) {
         printf("%s: stopped by a signal after %lld local steps (global step %lld)%s\n", c->name,
                (long long)local, (long long)step,
-               chief ? "; a restart resumes from the checkpoint" : "");
+               chief && c->logdir && *c->logdir ? "; a restart resumes from the checkpoint" : "");
         rc = 0;
         goto out;
     }

@@ -121,7 +121,7 @@ int main(int argc, char **argv)
         {"tf32", FLAG_BOOL, &tf32, "cuda: let cuBLAS use TF32 tensor cores for the matrix products (faster, ~1e-3 relative error; default false: full FP32, as the cpu)", 0},
         {"tls", FLAG_BOOL, &tls, "talk HTTPS to the ps tasks (psd --tls_cert), trusting the system's CAs (default false)", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "talk HTTPS to the ps tasks, trusting the CA(s) in this PEM file", 0},
-        {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with", 0},
+        {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with; with --allreduce=ring it guards the ring too: every task requires it on the gradient pieces it receives and on GET /v1/ring/state, and sends it (/v1/status, /healthz and the page stay open; every task needs the same file)", 0},
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
         {"placement", FLAG_STRING, &placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
         {"partition_bytes", FLAG_U64, &partition_bytes, "a variable larger than this is split by rows over the ps tasks (default 4194304)", 0},

@@ -1,5 +1,6 @@
 /* token.h - the bearer token shared by psd (which checks it) and workerd
- * (which sends it), read from a file (--auth_token_file). */
+ * (which sends it, and checks it on its ring endpoint), read from a file
+ * (--auth_token_file). */
 #ifndef RESTPS_TOKEN_H
 #define RESTPS_TOKEN_H
 
@@ -8,5 +9,9 @@
 /* Read the token from path (surrounding whitespace stripped). malloc'd, or
  * NULL with err (missing, unreadable, empty, or a space inside). */
 char *token_load(const char *path, char *err, size_t errlen);
+
+/* 1 when an Authorization header is exactly "Bearer <token>", compared in
+ * constant time (psd's routes and the ring endpoint of workerd both ask). */
+int token_header_ok(const char *token, const char *authorization_header);
 
 #endif

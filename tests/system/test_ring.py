@@ -11,7 +11,10 @@
   it, the chief's checkpoint is there, and a restart with a smaller ring
   resumes from it; the chief serves /v1/status and the page meanwhile;
 - the chief resumes from its newest valid checkpoint (a damaged one is passed
-  over) and refuses one of another optimizer; bad ring flags exit 2.
+  over) and refuses one of another optimizer; bad ring flags exit 2;
+- with --auth_token_file every task wants the token on the pieces and the
+  state (401 otherwise, and a refused piece changes nothing), and a task whose
+  token its chief or neighbour refuses stops at once, saying so.
 """
 import json
 import os
@@ -23,7 +26,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, SANITIZER_MARKS, binary, http
+from conftest import BIN, SANITIZER_MARKS, binary, curl, http
 from test_train import DATA, cluster, free_port, load_model, needs_data, run  # noqa: F401 (fixture)
 
 ASAN = "asan" in BIN
@@ -383,3 +386,177 @@ def test_a_half_refused_checkpoint_leaves_nothing_behind_and_newer_broken_ones_k
     assert hashes(out) == hashes(fresh) and len(hashes(fresh)) == 3, (out, fresh)
     # the checkpoint just written is kept however many newer ones there are
     assert (ck / "model.ckpt-3.safetensors").exists(), sorted(os.listdir(ck))
+
+
+# --- the bearer token (workerd --auth_token_file, psd's rules) on the ring ---
+
+MODEL_FLOATS = 784 * 100 + 100 + 100 * 10 + 10  # --hidden_units=100; the ring adds the loss
+
+
+def token_file(tmp_path, name, token):
+    path = tmp_path / name
+    path.write_text(token + "\n")
+    return str(path)
+
+
+def wait_healthz(base, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if http("GET", base + "/healthz", timeout=1)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{base}/healthz never answered")
+
+
+def assert_401(resp, what):
+    st, hd, out = resp
+    assert st == 401, (what, st, out)
+    assert hd.get("www-authenticate") == "Bearer", (what, hd)
+    assert hd["content-type"] == "application/json", (what, hd)
+    assert "missing or wrong bearer token" in json.loads(out)["error"], (what, out)
+
+
+@needs_data
+def test_a_ring_with_a_token_trains_alike_and_refuses_pieces_and_state_without_it(procs, tmp_path):
+    args = ["--optimizer=adam", "--learning_rate=0.01", "--train_steps=30", "--seed=13", "--batch_size=20",
+            "--log_every=0", "--log_param_hash", "--save_checkpoint_secs=0"]
+    # the reference: the same job with no token
+    _, _, ps = ring_job(procs, 2, args, tmp_path, "open")
+    ref = [finish(p) for p in ps]
+    for rc, out in ref:
+        assert rc == 0, out[-3000:]
+    tok = token_file(tmp_path, "token", "s3cret-ring-token")
+    h, _, ps = ring_job(procs, 2, args + [f"--auth_token_file={tok}", "--step_delay_ms=50"], tmp_path, "auth")
+    bases = ["http://" + a for a in h.split(",")]
+    for b in bases:
+        wait_healthz(b)
+    good = {"Authorization": "Bearer s3cret-ring-token"}
+    bad = {"Authorization": "Bearer s3cret-ring-tokeX"}
+    # a piece the chief would take (from its left neighbour, chunk 1, step 0 or 1) but for the token;
+    # large values: had one landed, the parameters would differ from the reference's
+    n_floats = MODEL_FLOATS + 1
+    body = np.full(n_floats - n_floats // 2, 1e6, dtype="<f4").tobytes()
+    for step in (0, 1):
+        q = f"/v1/ring/chunk?step={step}&k=0&offset=0&from=1&n=2&floats={n_floats}"
+        assert_401(http("POST", bases[0] + q, body), "no token")
+        assert_401(http("POST", bases[0] + q, body, bad), "wrong token")
+        assert_401(http("POST", bases[0] + q, body, {"Authorization": "s3cret-ring-token"}), "no scheme")
+        piece = tmp_path / "piece.f32"
+        piece.write_bytes(body)
+        r = curl("-o", "/dev/null", "-w", "%{http_code}", "-H", "Authorization: Bearer wrong",
+                 "--data-binary", f"@{piece}", bases[1] + q.replace("from=1", "from=0"))
+        assert r.stdout == b"401", r
+    # the token goes first: a malformed piece without it learns nothing else
+    assert_401(http("POST", bases[0] + "/v1/ring/chunk?n=3", b"x"), "malformed, no token")
+    st, _, out = http("POST", bases[0] + f"/v1/ring/chunk?step=0&k=0&offset=0&from=1&n=3&floats={n_floats}",
+                      b"x", good)
+    assert st == 409 and b"same --worker_hosts" in out, (st, out)  # the right token passes the gate
+    # the state is the whole model: a protected read
+    for b in bases:
+        assert_401(http("GET", b + "/v1/ring/state"), "state, no token")
+        assert_401(http("GET", b + "/v1/ring/state", None, bad), "state, wrong token")
+    st, _, out = http("GET", bases[0] + "/v1/ring/state", None, good)
+    assert st == 200 and b"restps-ring-checkpoint" in out[:4096], (st, out[:200])
+    # status, health and the page stay open (workerd has no --auth_reads)
+    st, _, out = http("GET", bases[0] + "/v1/status")
+    assert st == 200 and json.loads(out)["mode"] == "ring", out
+    assert http("GET", bases[0] + "/")[0] == 200
+    assert all(p.poll() is None for p in ps), "the job ended before the refused pieces were sent"
+    outs = [finish(p) for p in ps]
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
+    check_hashes(outs, 1, 30)
+    # bit for bit the parameters of the job with no token: nothing refused landed
+    hs = lambda out: dict(re.findall(r"global step (\d+) params crc32c ([0-9a-f]{8})", out))  # noqa: E731
+    assert hs(outs[0][1]) == hs(ref[0][1])
+
+
+def test_help_says_the_token_guards_the_ring():
+    out = subprocess.run([binary("workerd"), "--help"], capture_output=True, timeout=10).stdout.decode()
+    m = re.search(r"--auth_token_file.*?(?=\n  --|\Z)", out, re.S)
+    assert m, out
+    text = " ".join(m.group(0).split())
+    assert "--allreduce=ring" in text and "/v1/ring/state" in text and "stay open" in text, text
+
+
+def error_lines(out):
+    return [ln for ln in out.splitlines() if ln.startswith("workerd: ") and "ring" in ln]
+
+
+@needs_data
+@pytest.mark.skipif(ASAN, reason="four task start-ups take 13 s on the sanitizer build; there the token "
+                                 "checks run in the two other token tests")
+def test_a_task_with_another_token_or_none_fails_at_once_naming_the_chief(procs, tmp_path):
+    for extra, words in [([f"--auth_token_file={token_file(tmp_path, 'b', 'token-b')}"],
+                          "refused this task's bearer token (HTTP 401)"),
+                         ([], "wants a bearer token (HTTP 401) and this task has none")]:
+        h = hosts(2)
+        chief = h.split(",")[0]
+        argv = [binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", f"--data_dir={DATA}",
+                "--logdir=", "--train_steps=20", "--batch_size=20", "--log_every=0"]
+        # the chief holds its first push back (a fresh one each time: a push the
+        # refused task's endpoint answered 401 would stop it, a race)
+        c = procs.start(argv + ["--task_index=0", "--step_delay_ms=30000",
+                                f"--auth_token_file={token_file(tmp_path, 'a', 'token-a')}"])
+        wait_healthz("http://" + chief)
+        t0 = time.time()
+        rc, out = finish(procs.start(argv + ["--task_index=1"] + extra), timeout=60)
+        secs = time.time() - t0
+        assert rc != 0, out
+        lines = error_lines(out)
+        assert len(lines) == 1, out[-3000:]
+        assert f"the chief, worker 0 ({chief}), {words}: start every task with the same --auth_token_file" \
+            in lines[0], out[-3000:]
+        assert secs < 30, secs  # not the 120 s the first exchange waits for a task to start
+        assert c.poll() is None, "the refused fetch stopped the chief"
+        c.kill()
+        c.wait()
+
+
+@needs_data
+def test_a_neighbour_refusing_the_token_stops_the_ring_at_once_naming_it(procs, tmp_path):
+    # worker 1's address: a server that refuses every request as a ring task
+    # with another token does (reading the body first)
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            b = b'{"error": "missing or wrong bearer token for POST /v1/ring/chunk"}\n'
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b)))
+            self.end_headers()
+            self.wfile.write(b)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        peer1 = f"127.0.0.1:{srv.server_address[1]}"
+        h = f"127.0.0.1:{free_port()},{peer1}"
+        argv = [binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", "--task_index=0",
+                f"--data_dir={DATA}", "--logdir=", "--train_steps=20", "--batch_size=20", "--log_every=0"]
+        for extra, words in [([f"--auth_token_file={token_file(tmp_path, 'a', 'token-a')}"],
+                              "refused this task's bearer token (HTTP 401)"),
+                             ([], "wants a bearer token (HTTP 401) and this task has none")]:
+            t0 = time.time()
+            rc, out = finish(procs.start(argv + extra), timeout=60)
+            secs = time.time() - t0
+            assert rc != 0, out
+            lines = error_lines(out)
+            assert len(lines) == 1, out[-3000:]
+            assert re.search(rf"ring broken at global step 0: worker 1 \({peer1}\), the right neighbour, "
+                             rf"{re.escape(words)}: start every task with the same --auth_token_file", lines[0]), \
+                out[-3000:]
+            assert secs < 30, secs
+    finally:
+        srv.shutdown()
+        srv.server_close()
