@@ -164,7 +164,7 @@ $(BIN)/cuda_vs_cpu: $(BUILD)/tests/gpu/cuda_vs_cpu.o $(MLP_OBJ) $(CUDA_OBJ) $(BU
 $(BIN)/gpu_bench: $(BUILD)/tests/gpu/gpu_bench.o $(MLP_OBJ) $(CUDA_OBJ) $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm $(LDLIBS_CUDA) -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas
-$(BUILD)/tests/gpu/gpu_bench.o: CFLAGS += -I$(CUDA_HOME)/include
+$(BUILD)/tests/gpu/gpu_bench.o $(BUILD)/tests/gpu/cuda_vs_cpu.o: CFLAGS += -I$(CUDA_HOME)/include
 
 gpu-check:
 	bash tests/gpu/check.sh

@@ -154,3 +154,20 @@ int mlp_evaluate(mlp *m, const float *params, const float *x, const uint8_t *lab
 {
     return m->backend->evaluate(m, params, x, labels, n, loss, accuracy);
 }
+
+void *mlp_host_alloc(mlp *m, size_t bytes)
+{
+    if (m && m->backend->host_alloc)
+        return m->backend->host_alloc(m, bytes);
+    return calloc(1, bytes ? bytes : 1);
+}
+
+void mlp_host_free(mlp *m, void *p)
+{
+    if (!p)
+        return;
+    if (m && m->backend->host_free)
+        m->backend->host_free(m, p);
+    else
+        free(p);
+}

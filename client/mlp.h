@@ -81,7 +81,8 @@ typedef struct mlp {
 } mlp;
 
 /* The functions every backend implements. All pointers passed in are host
- * memory (a device backend copies what it needs); params and grads are buffers
+ * memory (a device backend copies what it needs, fastest from and to memory
+ * its host_alloc handed out: mlp_host_alloc); params and grads are buffers
  * of layout.n_params floats; x is [batch, n_in] row-major; labels are in
  * [0, n_out); grads must not overlap params or x. Return 0, or a negative
  * value on bad arguments (batch outside [1, max_batch], a label >= n_out) or a
@@ -98,6 +99,12 @@ struct mlp_backend {
      * wins a tie) over n >= 1 examples, in batches of max_batch. */
     int (*evaluate)(mlp *m, const float *params, const float *x, const uint8_t *labels,
                     int64_t n, double *loss, double *accuracy);
+    /* Optional (NULL: calloc and free): host memory for the buffers passed to
+     * the functions above, zeroed, that this instance moves fastest (the
+     * CUDA backend: page-locked, so the copies skip its staging buffers);
+     * NULL when out of memory. host_free takes what host_alloc gave (or NULL). */
+    void *(*host_alloc)(mlp *m, size_t bytes);
+    void (*host_free)(mlp *m, void *p);
 };
 
 /* The OpenBLAS backend (mlp_cpu.c). */
@@ -144,6 +151,17 @@ int mlp_forward_backward(mlp *m, const float *params, const float *x, const uint
                          int batch, float *grads, double *loss);
 int mlp_evaluate(mlp *m, const float *params, const float *x, const uint8_t *labels, int64_t n,
                  double *loss, double *accuracy);
+/* Host memory for params, grads, x and labels: bytes zeroed, or NULL when out
+ * of memory. From the backend's host_alloc (the CUDA backend: pinned memory,
+ * which its copies to and from the device use directly, with no memcpy
+ * through its staging buffers; when pinned memory runs out, ordinary memory
+ * and one warning line on stderr), else, and when m is NULL, calloc. Any host
+ * memory works with every backend; this is only faster. Free with
+ * mlp_host_free on the same m (NULL with NULL), BEFORE mlp_free(m): the
+ * pinned memory belongs to the instance's device. Not for several threads at
+ * once on one instance, like the functions above. */
+void *mlp_host_alloc(mlp *m, size_t bytes);
+void mlp_host_free(mlp *m, void *p);
 
 /* CPU backend only: OpenBLAS threads for this process (process-wide; 1 is the
  * safe default beside other busy processes, see PERF-NOTES). */

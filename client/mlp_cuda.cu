@@ -10,12 +10,22 @@
  *
  * Everything lives on the device, allocated once in create(): one parameter
  * buffer and one gradient buffer in the CPU layout, the activations, the
- * batch. The caller's host buffers travel through pinned host buffers
- * (cudaHostAlloc). One stream, one synchronization per step: the copies in,
- * the compute and the copies out are queued back to back. The copies are cut
- * into pieces so that the host's memcpy into (out of) the pinned buffer of
- * one piece overlaps the DMA of the previous one; there is no overlap between
- * steps (the caller's API hands over one batch at a time).
+ * batch. The caller's params, batch, labels and gradients travel by DMA from
+ * and to pinned host memory (cudaHostAlloc): directly from and to the
+ * caller's buffers when they are pinned, that is when they lie in memory this
+ * instance's host_alloc handed out (mlp_host_alloc; a table of those ranges
+ * says so, exactly and cheaply); otherwise through the instance's own pinned
+ * staging buffers, with a host memcpy (e.g. evaluate's x, the dataset's
+ * images). One compute stream, one synchronization per step: the copies in,
+ * the compute and the copies out are queued back to back. Gradients going
+ * out directly leave layer by layer on a second stream (out), each layer's as
+ * soon as the backward pass has computed it (an event per layer), overlapping
+ * the rest of the backward pass. The staged copies are cut into pieces so that
+ * the host's memcpy into (out of) the staging buffer of one piece overlaps
+ * the DMA of the previous one; there is no overlap between steps (the
+ * caller's API hands over one batch at a time). Every function returns with
+ * both streams idle, failures included, so no DMA touches a caller's buffer
+ * after the call.
  *
  * TF32 is off by default (CUBLAS_DEFAULT_MATH: full FP32 sgemm, results match
  * the CPU reference to ~1e-6); mlp_cuda_use(..., tf32 = 1) opts in.
@@ -141,6 +151,12 @@ static const char *cublas_name(cublasStatus_t s)
 /* after a kernel launch: a bad configuration shows here, a fault at the sync */
 #define CKL() CK(cudaGetLastError())
 
+/* pinned host memory handed out by host_alloc: [base, base + bytes) */
+typedef struct pinned_range {
+    uintptr_t base;
+    size_t bytes;
+} pinned_range;
+
 typedef struct mlp_cuda {
     mlp base; /* first: an mlp_cuda * is an mlp * */
     int device;
@@ -157,13 +173,19 @@ typedef struct mlp_cuda {
     int *rowright;                       /* [max_batch]: argmax == label */
     double *sums;                        /* [2]: loss sum, correct count */
     void *dmem;                          /* owns all device memory above */
-    /* pinned host */
+    /* pinned host: the staging buffers */
     float *h_params, *h_grads, *h_x;
     uint8_t *h_y;
     double *h_sums;
     void *hmem;                          /* owns all pinned memory above */
     cudaEvent_t piece_done[8];           /* copy_out's pieces */
     int n_events;
+    cudaStream_t out;                    /* direct gradient copies, layer by layer */
+    cudaEvent_t layer_done[MLP_MAX_LAYERS]; /* layer l's gradients are computed */
+    int n_layer_events;
+    pinned_range *pinned;                /* host_alloc's pinned memory */
+    int n_pinned, cap_pinned;
+    int warned_unpinned;                 /* host_alloc's fallback said so once */
 } mlp_cuda;
 
 /* the pieces of copy_in and copy_out */
@@ -414,6 +436,9 @@ static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size
     CK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     for (; c->n_events < OUT_PIECES; c->n_events++)
         CK(cudaEventCreateWithFlags(&c->piece_done[c->n_events], cudaEventDisableTiming));
+    CK(cudaStreamCreateWithFlags(&c->out, cudaStreamNonBlocking));
+    for (; c->n_layer_events < L; c->n_layer_events++)
+        CK(cudaEventCreateWithFlags(&c->layer_done[c->n_layer_events], cudaEventDisableTiming));
     CKB(blas.Create(&c->blas));
     CKB(blas.SetStream(c->blas, c->stream));
     CKB(blas.SetMathMode(c->blas, g_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
@@ -435,22 +460,109 @@ static void cuda_destroy(mlp *m)
     cudaSetDevice(c->device);
     if (c->stream)
         cudaStreamSynchronize(c->stream);
+    if (c->out)
+        cudaStreamSynchronize(c->out);
     if (c->blas)
         blas.Destroy(c->blas);
     for (int i = 0; i < c->n_events; i++)
         cudaEventDestroy(c->piece_done[i]);
+    for (int i = 0; i < c->n_layer_events; i++)
+        cudaEventDestroy(c->layer_done[i]);
+    if (c->out)
+        cudaStreamDestroy(c->out);
     if (c->stream)
         cudaStreamDestroy(c->stream);
     cudaFree(c->dmem);
     cudaFreeHost(c->hmem);
+    /* host_alloc's memory the caller did not free (mlp.h: free it before) */
+    for (int i = 0; i < c->n_pinned; i++)
+        cudaFreeHost((void *)c->pinned[i].base);
+    free(c->pinned);
     free(c);
 }
 
-/* Queue host src -> device dst through the pinned buffer, in pieces: the
- * memcpy of a piece overlaps the DMA of the one before. */
+/* 1 when host [p, p + bytes) lies inside one range host_alloc handed out
+ * (pinned: DMA-able as it is), else 0. */
+static int is_pinned(const mlp_cuda *c, const void *p, size_t bytes)
+{
+    const uintptr_t q = (uintptr_t)p;
+    for (int i = 0; i < c->n_pinned; i++) {
+        const pinned_range *r = &c->pinned[i];
+        if (q >= r->base && bytes <= r->bytes && q - r->base <= r->bytes - bytes)
+            return 1;
+    }
+    return 0;
+}
+
+/* mlp_host_alloc: pinned, zeroed, recorded in c->pinned; when pinned memory
+ * cannot be had, calloc (one warning line per instance); NULL only when
+ * there is no host memory at all. */
+static void *cuda_host_alloc(mlp *m, size_t bytes)
+{
+    mlp_cuda *c = (mlp_cuda *)m;
+    char err[512];
+    const size_t errlen = sizeof(err);
+    void *p = NULL;
+    if (bytes == 0)
+        bytes = 1;
+    if (c->n_pinned == c->cap_pinned) { /* room first: a pinned block is never untracked */
+        int cap = c->cap_pinned ? 2 * c->cap_pinned : 8;
+        void *t = realloc(c->pinned, (size_t)cap * sizeof(*c->pinned));
+        if (!t)
+            return NULL;
+        c->pinned = (pinned_range *)t;
+        c->cap_pinned = cap;
+    }
+    CK(cudaSetDevice(c->device));
+    /* Default, not write-combined: the host reads these too (the optimizer,
+     * the HTTP client), and write-combined memory is slow to read */
+    CK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
+    memset(p, 0, bytes); /* zeroed, and the pages touched now */
+    c->pinned[c->n_pinned].base = (uintptr_t)p;
+    c->pinned[c->n_pinned].bytes = bytes;
+    c->n_pinned++;
+    return p;
+fail:
+    (void)cudaGetLastError(); /* clear it: a later CKL() must not see it */
+    if (!c->warned_unpinned) {
+        fprintf(stderr, "mlp_cuda: warning: no pinned host memory (%s); using ordinary memory, "
+                        "copied through the staging buffers (slower)\n", err);
+        c->warned_unpinned = 1;
+    }
+    return calloc(1, bytes);
+}
+
+/* mlp_host_free: cudaFreeHost what host_alloc pinned, free() its fallbacks. */
+static void cuda_host_free(mlp *m, void *p)
+{
+    mlp_cuda *c = (mlp_cuda *)m;
+    char err[512];
+    const size_t errlen = sizeof(err);
+    int i = 0;
+    while (i < c->n_pinned && c->pinned[i].base != (uintptr_t)p)
+        i++;
+    if (i == c->n_pinned) {
+        free(p);
+        return;
+    }
+    c->pinned[i] = c->pinned[--c->n_pinned];
+    CK(cudaSetDevice(c->device));
+    CK(cudaFreeHost(p));
+    return;
+fail:
+    fprintf(stderr, "mlp_cuda: host_free: %s\n", err);
+}
+
+/* Queue host src -> device dst: one DMA when src is pinned (host_alloc's),
+ * else through the staging buffer pinned, in pieces: the memcpy of a piece
+ * overlaps the DMA of the one before. */
 static int copy_in(mlp_cuda *c, void *dst, void *pinned, const void *src, size_t bytes, char *err,
                    size_t errlen)
 {
+    if (is_pinned(c, src, bytes)) {
+        CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+        return 0;
+    }
     for (size_t off = 0; off < bytes; off += PIECE_BYTES) {
         size_t n = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
         memcpy((char *)pinned + off, (const char *)src + off, n);
@@ -462,8 +574,10 @@ fail:
     return -1;
 }
 
-/* Queue device src -> pinned, then wait for it piece by piece, copying each
- * piece to host dst as soon as it has arrived. Ends with the stream idle. */
+/* Queue device src -> the staging buffer pinned, then wait for it piece by
+ * piece, copying each piece to host dst as soon as it has arrived. Ends with
+ * the stream idle. (A pinned dst needs none of this: forward_backward copies
+ * into it directly.) */
 static int copy_out(mlp_cuda *c, void *dst, void *pinned, const void *src, size_t bytes, char *err,
                     size_t errlen)
 {
@@ -536,8 +650,11 @@ static int cuda_forward_backward(mlp *m, const float *params, const float *x,
         return -1;
     if (check_labels(labels, B, C) != 0)
         return -1;
+    /* grads pinned: each layer's gradients go out directly as soon as they
+     * are computed (on c->out), else all at the end through the staging buffer */
+    const int direct_out = is_pinned(c, grads, P * sizeof(float));
     CK(cudaSetDevice(c->device));
-    /* in: through the pinned buffers */
+    /* in: from the caller's pinned buffers, or through the staging ones */
     if (copy_in(c, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0 ||
         copy_in(c, c->x, c->h_x, x, (size_t)B * D * sizeof(float), err, errlen) != 0 ||
         copy_in(c, c->y, c->h_y, labels, (size_t)B, err, errlen) != 0)
@@ -567,6 +684,17 @@ static int cuda_forward_backward(mlp *m, const float *params, const float *x,
         float *dW = c->grads + ly->tensors[2 * l].offset;
         const float *dzl = c->d[cur];
         CKB(blas.Sgemm(c->blas, CUBLAS_OP_N, CUBLAS_OP_T, N, K, B, &one, dzl, N, a, K, &zero, dW, N));
+        if (direct_out) {
+            /* dW_l and db_l (the one before: the gemv at the end of the
+             * previous iteration, or before the loop) are done: W_l, b_l are
+             * adjacent in the layout, one copy from W_l's start to b_l's end */
+            const size_t lo = ly->tensors[2 * l].offset;
+            const size_t hi = ly->tensors[2 * l + 1].offset + ly->tensors[2 * l + 1].numel;
+            CK(cudaEventRecord(c->layer_done[l], c->stream));
+            CK(cudaStreamWaitEvent(c->out, c->layer_done[l], 0));
+            CK(cudaMemcpyAsync(grads + lo, c->grads + lo, (hi - lo) * sizeof(float),
+                               cudaMemcpyDeviceToHost, c->out));
+        }
         if (l == 0)
             break;
         float *da = c->d[cur ^ 1];
@@ -579,14 +707,24 @@ static int cuda_forward_backward(mlp *m, const float *params, const float *x,
         cur ^= 1;
     }
 
-    /* out: the loss sum first (it is small), then the gradients */
+    /* out: the loss sum first (it is small), then the gradients (already on
+     * their way when they go out directly) */
     CK(cudaMemcpyAsync(c->h_sums, c->sums, 2 * sizeof(double), cudaMemcpyDeviceToHost, c->stream));
-    if (copy_out(c, grads, c->h_grads, c->grads, P * sizeof(float), err, errlen) != 0)
+    if (direct_out) {
+        CK(cudaStreamSynchronize(c->stream));
+        CK(cudaStreamSynchronize(c->out));
+    } else if (copy_out(c, grads, c->h_grads, c->grads, P * sizeof(float), err, errlen) != 0) {
         goto fail;
+    }
     *loss = c->h_sums[0] / B;
     return 0;
 fail:
     fprintf(stderr, "mlp_cuda: forward_backward: %s\n", err);
+    /* no queued DMA may touch the caller's buffers after the return; the
+     * error, if the wait has one, is the one just reported */
+    (void)cudaStreamSynchronize(c->stream);
+    (void)cudaStreamSynchronize(c->out);
+    (void)cudaGetLastError();
     *loss = NAN;
     return -1;
 }
@@ -609,8 +747,11 @@ static int cuda_evaluate(mlp *m, const float *params, const float *x, const uint
         goto fail;
     for (int64_t start = 0; start < n; start += m->max_batch) {
         int B = (int)(n - start < m->max_batch ? n - start : m->max_batch);
-        /* the pinned x is reused: the previous chunk's copy must be done */
-        CK(cudaStreamSynchronize(c->stream));
+        /* a staging buffer is reused: the previous chunk's copy from it must
+         * be done (the caller's pinned memory needs no wait) */
+        if (start > 0 && (!is_pinned(c, x + (size_t)start * D, (size_t)B * D * sizeof(float)) ||
+                          !is_pinned(c, labels + start, (size_t)B)))
+            CK(cudaStreamSynchronize(c->stream));
         if (copy_in(c, c->x, c->h_x, x + (size_t)start * D, (size_t)B * D * sizeof(float), err,
                     errlen) != 0 ||
             copy_in(c, c->y, c->h_y, labels + start, (size_t)B, err, errlen) != 0)
@@ -630,6 +771,8 @@ static int cuda_evaluate(mlp *m, const float *params, const float *x, const uint
     return 0;
 fail:
     fprintf(stderr, "mlp_cuda: evaluate: %s\n", err);
+    (void)cudaStreamSynchronize(c->stream); /* as in forward_backward */
+    (void)cudaGetLastError();
     *loss = NAN;
     *accuracy = NAN;
     return -1;
@@ -637,4 +780,5 @@ fail:
 
 extern "C" const mlp_backend mlp_backend_cuda = {
     "cuda", cuda_create, cuda_destroy, cuda_forward_backward, cuda_evaluate,
+    cuda_host_alloc, cuda_host_free,
 };

@@ -64,11 +64,13 @@ int train_ring(const train_config *c)
     const mlp_layout *L = &c->layout;
     size_t np = L->n_params;
     mlp *m = mlp_new(mlp_device_backend(), L, c->batch_size, err, sizeof(err));
-    /* the gradient buffer carries the loss after the gradients: the ring sums both */
-    float *params = calloc(np, sizeof(float)), *grads = calloc(np + 1, sizeof(float));
+    /* the gradient buffer carries the loss after the gradients: the ring sums both;
+     * the step's buffers come from the backend (pinned on a GPU) */
+    float *params = mlp_host_alloc(m, np * sizeof(float));
+    float *grads = mlp_host_alloc(m, (np + 1) * sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
-    float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
-    uint8_t *y = malloc((size_t)c->batch_size);
+    float *x = mlp_host_alloc(m, sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
+    uint8_t *y = mlp_host_alloc(m, (size_t)c->batch_size);
     batcher b = {0};
     ring *r = NULL;
     rc = 1;
@@ -259,7 +261,8 @@ int train_ring(const train_config *c)
     fflush(stdout);
     rc = 0;
     if (chief) {
-        final_report(c, m, params, &ds, step);
+        if (final_report(c, m, params, &ds, step) != 0)
+            rc = 1;
         if (c->export_path && export_model(c, params, step) != 0)
             rc = 1;
     }
@@ -267,13 +270,13 @@ out:
     fflush(stdout);
     ring_free(r);
     free(b.order);
+    mlp_host_free(m, params); /* before mlp_free */
+    mlp_host_free(m, grads);
+    mlp_host_free(m, x);
+    mlp_host_free(m, y);
     mlp_free(m);
-    free(params);
-    free(grads);
     free(s0);
     free(s1);
-    free(x);
-    free(y);
     idx_dataset_free(&ds);
     return rc;
 }

@@ -364,10 +364,11 @@ int train_worker(const train_config *c)
         return rc;
     char err[512];
     mlp *m = mlp_new(mlp_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
-    float *params = calloc(c->layout.n_params, sizeof(float));
-    float *grads = calloc(c->layout.n_params, sizeof(float));
-    float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
-    uint8_t *y = malloc((size_t)c->batch_size);
+    /* from the backend: pinned on a GPU, so the step's copies skip a memcpy */
+    float *params = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
+    float *grads = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
+    float *x = mlp_host_alloc(m, sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
+    uint8_t *y = mlp_host_alloc(m, (size_t)c->batch_size);
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     batcher b = {0};
@@ -606,11 +607,11 @@ out:
     free(b.order);
     shards_free(&sh);
     ps_client_free(pc);
+    mlp_host_free(m, params); /* before mlp_free: the memory is m's device's */
+    mlp_host_free(m, grads);
+    mlp_host_free(m, x);
+    mlp_host_free(m, y);
     mlp_free(m);
-    free(params);
-    free(grads);
-    free(x);
-    free(y);
     idx_dataset_free(&ds);
     return rc;
 }
@@ -623,7 +624,7 @@ int train_evaluator(const train_config *c)
         return rc;
     char err[512];
     mlp *m = mlp_new(mlp_device_backend(), &c->layout, 1000, err, sizeof(err));
-    float *params = calloc(c->layout.n_params, sizeof(float));
+    float *params = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     rc = 1;
@@ -684,8 +685,8 @@ int train_evaluator(const train_config *c)
 out:
     shards_free(&sh);
     ps_client_free(pc);
+    mlp_host_free(m, params); /* before mlp_free */
     mlp_free(m);
-    free(params);
     idx_dataset_free(&ds);
     return rc;
 }
@@ -699,10 +700,12 @@ int train_local(const train_config *c)
     char err[512];
     mlp *m = mlp_new(mlp_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
     size_t np = c->layout.n_params;
-    float *params = calloc(np, sizeof(float)), *grads = calloc(np, sizeof(float));
+    /* the step's buffers from the backend (pinned on a GPU); the slots are the CPU's */
+    float *params = mlp_host_alloc(m, np * sizeof(float));
+    float *grads = mlp_host_alloc(m, np * sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
-    float *x = malloc(sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
-    uint8_t *y = malloc((size_t)c->batch_size);
+    float *x = mlp_host_alloc(m, sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
+    uint8_t *y = mlp_host_alloc(m, (size_t)c->batch_size);
     batcher b = {0};
     rc = 1;
     if (!m || !params || !grads || !s0 || !s1 || !x || !y ||
@@ -755,13 +758,13 @@ int train_local(const train_config *c)
         rc = 1;
 out:
     free(b.order);
+    mlp_host_free(m, params); /* before mlp_free */
+    mlp_host_free(m, grads);
+    mlp_host_free(m, x);
+    mlp_host_free(m, y);
     mlp_free(m);
-    free(params);
-    free(grads);
     free(s0);
     free(s1);
-    free(x);
-    free(y);
     idx_dataset_free(&ds);
     return rc;
 }

@@ -8,7 +8,10 @@
 #      <= 1e-4, outputs poisoned with NaN before each run);
 #   3. the cuBLAS sgemm rate (8192^3, FP32) and the training step's steps/s for
 #      784-1024-1024-10 at batch 256 and 4096 (and 4096 with --tf32), as a
-#      fraction of that rate; and the step's sgemm calls alone (its ceiling);
+#      fraction of that rate, with the host buffers pinned (mlp_host_alloc, as
+#      the worker's); 4096 also with malloc'd ones (copied through the
+#      backend's staging buffers), for comparison; and the step's sgemm calls
+#      alone (its ceiling);
 #   4. the example's model (784-100-10, batch 100) trained by a cuda worker
 #      against a local psd: the loss must fall;
 #   5. 784-1024-1024-10 at batch 4096: one cuda worker against a local psd vs
@@ -147,7 +150,7 @@ if [ "$DEVICE" = cuda ]; then
         cat "$LOGS/sgemm.log"
         bad "cuBLAS sgemm" "gpu_bench sgemm failed; see $LOGS/sgemm.log"
     fi
-    for spec in "256:" "4096:" "4096:tf32"; do
+    for spec in "256:" "4096:" "4096:tf32" "4096:plain"; do
         bsz=${spec%%:*}
         mode=${spec#*:}
         name="step 784-1024-1024-10 batch $bsz${mode:+ ($mode)}"
@@ -158,11 +161,12 @@ if [ "$DEVICE" = cuda ]; then
             sps=$(kv steps_per_s "$f")
             gf=$(kv gflops "$f")
             fr=$(ratio "$gf" "$SGEMM")
+            hb=$(grep -o "host_buffers=[a-z]*" "$f" | tail -1 | cut -d= -f2)
             tgt=""
             if [ "$bsz" = 4096 ] && [ -z "$mode" ]; then
                 tgt=$(awk -v r="$fr" 'BEGIN { print (r != "n/a" && r + 0 >= 0.6) ? "; target >= 0.6 met" : "; target >= 0.6 NOT met" }')
             fi
-            row "$name" "$sps steps/s" "$gf GFLOP/s = $fr of sgemm (host copies included)$tgt"
+            row "$name" "$sps steps/s" "$gf GFLOP/s = $fr of sgemm (host copies included, ${hb:-?} host buffers)$tgt"
         else
             cat "$f"
             bad "$name" "gpu_bench step failed; see $f"

@@ -17,6 +17,13 @@
  * the check flaky. The backward pass is then compared with its rounding.
  * The model without hidden layers gets continuous inputs.
  *
+ * Each shape runs with the CUDA backend's buffers (params, gradients, x,
+ * labels) from malloc (its copies go through its staging buffers) and from
+ * mlp_host_alloc (pinned: direct DMA; checked to be zeroed and page-locked
+ * with cudaPointerGetAttributes); two shapes also mixed (params and gradients
+ * pinned, x and labels from malloc, as the worker's evaluation of the
+ * dataset). The CPU computes on the same buffers.
+ *
  *   cuda_vs_cpu [--seed=N]      exit 0 all agree, 1 a mismatch or a CUDA
  *                               failure, 77 no CUDA device (skipped; the
  *                               reason on stdout)
@@ -26,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <cuda_runtime_api.h>
 
 #include "mlp.h"
 #include "rng.h"
@@ -62,10 +71,10 @@ static void report(const char *what, const char *tensor, double err, int nan_at)
     if (bad)
         failures++;
     if (nan_at >= 0)
-        printf("  %-4s %-28s %-8s element %d is not finite (unwritten?)\n", bad ? "FAIL" : "ok", what,
+        printf("  %-4s %-36s %-8s element %d is not finite (unwritten?)\n", bad ? "FAIL" : "ok", what,
                tensor, nan_at);
     else
-        printf("  %-4s %-28s %-8s rel err %.2e\n", bad ? "FAIL" : "ok", what, tensor, err);
+        printf("  %-4s %-36s %-8s rel err %.2e\n", bad ? "FAIL" : "ok", what, tensor, err);
 }
 
 /* One shape: forward_backward at batch B (max_batch mb) and evaluate over
@@ -79,11 +88,50 @@ static float rand_x(uint64_t *st, int exact)
     return rng_below(st, 4) == 0 ? 0.0f : (float)rng_uniform_open0(st);
 }
 
-static void compare(const char *what, int n_in, const int *hidden, int n_hidden, int n_out, int mb,
-                    int B, int n_eval, uint64_t seed, int zero_weights)
+/* Where the CUDA backend's buffers come from. */
+enum { PLAIN, PINNED, MIXED };
+static const char *const mode_name[] = {"malloc", "pinned", "mixed"};
+
+/* bytes from mlp_host_alloc(m) when pinned, else malloc; NULL with a FAIL
+ * line when mlp_host_alloc's memory is not zeroed or not page-locked */
+static void *buf_alloc(mlp *m, int pinned, size_t bytes, const char *what, const char *name)
 {
-    char err[512];
+    if (!pinned)
+        return malloc(bytes);
+    unsigned char *p = mlp_host_alloc(m, bytes);
+    if (!p)
+        return NULL;
+    size_t nonzero = 0;
+    for (size_t i = 0; i < bytes; i++)
+        nonzero += p[i] != 0;
+    struct cudaPointerAttributes a;
+    cudaError_t e = cudaPointerGetAttributes(&a, p);
+    int locked = e == cudaSuccess && a.type == cudaMemoryTypeHost;
+    if (nonzero || !locked) {
+        printf("  FAIL %-36s %-8s mlp_host_alloc(%zu): %zu bytes not zero, %s\n", what, name, bytes,
+               nonzero, locked ? "page-locked" : e != cudaSuccess ? cudaGetErrorString(e) : "NOT page-locked");
+        (void)cudaGetLastError();
+        failures++;
+        mlp_host_free(m, p);
+        return NULL;
+    }
+    return p;
+}
+
+static void buf_free(mlp *m, int pinned, void *p)
+{
+    if (pinned)
+        mlp_host_free(m, p);
+    else
+        free(p);
+}
+
+static void compare(const char *shape, int n_in, const int *hidden, int n_hidden, int n_out, int mb,
+                    int B, int n_eval, uint64_t seed, int zero_weights, int mode)
+{
+    char err[512], what[128];
     mlp_layout ly;
+    snprintf(what, sizeof(what), "%s, %s", shape, mode_name[mode]);
     if (mlp_layout_init(&ly, n_in, hidden, n_hidden, n_out, err, sizeof(err)) != 0) {
         printf("  FAIL %s: layout: %s\n", what, err);
         failures++;
@@ -91,16 +139,28 @@ static void compare(const char *what, int n_in, const int *hidden, int n_hidden,
     }
     size_t P = ly.n_params;
     int64_t nx = n_eval > B ? n_eval : B;
-    float *params = malloc(P * sizeof(float)), *g_cpu = malloc(P * sizeof(float)),
-          *g_gpu = malloc(P * sizeof(float)), *x = malloc((size_t)nx * n_in * sizeof(float));
-    uint8_t *y = malloc((size_t)nx);
+    const int pin_p = mode != PLAIN, pin_x = mode == PINNED; /* params and grads; x and y */
     mlp *mc = mlp_new(&mlp_backend_cpu, &ly, mb, err, sizeof(err));
     mlp *mg = mc ? mlp_new(&mlp_backend_cuda, &ly, mb, err, sizeof(err)) : NULL;
-    if (!params || !g_cpu || !g_gpu || !x || !y || !mc || !mg) {
-        printf("  FAIL %s: %s\n", what, mc ? err : "out of memory");
+    float *params = NULL, *g_cpu = NULL, *g_gpu = NULL, *x = NULL;
+    uint8_t *y = NULL;
+    if (!mc || !mg) {
+        printf("  FAIL %s: %s\n", what, err);
         failures++;
         goto out;
     }
+    params = buf_alloc(mg, pin_p, P * sizeof(float), what, "params");
+    g_gpu = buf_alloc(mg, pin_p, P * sizeof(float), what, "grads");
+    g_cpu = malloc(P * sizeof(float));
+    x = buf_alloc(mg, pin_x, (size_t)nx * n_in * sizeof(float), what, "x");
+    y = buf_alloc(mg, pin_x, (size_t)nx, what, "labels");
+    if (!params || !g_cpu || !g_gpu || !x || !y) {
+        printf("  FAIL %s: out of (pinned) host memory, or see above\n", what);
+        failures++;
+        goto out;
+    }
+    if (mode != PLAIN)
+        printf("  ok   %-36s %-8s mlp_host_alloc: zeroed, page-locked\n", what, "buffers");
     uint64_t st = rng_stream(seed, 1000);
     const int exact = n_hidden > 0;
     mlp_init_params(&ly, params, seed);
@@ -177,7 +237,7 @@ static void compare(const char *what, int n_in, const int *hidden, int n_hidden,
     int acc_bad = !(fabs(ea_g - ea_c) <= (zero_weights ? 0.0 : 2.0 / n_eval));
     if (acc_bad)
         failures++;
-    printf("  %-4s %-28s %-8s cpu %.6f cuda %.6f\n", acc_bad ? "FAIL" : "ok", what, "eval.acc", ea_c,
+    printf("  %-4s %-36s %-8s cpu %.6f cuda %.6f\n", acc_bad ? "FAIL" : "ok", what, "eval.acc", ea_c,
            ea_g);
     if (zero_weights) { /* all logits equal: class 0 wins, on both */
         int64_t zeros = 0;
@@ -185,7 +245,7 @@ static void compare(const char *what, int n_in, const int *hidden, int n_hidden,
             zeros += y[k] == 0;
         int tie_bad = fabs(ea_g - (double)zeros / n_eval) > 1e-12;
         failures += tie_bad;
-        printf("  %-4s %-28s %-8s first maximum wins: want %.6f, cuda %.6f\n", tie_bad ? "FAIL" : "ok",
+        printf("  %-4s %-36s %-8s first maximum wins: want %.6f, cuda %.6f\n", tie_bad ? "FAIL" : "ok",
                what, "ties", (double)zeros / n_eval, ea_g);
     }
     /* bad arguments: refused, as the CPU refuses them */
@@ -199,13 +259,15 @@ static void compare(const char *what, int n_in, const int *hidden, int n_hidden,
         failures++;
     }
 out:
+    if (mg) { /* mlp_host_alloc's memory before its instance */
+        buf_free(mg, pin_p, params);
+        buf_free(mg, pin_p, g_gpu);
+        buf_free(mg, pin_x, x);
+        buf_free(mg, pin_x, y);
+    }
+    free(g_cpu);
     mlp_free(mc);
     mlp_free(mg);
-    free(params);
-    free(g_cpu);
-    free(g_gpu);
-    free(x);
-    free(y);
 }
 
 int main(int argc, char **argv)
@@ -237,12 +299,16 @@ int main(int argc, char **argv)
     mlp_cpu_set_threads(1);
     printf("cuda_vs_cpu: %s; seed %llu; limit %.0e\n", desc, (unsigned long long)seed, LIMIT);
     const int h100[] = {100}, h2[] = {64, 33}, hbig[] = {1024, 1024}, h3[] = {300, 200, 100};
-    compare("784-10 (softmax regression)", 784, NULL, 0, 10, 64, 64, 150, seed + 1, 0);
-    compare("784-100-10 batch 100", 784, h100, 1, 10, 100, 100, 1000, seed + 2, 0);
-    compare("37-64-33-3 batch 5 of 8", 37, h2, 2, 3, 8, 5, 21, seed + 3, 0);
-    compare("784-1024-1024-10 batch 256", 784, hbig, 2, 10, 256, 256, 600, seed + 4, 0);
-    compare("50-300-200-100-17 batch 129", 50, h3, 3, 17, 129, 129, 300, seed + 5, 0);
-    compare("784-100-10 all weights 0", 784, h100, 1, 10, 100, 100, 250, seed + 6, 1);
+    for (int mode = PLAIN; mode <= PINNED; mode++) {
+        compare("784-10 (softmax regression)", 784, NULL, 0, 10, 64, 64, 150, seed + 1, 0, mode);
+        compare("784-100-10 batch 100", 784, h100, 1, 10, 100, 100, 1000, seed + 2, 0, mode);
+        compare("37-64-33-3 batch 5 of 8", 37, h2, 2, 3, 8, 5, 21, seed + 3, 0, mode);
+        compare("784-1024-1024-10 batch 256", 784, hbig, 2, 10, 256, 256, 600, seed + 4, 0, mode);
+        compare("50-300-200-100-17 batch 129", 50, h3, 3, 17, 129, 129, 300, seed + 5, 0, mode);
+        compare("784-100-10 all weights 0", 784, h100, 1, 10, 100, 100, 250, seed + 6, 1, mode);
+    }
+    compare("37-64-33-3 batch 5 of 8", 37, h2, 2, 3, 8, 5, 21, seed + 3, 0, MIXED);
+    compare("784-1024-1024-10 batch 256", 784, hbig, 2, 10, 256, 256, 600, seed + 4, 0, MIXED);
     printf("cuda_vs_cpu: %s\n", failures ? "FAILED" : "all agree");
     return failures ? 1 : 0;
 }

@@ -1,7 +1,11 @@
 /* gpu_bench.c - the CUDA backend's speed (tests/gpu/check.sh):
- *   gpu_bench step DIMS BATCH SECS [tf32]   forward_backward of an MLP
- *       (DIMS e.g. 784,1024,1024,10) at BATCH for about SECS seconds, with the
- *       host copies the worker makes; prints steps/s and GFLOP/s.
+ *   gpu_bench step DIMS BATCH SECS [tf32] [plain]   forward_backward of an
+ *       MLP (DIMS e.g. 784,1024,1024,10) at BATCH for about SECS seconds, with
+ *       the host copies the worker makes: its params, gradients, x and labels
+ *       from mlp_host_alloc (pinned, as the worker allocates them: direct DMA),
+ *       or with plain, from malloc (copied through the backend's staging
+ *       buffers); prints steps/s, GFLOP/s and which buffers it used (checked
+ *       with cudaPointerGetAttributes).
  *   gpu_bench sgemm N SECS                  cublasSgemm N x N x N (FP32,
  *       CUBLAS_DEFAULT_MATH, as the backend) for about SECS; prints GFLOP/s.
  *   gpu_bench gemms DIMS BATCH SECS         only the step's sgemm calls (the
@@ -26,7 +30,22 @@ static double now(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int bench_step(const char *dims_s, int B, double secs, int tf32)
+/* 1 when every pointer is page-locked host memory */
+static int all_pinned(void *const *ps, int n)
+{
+    for (int i = 0; i < n; i++) {
+        struct cudaPointerAttributes a;
+        if (cudaPointerGetAttributes(&a, ps[i]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return 0;
+        }
+        if (a.type != cudaMemoryTypeHost)
+            return 0;
+    }
+    return 1;
+}
+
+static int bench_step(const char *dims_s, int B, double secs, int tf32, int plain)
 {
     int dims[MLP_MAX_LAYERS + 1], nd = 0;
     char err[512], desc[256];
@@ -47,13 +66,23 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32)
         return 1;
     }
     size_t P = ly.n_params;
-    float *params = malloc(P * 4), *grads = malloc(P * 4), *x = malloc((size_t)B * dims[0] * 4);
-    uint8_t *y = malloc((size_t)B);
     mlp *m = mlp_new(&mlp_backend_cuda, &ly, B, err, sizeof(err));
-    if (!params || !grads || !x || !y || !m) {
-        fprintf(stderr, "gpu_bench: %s\n", m ? "out of memory" : err);
+    if (!m) {
+        fprintf(stderr, "gpu_bench: %s\n", err);
         return 1;
     }
+#define ALLOC(bytes) (plain ? malloc(bytes) : mlp_host_alloc(m, bytes))
+    float *params = ALLOC(P * 4), *grads = ALLOC(P * 4), *x = ALLOC((size_t)B * dims[0] * 4);
+    uint8_t *y = ALLOC((size_t)B);
+#undef ALLOC
+    if (!params || !grads || !x || !y) {
+        fprintf(stderr, "gpu_bench: out of host memory\n");
+        return 1;
+    }
+    void *bufs[] = {params, grads, x, y};
+    const char *path = all_pinned(bufs, 4) ? "pinned" : "malloc";
+    if (!plain && strcmp(path, "pinned") != 0)
+        fprintf(stderr, "gpu_bench: warning: mlp_host_alloc gave memory that is not page-locked\n");
     mlp_init_params(&ly, params, 1);
     uint64_t st = rng_stream(7, 0);
     for (size_t k = 0; k < (size_t)B * dims[0]; k++)
@@ -75,14 +104,24 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32)
         t = now() - t0;
     } while (t < secs);
     double sps = n / t;
-    printf("gpu_bench step %s batch %d%s: %ld steps in %.2f s: %.1f steps/s, %.1f GFLOP/s (%.2f GFLOP a step)\n",
-           dims_s, B, tf32 ? " tf32" : "", n, t, sps, sps * flop / 1e9, flop / 1e9);
-    printf("steps_per_s=%.3f gflops=%.3f flop_per_step=%.0f\n", sps, sps * flop / 1e9, flop);
+    printf("gpu_bench step %s batch %d%s: %ld steps in %.2f s: %.1f steps/s, %.1f GFLOP/s (%.2f GFLOP a "
+           "step); host buffers %s (%s)\n",
+           dims_s, B, tf32 ? " tf32" : "", n, t, sps, sps * flop / 1e9, flop / 1e9, path,
+           strcmp(path, "pinned") == 0 ? "direct DMA" : "through the staging buffers");
+    printf("steps_per_s=%.3f gflops=%.3f flop_per_step=%.0f host_buffers=%s\n", sps, sps * flop / 1e9,
+           flop, path);
+    if (plain) {
+        free(params);
+        free(grads);
+        free(x);
+        free(y);
+    } else { /* before mlp_free */
+        mlp_host_free(m, params);
+        mlp_host_free(m, grads);
+        mlp_host_free(m, x);
+        mlp_host_free(m, y);
+    }
     mlp_free(m);
-    free(params);
-    free(grads);
-    free(x);
-    free(y);
     return 0;
 }
 
@@ -216,7 +255,7 @@ int main(int argc, char **argv)
     char why[256] = "";
     if (argc < 2 || (strcmp(argv[1], "step") != 0 && strcmp(argv[1], "sgemm") != 0 &&
                      strcmp(argv[1], "gemms") != 0)) {
-        fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] | gpu_bench sgemm N SECS | "
+        fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] | gpu_bench sgemm N SECS | "
                         "gpu_bench gemms DIMS BATCH SECS\n");
         return 2;
     }
@@ -224,13 +263,24 @@ int main(int argc, char **argv)
         printf("SKIP: %s\n", why);
         return 77;
     }
-    if (strcmp(argv[1], "step") == 0 && argc >= 5)
-        return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), argc > 5 && strcmp(argv[5], "tf32") == 0);
+    if (strcmp(argv[1], "step") == 0 && argc >= 5) {
+        int tf32 = 0, plain = 0, bad = 0;
+        for (int i = 5; i < argc; i++) {
+            if (strcmp(argv[i], "tf32") == 0)
+                tf32 = 1;
+            else if (strcmp(argv[i], "plain") == 0)
+                plain = 1;
+            else
+                bad = 1;
+        }
+        if (!bad)
+            return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), tf32, plain);
+    }
     if (strcmp(argv[1], "sgemm") == 0 && argc >= 4)
         return bench_sgemm(atoi(argv[2]), atof(argv[3]));
     if (strcmp(argv[1], "gemms") == 0 && argc >= 5)
         return bench_gemms(argv[2], atoi(argv[3]), atof(argv[4]));
-    fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] | gpu_bench sgemm N SECS | "
+    fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] | gpu_bench sgemm N SECS | "
                     "gpu_bench gemms DIMS BATCH SECS\n");
     return 2;
 }

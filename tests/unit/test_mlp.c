@@ -452,6 +452,57 @@ static void test_bad_arguments(void **state)
     print_message("    OpenBLAS core: %s\n", core);
 }
 
+/* mlp_host_alloc on the CPU backend (no host_alloc in its table: calloc) and
+ * with no instance: zeroed, writable, freed by mlp_host_free (ASan checks the
+ * pairing), and a step on such buffers equals one on ordinary buffers. */
+static void test_host_alloc(void **state)
+{
+    (void)state;
+    mlp_layout ly;
+    char err[256] = "";
+    int h[] = {4};
+    assert_int_equal(mlp_layout_init(&ly, 3, h, 1, 3, err, sizeof(err)), 0);
+    mlp *m = mlp_new(&mlp_backend_cpu, &ly, 4, err, sizeof(err));
+    assert_non_null(m);
+    assert_null(mlp_backend_cpu.host_alloc);
+    const size_t P = ly.n_params;
+    float params[64], grads[64], x[4 * 3];
+    uint8_t labels[4] = {0, 1, 2, 0};
+    assert_true(P <= 64);
+    float *hp = mlp_host_alloc(m, P * sizeof(float)), *hg = mlp_host_alloc(m, P * sizeof(float));
+    float *hx = mlp_host_alloc(m, sizeof(x));
+    uint8_t *hy = mlp_host_alloc(m, sizeof(labels));
+    unsigned char *none = mlp_host_alloc(NULL, 100), *empty = mlp_host_alloc(m, 0);
+    assert_non_null(hp);
+    assert_non_null(hg);
+    assert_non_null(hx);
+    assert_non_null(hy);
+    assert_non_null(none);
+    for (size_t i = 0; i < P; i++)
+        assert_true(hp[i] == 0.0f && hg[i] == 0.0f);
+    for (int i = 0; i < 100; i++)
+        assert_int_equal(none[i], 0);
+    mlp_init_params(&ly, params, 5);
+    for (int i = 0; i < 12; i++)
+        x[i] = (float)(i % 5) / 4.0f;
+    memcpy(hp, params, P * sizeof(float));
+    memcpy(hx, x, sizeof(x));
+    memcpy(hy, labels, sizeof(labels));
+    double l1 = 0, l2 = 0;
+    assert_int_equal(mlp_forward_backward(m, params, x, labels, 4, grads, &l1), 0);
+    assert_int_equal(mlp_forward_backward(m, hp, hx, hy, 4, hg, &l2), 0);
+    assert_true(l1 == l2);
+    assert_memory_equal(grads, hg, P * sizeof(float));
+    mlp_host_free(m, hp);
+    mlp_host_free(m, hg);
+    mlp_host_free(m, hx);
+    mlp_host_free(m, hy);
+    mlp_host_free(m, empty);
+    mlp_host_free(m, NULL);
+    mlp_host_free(NULL, none);
+    mlp_free(m);
+}
+
 /* evaluate in batches of max_batch (n not a multiple) against the reference. */
 static void test_evaluate_matches_reference(void **state)
 {
@@ -549,6 +600,7 @@ int main(void)
         cmocka_unit_test(test_zero_model_loss_is_log_n_out),
         cmocka_unit_test(test_init_statistics),
         cmocka_unit_test(test_bad_arguments),
+        cmocka_unit_test(test_host_alloc),
         cmocka_unit_test(test_evaluate_matches_reference),
         cmocka_unit_test(test_sgd_learns_blobs),
     };
