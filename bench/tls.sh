@@ -6,12 +6,17 @@
 # a CA this script makes with openssl. Prints a table and the HTTPS/HTTP ratio of
 # throughput per size, and writes it to bench/out/tls.md. Exit non-zero only
 # when something broke. Environment: BENCH_TLS_MIB (sizes, default "1 16 64"),
-# BENCH_TLS_REPS (default 9). OPENBLAS_CORETYPE plays no part here.
+# BENCH_TLS_REPS (default 9), RESTPS_BIN_DIR (where psd and bench_pushpull
+# are, default bin; relative to the repository root), BENCH_TLS_OUT (the
+# table's file, default bench/out/tls.md). OPENBLAS_CORETYPE plays no
+# part here.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 SIZES=${BENCH_TLS_MIB:-1 16 64}
 REPS=${BENCH_TLS_REPS:-9}
-for f in bin/psd bin/bench_pushpull; do
+BIN_DIR=${RESTPS_BIN_DIR:-bin}
+OUT=${BENCH_TLS_OUT:-bench/out/tls.md}
+for f in "$BIN_DIR/psd" "$BIN_DIR/bench_pushpull"; do
   [ -x "$f" ] || { echo "bench-tls: $f is missing (make all bench-bins)" >&2; exit 1; }
 done
 command -v openssl >/dev/null || { echo "bench-tls: openssl is missing (make deps)" >&2; exit 1; }
@@ -35,7 +40,7 @@ ossl x509 -req -in "$tmp/srv.csr" -CA "$tmp/ca.pem" -CAkey "$tmp/ca.key" -CAcrea
 # start NAME FLAGS...: a psd on a free port; sets addr
 start() {
   name=$1; shift
-  bin/psd --port=0 --bind=127.0.0.1 --logdir= "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
+  "$BIN_DIR/psd" --port=0 --bind=127.0.0.1 --logdir= "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" &
   pids="$pids $!"
   i=0
   until line=$(head -n 1 "$tmp/$name.out" 2>/dev/null) && [ -n "$line" ]; do
@@ -50,7 +55,7 @@ http_addr=$addr
 start https --tls_cert="$tmp/srv.pem" --tls_key="$tmp/srv.key"
 https_addr=$addr
 
-mkdir -p bench/out
+mkdir -p "$(dirname "$OUT")" || exit 1
 {
   echo "# HTTPS against HTTP: one step's push + pull to one psd on loopback"
   echo
@@ -61,14 +66,14 @@ mkdir -p bench/out
 } >"$tmp/tls.md"
 cat "$tmp/tls.md"
 for mib in $SIZES; do
-  h=$(bin/bench_pushpull --hosts="$http_addr" --mib="$mib" --reps="$REPS") ||
+  h=$("$BIN_DIR/bench_pushpull" --hosts="$http_addr" --mib="$mib" --reps="$REPS") ||
     { echo "bench-tls: HTTP run of $mib MiB failed" >&2; exit 1; }
-  s=$(bin/bench_pushpull --hosts="$https_addr" --mib="$mib" --reps="$REPS" --ca="$tmp/ca.pem") ||
+  s=$("$BIN_DIR/bench_pushpull" --hosts="$https_addr" --mib="$mib" --reps="$REPS" --ca="$tmp/ca.pem") ||
     { echo "bench-tls: HTTPS run of $mib MiB failed" >&2; exit 1; }
   # fields: ps_tasks MiB push_ms pull_ms GB/s
   row=$(echo "$h $s" | awk '{ printf "| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |", $2, $3, $4, $5, $8, $9, $10, ($5 > 0 ? $10 / $5 : 0) }')
   echo "$row"
   echo "$row" >>"$tmp/tls.md"
 done
-cp "$tmp/tls.md" bench/out/tls.md
-echo "bench-tls: written to bench/out/tls.md"
+cp "$tmp/tls.md" "$OUT" || exit 1
+echo "bench-tls: written to $OUT"

@@ -348,6 +348,11 @@ static CURL *xfer_setup(ps_client *c, xfer *x)
     curl_easy_setopt(h, CURLOPT_WRITEDATA, s);
     curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, on_header);
     curl_easy_setopt(h, CURLOPT_HEADERDATA, s);
+    /* Over HTTPS these sizes do not reach the socket: OpenSSL reads and
+     * writes one TLS record (16 KiB at most) per system call, two reads per
+     * record. OpenSSL's read-ahead would batch the reads, but curl 7.88 then
+     * stalls: records already buffered are not seen by its poll (measured:
+     * transfers timed out). */
     curl_easy_setopt(h, CURLOPT_BUFFERSIZE, 1L << 20);
     curl_easy_setopt(h, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
     curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);

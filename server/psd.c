@@ -178,7 +178,7 @@ int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
     const char *bind_host = NULL, *auth_file = NULL, *logdir = "./logs";
-    const char *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL;
+    const char *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL, *tls_prio = NULL;
     int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
     int auth_reads = 0, print_routes = 0, sndbuf_kib = -1, save_secs = 60, keep_ckpts = 5;
     float lease_secs = 10;
@@ -203,6 +203,7 @@ int main(int argc, char **argv)
         {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
         {"tls_cert", FLAG_STRING, &tls_cert, "serve HTTPS with this PEM certificate (chain); needs --tls_key", 0},
         {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
+        {"tls_priorities", FLAG_STRING, &tls_prio, "with --tls_cert: the GnuTLS priority string that picks the TLS versions and cipher suites (default " HTTP_TLS_PRIORITIES ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order)", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) to trust for the other ps tasks' certificates (ps 0 polls their status; default: the system's)", 0},
         {"logdir", FLAG_STRING, &logdir, "folder for checkpoints, as tf.train.Supervisor's logdir; this task's go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start (default ./logs); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
@@ -281,8 +282,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --worker_lease_secs must be from 0.5 to 86400, got %g\n", (double)lease_secs);
         return fail(srv, 2);
     }
-    if (!tls_cert != !tls_key || (tls_ca && !tls_cert)) {
-        fprintf(stderr, "psd: --tls_cert and --tls_key go together (and --tls_ca needs them)\n");
+    if (!tls_cert != !tls_key || ((tls_ca || tls_prio) && !tls_cert)) {
+        fprintf(stderr, "psd: --tls_cert and --tls_key go together (and --tls_ca and --tls_priorities need them)\n");
         return fail(srv, 2);
     }
     if (tls_cert && (!(srv->tls_cert_pem = read_text(tls_cert, err, sizeof(err))) ||
@@ -417,11 +418,14 @@ int main(int argc, char **argv)
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
+        {MHD_OPTION_END, 0, NULL},
     };
     int no = 7; /* the first free entry; an END entry ends the array */
     if (tls_cert) {
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, srv->tls_cert_pem};
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, srv->tls_key_pem};
+        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_PRIORITIES, 0,
+                                             (void *)(tls_prio ? tls_prio : HTTP_TLS_PRIORITIES)};
     }
     if (http_threads > 1)
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, http_threads, NULL};
@@ -434,7 +438,8 @@ int main(int argc, char **argv)
     struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, NULL, NULL, routes_access, srv,
                                             MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!d) {
-        fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
+        fprintf(stderr, "psd: unable to start the HTTP server on port %d%s\n", bound,
+                tls_prio ? " (is --tls_priorities a GnuTLS priority string this GnuTLS accepts?)" : "");
         return 1;
     }
     if (!(srv->membership = membership_start(srv))) {

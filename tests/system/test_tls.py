@@ -5,6 +5,7 @@ here with Debian's openssl. A worker trains over HTTPS; a wrong CA or a
 missing token fails at once with a clear message and creates nothing."""
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -106,7 +107,66 @@ def test_a_wrong_ca_or_a_missing_token_fails_clearly_and_changes_nothing(start_p
     (["--tls_cert=/nonexistent.pem", "--tls_key=/nonexistent.key"], "/nonexistent.pem"),
     (["--tls_cert=/etc/hostname", "--tls_key=/etc/hostname"], "not a PEM file"),
     (["--tls_key=x.key"], "--tls_cert and --tls_key go together"),
+    (["--tls_priorities=NORMAL"], "--tls_priorities need them"),
 ])
 def test_bad_tls_flags_exit_2(args, words):
     r = subprocess.run([binary("psd"), "--port=0", *args], capture_output=True, text=True, timeout=10)
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def handshake(host_port, pki, *args):
+    """openssl s_client (OpenSSL: an implementation apart from psd's GnuTLS)
+    offering only what args allow; (protocol, suite) agreed, or None when psd
+    refused the handshake."""
+    r = subprocess.run(["openssl", "s_client", "-brief", "-connect", host_port, "-CAfile",
+                        f"{pki}/ca.pem", "-verify_return_error", *args], input="",
+                       capture_output=True, text=True, timeout=20)
+    m = re.search(r"^Protocol version: (\S+)\nCiphersuite: (\S+)$", r.stderr, re.M)
+    if r.returncode != 0 or not m:
+        assert "CONNECTION ESTABLISHED" not in r.stderr, r.stderr
+        return None
+    assert "Verification: OK" in r.stderr, r.stderr
+    return m.group(1), m.group(2)
+
+
+# OpenSSL 3 offers TLS 1.0/1.1 and SHA-1 suites only at security level 0:
+# psd with libmicrohttpd's own GnuTLS default agreed to each of these.
+OLD = "ALL:@SECLEVEL=0"
+
+
+def test_the_default_takes_only_tls12_and_13_with_aead_suites_in_psds_order(start_psd, pki):
+    p = start_psd(f"--tls_cert={pki}/srv.pem", f"--tls_key={pki}/srv.key")
+    hp = p.host_port
+    # refused: old versions, CBC/SHA suites, RSA key exchange (no forward secrecy)
+    assert handshake(hp, pki, "-tls1", "-cipher", OLD) is None
+    assert handshake(hp, pki, "-tls1_1", "-cipher", OLD) is None
+    assert handshake(hp, pki, "-tls1_2", "-cipher", "ECDHE-RSA-AES256-SHA:@SECLEVEL=0") is None
+    assert handshake(hp, pki, "-tls1_2", "-cipher", "ECDHE-RSA-AES128-SHA256") is None
+    assert handshake(hp, pki, "-tls1_2", "-cipher", "AES128-GCM-SHA256") is None
+    # taken: TLS 1.3, TLS 1.2 with ECDHE and an AEAD suite
+    assert handshake(hp, pki) == ("TLSv1.3", "TLS_AES_256_GCM_SHA384")
+    assert handshake(hp, pki, "-tls1_2") == ("TLSv1.2", "ECDHE-RSA-AES256-GCM-SHA384")
+    assert handshake(hp, pki, "-tls1_2", "-cipher", "ECDHE-RSA-AES128-GCM-SHA256") == \
+        ("TLSv1.2", "ECDHE-RSA-AES128-GCM-SHA256")
+    # a client listing ChaCha20 first gets AES-GCM (GnuTLS's ChaCha20 is
+    # several times slower than AES-GCM on AES-NI CPUs), yet one offering
+    # only ChaCha20 is served
+    assert handshake(hp, pki, "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256:TLS_AES_128_GCM_SHA256") == \
+        ("TLSv1.3", "TLS_AES_128_GCM_SHA256")
+    assert handshake(hp, pki, "-tls1_2", "-cipher",
+                     "ECDHE-RSA-CHACHA20-POLY1305:ECDHE-RSA-AES128-GCM-SHA256") == \
+        ("TLSv1.2", "ECDHE-RSA-AES128-GCM-SHA256")
+    assert handshake(hp, pki, "-ciphersuites", "TLS_CHACHA20_POLY1305_SHA256") == \
+        ("TLSv1.3", "TLS_CHACHA20_POLY1305_SHA256")
+
+
+def test_tls_priorities_sets_what_psd_takes_and_a_bad_one_stops_it(start_psd, pki):
+    p = start_psd(f"--tls_cert={pki}/srv.pem", f"--tls_key={pki}/srv.key",
+                  "--tls_priorities=NORMAL:-VERS-ALL:+VERS-TLS1.2")
+    assert handshake(p.host_port, pki, "-tls1_3") is None
+    assert handshake(p.host_port, pki) == ("TLSv1.2", "ECDHE-RSA-AES256-GCM-SHA384")
+    r = subprocess.run([binary("psd"), "--port=0", "--logdir=", f"--tls_cert={pki}/srv.pem",
+                        f"--tls_key={pki}/srv.key", "--tls_priorities=NORMAL:+NO-SUCH-THING"],
+                       capture_output=True, text=True, timeout=10)
+    assert r.returncode != 0 and "--tls_priorities" in r.stderr and "NO-SUCH-THING" in r.stderr, r.stderr
+    assert "listening" not in r.stdout
