@@ -1,7 +1,8 @@
 """deploy/k8s, deploy/container and deploy/slurm (issue 8), checked as files:
 the manifests' structure and how they fit together (selectors, the headless
-Services, probes, ports, replicas, the TF_CONFIG the entrypoint builds from
-them), yamllint, the Dockerfiles with a real Dockerfile validator, and that
+Services, probes, ports, replicas, the ps StatefulSet and the workers' Indexed
+Job, the TF_CONFIG the entrypoint builds from what Kubernetes gives each pod),
+yamllint, the Dockerfiles with a real Dockerfile validator, and that
 every --flag any of these files (and deploy/README.md) gives psd or workerd is
 one their --help lists. Each check is also run on a broken copy, to show it
 sees the mistake. (No cluster, container engine or Slurm here: running them is
@@ -63,40 +64,102 @@ def check_container(c, where, out):
     return args
 
 
-def tf_config_from(env, pod):
-    """The TF_CONFIG the image's entrypoint builds for this pod."""
-    r = run_entrypoint(["tf-config"], dict(env, RESTPS_POD_NAME=pod))
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+def pod_env(env, kind, name, i):
+    """The variables the container of task i sees, as Kubernetes sets them: a
+    StatefulSet's pod is named and hostnamed <set>-<ordinal>; an Indexed Job's
+    pod gets the hostname <job>-<index>, a name with a random suffix after it,
+    and JOB_COMPLETION_INDEX (kubernetes.io/docs/concepts/workloads/controllers/
+    job/#completion-mode; the runtime sets HOSTNAME to the pod's hostname).
+    A variable the manifest sets itself wins over both: the Job controller adds
+    JOB_COMPLETION_INDEX only to a container without one, and containerd puts
+    the container's own variables after its HOSTNAME."""
+    host = f"{name}-{i}"
+    fields = {"<metadata.name>": host if kind == "StatefulSet" else f"{host}-x7k2p",
+              "<metadata.namespace>": "default"}
+    e = {k: fields.get(v, v) for k, v in env.items()}
+    e.setdefault("HOSTNAME", host)
+    if kind == "Job":
+        e.setdefault("JOB_COMPLETION_INDEX", str(i))
+    return e
 
 
-def check_statefulset(d, services, where, out):
-    spec = d["spec"]
+def tf_config_from(env):
+    """The TF_CONFIG the image's entrypoint builds with these variables, or its
+    complaint."""
+    r = run_entrypoint(["tf-config"], env)
+    if r.returncode != 0:
+        return None, r.stderr.strip()
+    return json.loads(r.stdout), None
+
+
+def labels_match(selector, labels):
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_statefulset_spec(spec, labels, where, out):
+    if spec.get("podManagementPolicy") != "Parallel":
+        out.append(f"{where}: podManagementPolicy should be Parallel (OrderedReady waits for a "
+                   "ps to be ready before starting the next, and readiness needs them all)")
+    sel = spec.get("selector", {}).get("matchLabels", {})
+    if not labels_match(sel, labels):
+        out.append(f"{where}: selector {sel} does not match the template's labels {labels}")
+    return spec.get("replicas")
+
+
+def check_job_spec(spec, where, out):
+    """The workers' Indexed Job: one pod per task, index = task index."""
+    if spec.get("completionMode") != "Indexed":
+        out.append(f"{where}: completionMode should be Indexed (only then does each pod get "
+                   f"an index and the hostname <job>-<index>): {spec.get('completionMode')}")
+    n = spec.get("completions")
+    if not isinstance(n, int) or n < 1 or spec.get("parallelism") != n:
+        out.append(f"{where}: completions {n} and parallelism {spec.get('parallelism')} should "
+                   "be equal, the number of workers (sync training waits for every one)")
+    if not isinstance(spec.get("backoffLimit"), int) or spec["backoffLimit"] < 1:
+        out.append(f"{where}: backoffLimit {spec.get('backoffLimit')}: at least 1, or the first "
+                   "crash fails the Job instead of restarting the worker")
+    if "selector" in spec or spec.get("manualSelector"):
+        out.append(f"{where}: a Job's selector is the controller's own: set none")
+    policy = spec["template"]["spec"].get("restartPolicy")
+    if policy != "OnFailure":
+        out.append(f"{where}: restartPolicy {policy}: OnFailure restarts a crashed worker in its "
+                   "pod (a Job allows only Never or OnFailure; the default Always is refused)")
+    return n
+
+
+def check_workload(d, services, where, out):
+    """A StatefulSet (the ps) or an Indexed Job (the workers) with its headless
+    Service: pod <name>-<i> is <name>-<i>.<Service>, TF_CONFIG's entry."""
+    kind, spec = d["kind"], d["spec"]
     name = d["metadata"]["name"]
-    svc = services.get(spec.get("serviceName"))
+    want = {"ps": "StatefulSet", "worker": "Job"}.get(name.rsplit("-", 1)[-1])
+    if want and kind != want:
+        out.append(f"{where}: should be a {want}: the ps serve until deleted, the workers run to "
+                   "completion (a StatefulSet restarts a worker that finished)")
+    tmpl = spec["template"]
+    labels = tmpl["metadata"].get("labels", {})
+    pod = tmpl["spec"]
+    if kind == "StatefulSet":
+        field, sname = "serviceName", spec.get("serviceName")
+        n = check_statefulset_spec(spec, labels, where, out)
+    else:
+        field, sname = "subdomain", pod.get("subdomain")
+        n = check_job_spec(spec, where, out)
+    svc = services.get(sname)
     if svc is None:
-        out.append(f"{where}: serviceName {spec.get('serviceName')!r} is no Service of this file")
+        out.append(f"{where}: {field} {sname!r} is no Service of this file (the pods' DNS "
+                   "names come from it)")
         return None
     if svc["spec"].get("clusterIP") != "None":
         out.append(f"{where}: its Service {svc['metadata']['name']} is not headless (clusterIP: None)")
     if svc["spec"].get("publishNotReadyAddresses") is not True:
         out.append(f"{where}: its Service must publish pods not ready yet (a ps is ready only "
                    "once the chief, which needs its address, has initialized it)")
-    if spec["serviceName"] != name:
-        out.append(f"{where}: the Service is {spec['serviceName']}, the entrypoint names tasks "
-                   f"<pod>.{name}")
-    if spec.get("podManagementPolicy") != "Parallel":
-        out.append(f"{where}: podManagementPolicy should be Parallel (OrderedReady waits for a "
-                   "ps to be ready before starting the next, and readiness needs them all)")
-    tmpl = spec["template"]
-    labels = tmpl["metadata"].get("labels", {})
-    sel = spec["selector"].get("matchLabels", {})
-    if not sel or any(labels.get(k) != v for k, v in sel.items()):
-        out.append(f"{where}: selector {sel} does not match the template's labels {labels}")
+    if sname != name:
+        out.append(f"{where}: the Service is {sname}, the entrypoint names tasks <pod>.{name}")
     ssel = svc["spec"].get("selector", {})
-    if not ssel or any(labels.get(k) != v for k, v in ssel.items()):
+    if not labels_match(ssel, labels):
         out.append(f"{where}: the Service's selector {ssel} does not match the pods' labels {labels}")
-    pod = tmpl["spec"]
     if (pod.get("securityContext") or {}).get("runAsNonRoot") is not True:
         out.append(f"{where}: the pod should run as non-root")
     cs = pod["containers"]
@@ -110,7 +173,7 @@ def check_statefulset(d, services, where, out):
         if var not in env:
             out.append(f"{where}: no {var} (the entrypoint builds TF_CONFIG from it)")
             return None
-    if env.pop("RESTPS_POD_NAME", None) != "<metadata.name>":
+    if kind == "StatefulSet" and env.get("RESTPS_POD_NAME") != "<metadata.name>":
         out.append(f"{where}: RESTPS_POD_NAME should come from the pod's metadata.name")
     job = name[len(env.get("RESTPS_NAME", "restps")) + 1:]
     if (job, args[:1]) not in (("ps", ["psd"]), ("worker", ["workerd"])):
@@ -136,18 +199,24 @@ def check_statefulset(d, services, where, out):
         mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
         if not logdir or not any(mounts.get(cl) == logdir[0] for cl in claims):
             out.append(f"{where}: --logdir {logdir} should be a volumeClaimTemplate's mount {mounts}")
-    # the TF_CONFIG of the last pod, as the entrypoint builds it
-    n = spec["replicas"]
-    tf = tf_config_from(env, f"{name}-{n - 1}")
-    if tf["task"] != {"type": job, "index": n - 1}:
-        out.append(f"{where}: pod {name}-{n - 1} gets task {tf['task']}")
-    own = tf["cluster"].get(job, [])
-    if own and own[-1] != f"{name}-{n - 1}.{svc['metadata']['name']}:{port}":
-        out.append(f"{where}: TF_CONFIG names the pod {own[-1]}, not <pod>.<Service>:<port>")
-    for hosts in tf["cluster"].values():
-        for h in hosts:
-            if int(h.rsplit(":", 1)[1]) != port:
-                out.append(f"{where}: TF_CONFIG port {h} is not the Service's {port}")
+    if not isinstance(n, int) or n < 1:
+        return None
+    # every pod's TF_CONFIG, as the entrypoint builds it from what Kubernetes sets
+    for i in range(n):
+        tf, err = tf_config_from(pod_env(env, kind, name, i))
+        if err:
+            out.append(f"{where}: the entrypoint refuses pod {i}: {err}")
+            break
+        if tf["task"] != {"type": job, "index": i}:
+            out.append(f"{where}: pod {name}-{i} gets task {tf['task']}")
+        own = tf["cluster"].get(job, [])
+        if i >= len(own) or own[i] != f"{name}-{i}.{sname}:{port}":
+            out.append(f"{where}: TF_CONFIG's {job} {i} is not <hostname>.<Service>:<port>: {own}")
+        bad = [h for hosts in tf["cluster"].values() for h in hosts
+               if int(h.rsplit(":", 1)[1]) != port]
+        if bad:
+            out.append(f"{where}: TF_CONFIG ports {bad} are not the Service's {port}")
+            break
     return {"job": job, "replicas": n, "env": env}
 
 
@@ -200,30 +269,32 @@ def manifest_problems(texts):
         services = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "Service"}
         for d in docs:
             where = f"{fname}: {d.get('kind')} {d.get('metadata', {}).get('name')}"
-            api = {"Service": "v1", "StatefulSet": "apps/v1", "TFJob": "kubeflow.org/v1"}
+            api = {"Service": "v1", "StatefulSet": "apps/v1", "Job": "batch/v1",
+                   "TFJob": "kubeflow.org/v1"}
             if d.get("kind") not in api:
                 out.append(f"{where}: unexpected kind")
                 continue
             if d.get("apiVersion") != api[d["kind"]] or not d.get("metadata", {}).get("name"):
                 out.append(f"{where}: apiVersion should be {api[d['kind']]}, with a metadata.name")
                 continue
-            if d["kind"] == "StatefulSet":
-                s = check_statefulset(d, services, where, out)
+            if d["kind"] in ("StatefulSet", "Job"):
+                s = check_workload(d, services, where, out)
                 if s:
                     sets.append((where, s))
             elif d["kind"] == "TFJob":
                 check_tfjob(d, where, out)
             elif d["spec"].get("clusterIP") != "None":
                 out.append(f"{where}: every Service here is headless")
-    # every set's RESTPS_*_REPLICAS are the StatefulSets' replicas
+    # every workload's RESTPS_*_REPLICAS are the ps StatefulSets' replicas and
+    # the worker Jobs' completions
     count = {}
     for where, s in sets:
         count.setdefault(s["job"], set()).add(s["replicas"])
     for where, s in sets:
         for job, var in (("ps", "RESTPS_PS_REPLICAS"), ("worker", "RESTPS_WORKER_REPLICAS")):
             if count.get(job) != {int(s["env"][var])}:
-                out.append(f"{where}: {var}={s['env'][var]}, but the {job} StatefulSets have "
-                           f"{sorted(count.get(job, []))} replicas")
+                out.append(f"{where}: {var}={s['env'][var]}, but the {job} tasks are "
+                           f"{sorted(count.get(job, []))}")
     return out
 
 
@@ -251,7 +322,7 @@ def flag_uses(texts):
 
 
 def containers_of(d):
-    if d.get("kind") == "StatefulSet":
+    if d.get("kind") in ("StatefulSet", "Job"):
         return d["spec"]["template"]["spec"]["containers"]
     if d.get("kind") == "TFJob":
         return [c for rs in d["spec"]["tfReplicaSpecs"].values()
@@ -275,12 +346,29 @@ MUTATIONS = [
      "does not match"),
     ("ps.yaml", "path: /readyz", "path: /healthz", "readinessProbe should GET /readyz"),
     ("ps.yaml", "- name: RESTPS_PORT\n              value: \"2222\"",
-     "- name: RESTPS_PORT\n              value: \"2223\"", "TF_CONFIG port"),
+     "- name: RESTPS_PORT\n              value: \"2223\"", "TF_CONFIG ports"),
     ("ps.yaml", "mountPath: /var/lib/restps", "mountPath: /data", "--logdir"),
     ("ps.yaml", "fieldPath: metadata.name", "fieldPath: metadata.namespace", "RESTPS_POD_NAME"),
-    ("worker.yaml", "podManagementPolicy: Parallel", "podManagementPolicy: OrderedReady", "Parallel"),
+    ("ps.yaml", "podManagementPolicy: Parallel", "podManagementPolicy: OrderedReady", "Parallel"),
     ("worker.yaml", "- name: RESTPS_PS_REPLICAS\n              value: \"2\"",
      "- name: RESTPS_PS_REPLICAS\n              value: \"3\"", "RESTPS_PS_REPLICAS=3"),
+    ("worker.yaml", "completionMode: Indexed", "completionMode: NonIndexed", "completionMode"),
+    ("worker.yaml", "subdomain: restps-worker", "subdomain: restps-workers", "subdomain"),
+    ("worker.yaml", "restartPolicy: OnFailure", "restartPolicy: Always", "restartPolicy Always"),
+    ("worker.yaml", "backoffLimit: 6", "backoffLimit: 0", "backoffLimit"),
+    ("worker.yaml", "  completions: 2\n", "  completions: 3\n", "completions 3"),
+    ("worker.yaml", "  completionMode: Indexed\n", "  completionMode: Indexed\n  selector:\n"
+     "    matchLabels:\n      app.kubernetes.io/component: worker\n", "selector is the controller"),
+    ("worker.yaml", "        app.kubernetes.io/component: worker\n    spec:",
+     "        app.kubernetes.io/component: trainer\n    spec:", "does not match the pods' labels"),
+    ("worker.yaml", "kind: Job\nmetadata:\n  name: restps-worker",
+     "kind: Job\nmetadata:\n  name: restps-trainer", "names tasks <pod>.restps-trainer"),
+    ("worker.yaml", "            - name: RESTPS_PORT\n",
+     "            - name: JOB_COMPLETION_INDEX\n              value: \"1\"\n"
+     "            - name: RESTPS_PORT\n", "entrypoint refuses pod 0"),
+    ("worker-gpu.yaml", "  parallelism: 2\n", "  parallelism: 1\n", "parallelism 1"),
+    ("worker-gpu.yaml", "apiVersion: batch/v1\nkind: Job\n", "apiVersion: apps/v1\n"
+     "kind: StatefulSet\n", "should be a Job"),
     ("worker-gpu.yaml", "              nvidia.com/gpu: 1\n", "", "nvidia.com/gpu"),
     ("tfjob.yaml", "- name: tfjob-port", "- name: grpc", "tfjob-port"),
     ("tfjob.yaml", "readinessProbe:\n                httpGet:\n                  path: /healthz",
@@ -296,6 +384,22 @@ def test_manifest_checks_see_a_broken_copy(fname, old, new, words):
     texts[fname] = texts[fname].replace(old, new, 1)
     problems = manifest_problems(texts)
     assert any(words in p for p in problems), problems
+
+
+def test_manifest_checks_accept_a_job_pod_named_from_metadata():
+    """A worker Job that also passes RESTPS_POD_NAME from metadata.name, as the
+    ps StatefulSet does, still works: the pod's name is <hostname>-<random>, and
+    the entrypoint takes the index from JOB_COMPLETION_INDEX and drops the
+    suffix. (The manifests leave it out: $HOSTNAME is the name DNS knows.)"""
+    texts = manifest_texts()
+    old = "          env:\n            - name: RESTPS_PS_REPLICAS\n"
+    assert old in texts["worker.yaml"]
+    texts["worker.yaml"] = texts["worker.yaml"].replace(old, (
+        "          env:\n            - name: RESTPS_POD_NAME\n              valueFrom:\n"
+        "                fieldRef:\n                  fieldPath: metadata.name\n"
+        "            - name: RESTPS_PS_REPLICAS\n"), 1)
+    assert "metadata.name" in texts["worker.yaml"]
+    assert manifest_problems(texts) == []
 
 
 def test_manifests_pass_yamllint(tmp_path):

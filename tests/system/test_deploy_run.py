@@ -1,6 +1,7 @@
 """The image's entrypoint and the Slurm script, run for real without a
 container engine or Slurm (issue 8): the TF_CONFIG the entrypoint builds from a
-StatefulSet pod's name, or leaves alone when Kubeflow set one; psd and a chief
+StatefulSet pod's name or an Indexed Job pod's hostname and
+JOB_COMPLETION_INDEX, or leaves alone when Kubeflow set one; psd and a chief
 started through it on 127.0.0.1 (it execs them: the PID is theirs), and its
 HEALTHCHECK; the Slurm script's role mapping with a fake scontrol, and a whole
 1-ps/1-worker job through it with a fake srun that starts its tasks here."""
@@ -10,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -54,6 +54,22 @@ def test_entrypoint_builds_tf_config_from_the_pod_name(pod, job, index):
     assert tf == {"cluster": {"ps": PS, "worker": WORKERS}, "task": {"type": job, "index": index}}
 
 
+@pytest.mark.parametrize("env,index", [
+    # what Kubernetes gives an Indexed Job's pod: hostname <job>-<index>, JOB_COMPLETION_INDEX
+    ({"HOSTNAME": "restps-worker-0", "JOB_COMPLETION_INDEX": "0"}, 0),
+    ({"HOSTNAME": "restps-worker-1", "JOB_COMPLETION_INDEX": "1"}, 1),
+    # the pod's name (metadata.name) adds a random suffix; the index still comes through
+    ({"HOSTNAME": "restps-worker-2", "JOB_COMPLETION_INDEX": "2",
+      "RESTPS_POD_NAME": "restps-worker-2-x7k2p"}, 2),
+])
+def test_entrypoint_builds_tf_config_for_an_indexed_job_pod(env, index):
+    tf = tf_config(dict(K8S_ENV, **env))
+    assert tf == {"cluster": {"ps": PS, "worker": WORKERS}, "task": {"type": "worker", "index": index}}
+    # and given only flags, the job in the name picks workerd
+    r = run_entrypoint(["--log_every=10"], dict(K8S_ENV, RESTPS_DRY_RUN="1", **env))
+    assert dry_run_argv(r.stdout) == ["workerd", "--log_every=10"], r.stderr
+
+
 def test_entrypoint_settings_name_domain_port_and_no_workers():
     tf = tf_config({"RESTPS_PS_REPLICAS": "1", "RESTPS_POD_NAME": "mnist-ps-0", "HOSTNAME": "x",
                     "RESTPS_NAME": "mnist", "RESTPS_PORT": "8470",
@@ -93,6 +109,16 @@ def test_entrypoint_picks_the_program_by_the_job_when_given_only_flags():
     ({"HOSTNAME": "restps-ps-0", "RESTPS_PS_REPLICAS": "two"}, "RESTPS_PS_REPLICAS 'two'"),
     ({"HOSTNAME": "restps-ps-0", "RESTPS_PS_REPLICAS": "0"}, "RESTPS_PS_REPLICAS '0'"),
     ({"HOSTNAME": "restps-ps-0", "RESTPS_PORT": "70000"}, "RESTPS_PORT '70000' is not a port"),
+    ({"HOSTNAME": "restps-ps-01"}, "is not restps-<job>-<ordinal>"),  # TF_CONFIG's index is JSON
+    # an Indexed Job's pod name without its index, and index and hostname that disagree
+    ({"HOSTNAME": "restps-worker-1-x7k2p"}, "is not restps-<job>-<ordinal>"),
+    ({"HOSTNAME": "restps-worker-1", "JOB_COMPLETION_INDEX": "2"}, "is not restps-<job>-2"),
+    ({"HOSTNAME": "restps-worker-11", "JOB_COMPLETION_INDEX": "1"}, "is not restps-<job>-1"),
+    ({"HOSTNAME": "restps-1", "JOB_COMPLETION_INDEX": "1"}, "is not restps-<job>-1"),
+    ({"HOSTNAME": "restps-worker-1", "JOB_COMPLETION_INDEX": "x"}, "JOB_COMPLETION_INDEX 'x'"),
+    ({"HOSTNAME": "restps-worker-1", "JOB_COMPLETION_INDEX": ""}, "JOB_COMPLETION_INDEX ''"),
+    ({"HOSTNAME": "restps-worker-3", "JOB_COMPLETION_INDEX": "3"},
+     "index 3 out of range: job 'worker' has 3 tasks"),
 ])
 def test_entrypoint_refuses_what_it_cannot_map(env, words):
     r = run_entrypoint(["psd"], dict(K8S_ENV, **env))
