@@ -20,7 +20,7 @@ many runs reach 0.85, and writes the table to bench/out/async_accuracy.md.
 Exit status non-zero only when something broke, never for a figure.
 
 Environment: ASYNC_SEEDS (default "1 2 3 4 5 6"), ASYNC_STEPS (10000),
-ASYNC_NUMPY=0 skips the numpy part, BIN_DIR (default bin).
+ASYNC_NUMPY=0 skips the numpy part, RESTPS_BIN_DIR (default bin).
 """
 import gzip
 import json
@@ -36,7 +36,7 @@ import urllib.request
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, os.environ.get("BIN_DIR", "bin"))
+BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 DATA = "/usr/share/datasets/fashion-mnist"
 SEEDS = [int(s) for s in os.environ.get("ASYNC_SEEDS", "1 2 3 4 5 6").split()]
 STEPS = int(os.environ.get("ASYNC_STEPS", "10000"))
@@ -71,7 +71,6 @@ def run_local(seed):
 
 def run_async(seed, n_workers=2):
     """1 psd + n async workers; returns (accuracy, mean staleness)."""
-    logdir = tempfile.mkdtemp(prefix="restps-async.")
     port = free_port()
     psd = subprocess.Popen([os.path.join(BIN, "psd"), f"--ps_hosts=127.0.0.1:{port}", "--logdir="],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -80,10 +79,16 @@ def run_async(seed, n_workers=2):
         workers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n_workers))
         common = [f"--ps_hosts=127.0.0.1:{port}", f"--worker_hosts={workers}", "--sync=0",
                   f"--seed={seed}", "--keep_ps"] + EXAMPLE
+        logs = [tempfile.TemporaryFile("w+") for _ in range(n_workers)]
         for i in range(n_workers):
             procs.append(subprocess.Popen([os.path.join(BIN, "workerd"), f"--task_index={i}"] + common,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=900)[0] for p in procs]
+                                          stdout=logs[i], stderr=subprocess.STDOUT, text=True))
+        outs = []
+        for p, f in zip(procs, logs):
+            p.wait(timeout=900)
+            f.seek(0)
+            outs.append(f.read())
+            f.close()
         for p, o in zip(procs, outs):
             if p.returncode != 0:
                 raise RuntimeError(f"workerd exited {p.returncode}:\n{o[-2000:]}")
@@ -95,7 +100,6 @@ def run_async(seed, n_workers=2):
             if p.poll() is None:
                 p.kill()
             p.wait()
-        os.rmdir(logdir)
 
 
 # ---- numpy, independent of restps ---------------------------------------------

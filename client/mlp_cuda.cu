@@ -357,6 +357,15 @@ static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size
 {
     const int L = layout->n_layers;
     const size_t B = (size_t)max_batch, P = layout->n_params, D = (size_t)layout->dims[0];
+    /* forward_backward copies layer l's gradients out as one range from W_l's
+     * start to b_l's end: the layout must be W_0 b_0 W_1 b_1 ... back to back */
+    for (int l = 0, t = 0; l < L; l++, t += 2)
+        if (layout->tensors[t].offset != (l ? layout->tensors[t - 1].offset + layout->tensors[t - 1].numel : 0) ||
+            layout->tensors[t + 1].offset != layout->tensors[t].offset + layout->tensors[t].numel ||
+            (l == L - 1 && layout->tensors[t + 1].offset + layout->tensors[t + 1].numel != P)) {
+            errmsg(err, errlen, "mlp_cuda: the layout is not W_0 b_0 W_1 b_1 ... back to back");
+            return NULL;
+        }
     size_t dmax = 0, nact = 0;
     for (int l = 1; l <= L; l++) {
         nact += B * (size_t)layout->dims[l];
@@ -509,7 +518,7 @@ static void *cuda_host_alloc(mlp *m, size_t bytes)
         int cap = c->cap_pinned ? 2 * c->cap_pinned : 8;
         void *t = realloc(c->pinned, (size_t)cap * sizeof(*c->pinned));
         if (!t)
-            return NULL;
+            return calloc(1, bytes); /* untracked: ordinary memory, staged copies */
         c->pinned = (pinned_range *)t;
         c->cap_pinned = cap;
     }
@@ -545,9 +554,9 @@ static void cuda_host_free(mlp *m, void *p)
         free(p);
         return;
     }
-    c->pinned[i] = c->pinned[--c->n_pinned];
     CK(cudaSetDevice(c->device));
     CK(cudaFreeHost(p));
+    c->pinned[i] = c->pinned[--c->n_pinned]; /* freed: no longer tracked (else destroy retries) */
     return;
 fail:
     fprintf(stderr, "mlp_cuda: host_free: %s\n", err);

@@ -262,6 +262,21 @@ static int token_ok(const ring *r, struct MHD_Connection *c)
                                                                  MHD_HTTP_HEADER_AUTHORIZATION));
 }
 
+/* 1 when the request's Content-Length is at most one piece: a refused body
+ * that small is swallowed (the sender reads the answer); a larger or unsized
+ * one is answered at once, as a 413 is, so that no one without the token
+ * streams more into this endpoint than a task with it may. */
+static int piece_sized(const ring *r, struct MHD_Connection *c)
+{
+    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (!cl || !*cl)
+        return 0;
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(cl, &end, 10);
+    return !*end && !errno && n <= (unsigned long long)r->piece * 4;
+}
+
 static json_t *status_json(ring *r)
 {
     pthread_mutex_lock(&r->mu);
@@ -357,9 +372,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         } else {
             q->bad = chunk_begin(r, c, q, q->msg, sizeof(q->msg));
         }
-        if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE) {
+        if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE ||
+            (q->bad == MHD_HTTP_UNAUTHORIZED && !piece_sized(r, c))) {
             /* answered before the body is read: libmicrohttpd closes the connection */
-            enum MHD_Result rc = reply_error(c, MHD_HTTP_CONTENT_TOO_LARGE, "%s", q->msg);
+            enum MHD_Result rc = reply_error(c, q->bad, "%s", q->msg);
             free(q);
             return rc;
         }

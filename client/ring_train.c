@@ -180,8 +180,12 @@ int train_ring(const train_config *c)
         batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
         double loss;
         if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
-            fprintf(stderr, "workerd: forward/backward failed\n");
-            goto out;
+            /* the parameters are intact: the chief still writes its checkpoint */
+            progress_clear(&bar);
+            fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
+                    c->name, (long long)step);
+            broken = 1;
+            break;
         }
         grads[np] = (float)loss;
         if (c->step_delay_ms > 0) /* test hook: a slow worker */

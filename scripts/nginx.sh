@@ -18,5 +18,10 @@ if ! (cd "$tmp" && apt-get download -qq nginx >/dev/null 2>&1); then
     echo "nginx: could not download Debian's nginx package; set NGINX=/path/to/nginx for make bench" >&2
     exit 0; }
 fi
-dpkg -x "$tmp"/nginx_*.deb "$tmp/x" && mkdir -p build/tools &&
-  cp "$tmp/x/usr/sbin/nginx" build/tools/nginx && echo "nginx: build/tools/nginx ($(build/tools/nginx -v 2>&1))"
+if dpkg -x "$tmp"/nginx_*.deb "$tmp/x" && mkdir -p build/tools &&
+  cp "$tmp/x/usr/sbin/nginx" build/tools/nginx; then
+  echo "nginx: build/tools/nginx ($(build/tools/nginx -v 2>&1))"
+else
+  echo "nginx: could not unpack Debian's nginx package; set NGINX=/path/to/nginx for make bench" >&2
+fi
+exit 0
