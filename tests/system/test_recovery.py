@@ -345,10 +345,15 @@ def test_sync_model_is_the_same_with_one_two_and_three_ps_tasks(jobs):
     args = ["--sync=1", "--hidden_units=32", "--optimizer=adam", "--learning_rate=0.003",
             "--batch_size=50", f"--train_steps={300 if ASAN else 1500}", "--seed=11", "--log_every=0"]
     models = {}
-    for n_ps, name in ((1, "one"), (2, "two"), (2, "two-again"), (3, "three")):
+    # under ASan (make test time) the 1- and 3-ps runs only: the memory paths
+    # of several shards run there; the rest of the comparison on the optimized build
+    runs = ((1, "one"), (3, "three")) if ASAN else ((1, "one"), (2, "two"), (2, "two-again"), (3, "three"))
+    for n_ps, name in runs:
         models[name] = uninterrupted(jobs, args, n_ps=n_ps, name=name)[1]
-    assert models["two"] == models["two-again"]
-    assert models["one"] == models["two"] == models["three"]
+    if not ASAN:
+        assert models["two"] == models["two-again"]
+        assert models["one"] == models["two"]
+    assert models["one"] == models["three"]
 
 
 def parse_safetensors(b):
