@@ -25,7 +25,6 @@ ASYNC_NUMPY=0 skips the numpy part, RESTPS_BIN_DIR (default bin).
 import gzip
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import time
 import urllib.request
 
 import numpy as np
+
+from benchlib import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
@@ -45,14 +46,6 @@ EXAMPLE = ["--hidden_units=100", "--optimizer=adam", "--learning_rate=0.01", "--
 
 
 # ---- restps ----------------------------------------------------------------
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
 
 def accuracy(out):
     lines = [l for l in out.splitlines() if "test accuracy" in l]

@@ -19,25 +19,18 @@ ratio on this machine, not a claim about a cluster.
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+from benchlib import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 DATA = "/usr/share/datasets/fashion-mnist"
 MIB = 1 << 20
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def hosts(n):

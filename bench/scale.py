@@ -13,11 +13,12 @@ cores: with 4 workers + ps + evaluator on 2 cores, the rates say as much about
 the CPU as about the protocol (the table says how many cores there were)."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
+
+from benchlib import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "bin")
@@ -25,14 +26,6 @@ DATA = "/usr/share/datasets/fashion-mnist"
 OUT = os.path.join(ROOT, "bench", "out")
 TARGET = 0.80
 STEPS = int(os.environ.get("SCALE_STEPS", "1500"))
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 class Lines:
