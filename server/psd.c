@@ -7,6 +7,8 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +29,9 @@
 #include "server.h"
 
 static volatile sig_atomic_t stop_requested;
+/* Set when psd begins to stop: from then on new connections are accepted and
+ * closed at once (see accept_policy). */
+static atomic_bool closing;
 
 static void on_signal(int sig)
 {
@@ -111,6 +116,21 @@ static void on_step(void *ctx, int64_t step)
     double loss;
     store_totals(&srv->store, &n, &bytes, &gs, &has_loss, &loss);
     history_record(srv->history, step, has_loss, loss);
+}
+
+/* libmicrohttpd's accept policy: no new connections once psd is stopping. This,
+ * not MHD_quiesce_daemon, is how psd stops taking connections: in epoll mode
+ * quiescing races the polling threads, which remove the listening socket from
+ * their epoll sets themselves, and the loser's EPOLL_CTL_DEL fails with ENOENT,
+ * which libmicrohttpd 0.9.75 treats as fatal ("Failed to remove listen FD from
+ * epoll set", an abort on SIGTERM now and then). A client connecting during
+ * the drain sees its connection closed, as it would after the stop. */
+static enum MHD_Result accept_policy(void *cls, const struct sockaddr *addr, socklen_t len)
+{
+    (void)cls;
+    (void)addr;
+    (void)len;
+    return atomic_load(&closing) ? MHD_NO : MHD_YES;
 }
 
 static void mhd_panic(void *cls, const char *file, unsigned int line, const char *reason)
@@ -435,7 +455,7 @@ int main(int argc, char **argv)
         return 1;
     }
     opts[6].ptr_value = srv->conntrack;
-    struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, NULL, NULL, routes_access, srv,
+    struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, accept_policy, NULL, routes_access, srv,
                                             MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!d) {
         fprintf(stderr, "psd: unable to start the HTTP server on port %d%s\n", bound,
@@ -465,11 +485,7 @@ int main(int argc, char **argv)
              (unsigned long long)atomic_load(&srv->requests));
     /* no new connections; answer the parked long polls and SSE streams, let
      * the requests in flight finish (at most 5 s), then stop */
-    /* The listening socket comes back to us, but the pool's threads take it
-     * out of their epoll sets on their own time: closing it now made
-     * libmicrohttpd abort ("Failed to remove listen FD from epoll set").
-     * It is closed after MHD_stop_daemon. */
-    MHD_quiesce_daemon(d);
+    atomic_store(&closing, true);
     history_stop(srv->history);
     waiters_wake_all(srv->waiters);
     waiters_wake_all(srv->clock_waiters);
@@ -480,7 +496,8 @@ int main(int argc, char **argv)
     if (atomic_load(&srv->in_flight) > 0)
         log_info("psd: %d requests still in flight after 5 s: closing them",
                  atomic_load(&srv->in_flight));
-    MHD_stop_daemon(d);
+    MHD_stop_daemon(d); /* closes the listening socket */
+    fd = -1;
     conntrack_stop(srv->conntrack);
     membership_stop(srv->membership);
     int status = 0;
