@@ -13,7 +13,7 @@ CFLAGS  ?=
 # dynamic cost model: GCC 12 at -O2 vectorizes only "very cheap" loops, which
 # leaves the finite check and the optimizers scalar
 CFLAGS  += $(OPT) -fvect-cost-model=dynamic -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -Icommon -Iserver -Iclient
-LDLIBS_SERVER = -lmicrohttpd -lcurl -ljansson -lpthread -lm
+LDLIBS_SERVER = -lmicrohttpd -lgnutls -lcurl -ljansson -lpthread -lm
 LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 
 BUILD ?= build
@@ -25,7 +25,7 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/training.c server/waiters.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c server/conntrack.c
+             server/membership.c server/conntrack.c server/tls_priorities.c
 CLIENT_SRC = client/libps.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c

@@ -10,7 +10,7 @@
 # port 80: scripts/nginx.sh takes its binary from Debian's package.
 set -eu
 PKGS="gcc make pkg-config ca-certificates curl openssl \
-libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
+libmicrohttpd-dev libgnutls28-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
 libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox \
 dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \

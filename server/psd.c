@@ -26,6 +26,7 @@
 #include "saver.h"
 #include "membership.h"
 #include "conntrack.h"
+#include "tls_priorities.h"
 #include "server.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -306,6 +307,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --tls_cert and --tls_key go together (and --tls_ca and --tls_priorities need them)\n");
         return fail(srv, 2);
     }
+    if (tls_prio && tls_priorities_check(tls_prio, err, sizeof(err)) != 0) {
+        fprintf(stderr, "psd: --tls_priorities=%s: %s\n", tls_prio, err);
+        return fail(srv, 2);
+    }
     if (tls_cert && (!(srv->tls_cert_pem = read_text(tls_cert, err, sizeof(err))) ||
                      !(srv->tls_key_pem = read_text(tls_key, err, sizeof(err))))) {
         fprintf(stderr, "psd: %s\n", err);
@@ -458,8 +463,7 @@ int main(int argc, char **argv)
     struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, accept_policy, NULL, routes_access, srv,
                                             MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
     if (!d) {
-        fprintf(stderr, "psd: unable to start the HTTP server on port %d%s\n", bound,
-                tls_prio ? " (is --tls_priorities a GnuTLS priority string this GnuTLS accepts?)" : "");
+        fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
         return 1;
     }
     if (!(srv->membership = membership_start(srv))) {
