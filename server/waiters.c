@@ -1,6 +1,7 @@
 /* waiters.c - parked long-poll requests and the thread that expires them. */
 #include "waiters.h"
 
+#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
@@ -50,6 +51,23 @@ static void resume_where(waiters *w, int (*pred)(const waiter *, int64_t), int64
 
 static int step_reached(const waiter *x, int64_t step) { return step >= x->min_step; }
 static int deadline_passed(const waiter *x, int64_t now) { return now >= x->deadline_ms; }
+/* The client hung up (or half-closed) while parked. libmicrohttpd does not
+ * watch a suspended connection, so without this a departed long poll kept its
+ * connection slot and counted in waiting_pulls until its deadline (up to 300
+ * s). Resumed, it is answered (the write fails) or closed by libmicrohttpd
+ * when it reads the end of the stream; a client that only half-closed is
+ * answered early or closed. */
+static int client_gone(const waiter *x, int64_t unused)
+{
+    (void)unused;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(x->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci)
+        return 0;
+    struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
 static int always(const waiter *x, int64_t unused)
 {
     (void)x;
@@ -64,6 +82,7 @@ static void *timer_main(void *arg)
     while (!w->stopping) {
         int64_t now = waiters_now_ms(), next = now + 1000;
         resume_where(w, deadline_passed, now);
+        resume_where(w, client_gone, 0); /* checked about once a second */
         for (waiter *x = w->list; x; x = x->next)
             if (x->deadline_ms < next)
                 next = x->deadline_ms;

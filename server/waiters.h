@@ -1,7 +1,7 @@
 /* waiters.h - long polls: requests parked (libmicrohttpd suspend) until the
  * shard's global_step reaches what they wait for, or their deadline passes.
  * No busy polling: a step change resumes exactly the requests it satisfies;
- * one thread resumes the ones whose deadline passed. */
+ * one thread resumes the ones whose deadline passed or whose client hung up. */
 #ifndef RESTPS_WAITERS_H
 #define RESTPS_WAITERS_H
 

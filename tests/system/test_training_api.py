@@ -10,6 +10,7 @@ numpy."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -494,6 +495,41 @@ def test_long_poll_timeout(start_psd):
     for q in ("min_step=0&timeout_ms=300000", "min_step=5&timeout_ms=0"):
         t0 = time.monotonic()
         assert pull(p, q)[1] == 0 and time.monotonic() - t0 < 0.25
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_poll_whose_client_left_stops_waiting(start_psd, threads):
+    """libmicrohttpd does not watch a parked (suspended) connection; psd checks
+    them about once a second, so a client that hung up no longer holds its
+    connection or counts in waiting_pulls until its deadline (60 s here). A
+    client still connected keeps waiting (the control); one that only
+    half-closed its side is answered or closed at once."""
+    p = start_psd(f"--http_threads={threads}")
+    put_var(p.url, "w", np.zeros(2, F32))
+    req = b"GET /v1/params?min_step=5&timeout_ms=60000 HTTP/1.1\r\nHost: x\r\n\r\n"
+    stay, leave, half = (socket.create_connection(("127.0.0.1", p.port)) for _ in range(3))
+    for s in (stay, leave, half):
+        s.sendall(req)
+    wait_status(p, "waiting_pulls", 3)
+    leave.close()
+    half.shutdown(socket.SHUT_WR)
+    half.settimeout(5)
+    t0 = time.monotonic()
+    # ended at once: answered or closed (libmicrohttpd does either with a half-closed client)
+    got = half.recv(65536)
+    assert got == b"" or got.startswith(b"HTTP/1.1 200"), got[:300]
+    assert time.monotonic() - t0 < 3
+    half.close()
+    wait_status(p, "waiting_pulls", 1, secs=3)
+    assert time.monotonic() - t0 < 3
+    time.sleep(1.5)  # two more checks: the connected one is still parked
+    assert status(p)["waiting_pulls"] == 1
+    stay.settimeout(0.1)
+    with pytest.raises(socket.timeout):
+        stay.recv(1)
+    stay.close()
+    wait_status(p, "waiting_pulls", 0, secs=3)
+    assert pull(p)[1] == 0  # and psd goes on serving
 
 
 # ------------------------------------------------- evaluator, done, shutdown
