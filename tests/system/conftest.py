@@ -13,6 +13,27 @@ import urllib.request
 
 import pytest
 
+# The suite runs on the CPU even on a GPU machine: workerd's --device=auto
+# would otherwise put every test's worker on the GPU, where results that the
+# tests compare bit for bit with the CPU (or with numpy at 1e-5) differ. The
+# devices the run was given are kept in RESTPS_TEST_GPUS ("all" when
+# CUDA_VISIBLE_DEVICES was unset) for the tests that want them: gpu_env().
+if "RESTPS_TEST_GPUS" not in os.environ:
+    os.environ["RESTPS_TEST_GPUS"] = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def gpu_env():
+    """os.environ with the run's GPUs visible again (see above)."""
+    e = dict(os.environ)
+    gpus = e.get("RESTPS_TEST_GPUS", "all")
+    if gpus == "all":
+        e.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        e["CUDA_VISIBLE_DEVICES"] = gpus
+    return e
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")

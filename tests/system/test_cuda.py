@@ -4,7 +4,8 @@ Runs everywhere: --device=cuda with no device (CUDA_VISIBLE_DEVICES="" hides
 any) is one clear line on stderr and exit 2, before any data is read;
 --device=auto then says on its first line that it took the cpu; bad --device
 and --gpu values are refused. Needs a device (skipped, with the reason, where
-there is none): the CUDA backend against the CPU on random inputs
+there is none; they see the GPUs conftest.py hides from the rest of the
+suite): the CUDA backend against the CPU on random inputs
 (tests/gpu/cuda_vs_cpu.c), and --local training on cuda tracking the cpu's
 losses. tests/gpu/check.sh is the fuller check on a GPU machine."""
 import os
@@ -13,7 +14,7 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, binary
+from conftest import BIN, binary, gpu_env
 
 DATA = "/usr/share/datasets/fashion-mnist"
 ASAN = "asan" in BIN
@@ -22,7 +23,7 @@ needs_data = pytest.mark.skipif(not os.path.isdir(DATA),
 
 
 def run(args, env=None, timeout=120):
-    e = dict(os.environ)
+    e = gpu_env()  # conftest hides the GPUs from the rest of the suite
     e.pop("TF_CONFIG", None)
     if env:
         e.update(env)
@@ -69,6 +70,17 @@ def test_device_auto_trains_on_cpu():
     assert any(re.search(r"step 20 loss [0-9.]+", l) for l in lines), r.stdout
 
 
+def test_the_rest_of_the_suite_runs_on_the_cpu():
+    """conftest.py hides the GPUs from every other test's processes: on a GPU
+    machine too, --device=auto then takes the cpu."""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    e = dict(os.environ)
+    e.pop("TF_CONFIG", None)
+    r = subprocess.run([binary("workerd"), "--local", "--data_dir=/nonexistent"],
+                       capture_output=True, text=True, env=e, timeout=60)
+    assert r.stdout.splitlines()[0].startswith("workerd: using the cpu backend (--device=auto: "), r.stdout
+
+
 @pytest.mark.parametrize("args,want", [
     (["--device=gpu"], "--device must be auto, cpu or cuda"),
     (["--device=cuda", "--gpu=-1"], "--gpu=-1 is negative"),
@@ -96,7 +108,8 @@ def skip_without_device(r):
 
 
 def test_cuda_matches_cpu():
-    r = subprocess.run([gpu_tool("cuda_vs_cpu")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([gpu_tool("cuda_vs_cpu")], capture_output=True, text=True, timeout=300,
+                       env=gpu_env())
     skip_without_device(r)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all agree" in r.stdout, r.stdout
@@ -104,7 +117,8 @@ def test_cuda_matches_cpu():
 
 @needs_data
 def test_cuda_training_tracks_cpu():
-    r = subprocess.run([gpu_tool("cuda_vs_cpu"), "--probe"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([gpu_tool("cuda_vs_cpu"), "--probe"], capture_output=True, text=True,
+                       timeout=60, env=gpu_env())
     skip_without_device(r)
     common = ["--local", f"--data_dir={DATA}", "--train_steps=100", "--log_every=20",
               "--optimizer=sgd", "--learning_rate=0.1"]
