@@ -198,43 +198,46 @@ out:
     return rc;
 }
 
-/* The whole file into a malloc'd buffer. */
-static unsigned char *slurp(const char *path, size_t *len, char *err, size_t errlen)
+/* len bytes at offset off of fd into dst. 0, or -1 with err (an I/O error, or
+ * the file ended early: it shrank while being read). */
+static int read_at(int fd, void *dst, size_t len, uint64_t off, char *err, size_t errlen)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        snprintf(err, errlen, "%s", strerror(errno));
-        return NULL;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        snprintf(err, errlen, "not a regular file");
-        close(fd);
-        return NULL;
-    }
-    unsigned char *buf = malloc(st.st_size ? (size_t)st.st_size : 1);
-    if (!buf) {
-        snprintf(err, errlen, "out of memory for %lld bytes", (long long)st.st_size);
-        close(fd);
-        return NULL;
-    }
     size_t got = 0;
-    while (got < (size_t)st.st_size) {
-        ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
+    while (got < len) {
+        ssize_t r = pread(fd, (unsigned char *)dst + got, len - got, (off_t)(off + got));
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0) {
-            snprintf(err, errlen, "read failed after %zu bytes: %s", got,
-                     r < 0 ? strerror(errno) : "end of file");
-            free(buf);
-            close(fd);
-            return NULL;
+            snprintf(err, errlen, "read failed at byte %llu: %s",
+                     (unsigned long long)(off + got), r < 0 ? strerror(errno) : "end of file");
+            return -1;
         }
         got += (size_t)r;
     }
-    close(fd);
-    *len = got;
-    return buf;
+    return 0;
+}
+
+/* Read tensor ti of f (in the file fd) into dst and check it against its
+ * CRC-32C in crcs. 0, CKPT_EREAD (err) when it could not be read, or
+ * CKPT_EINVALID (err) when its checksum does not match. */
+static int read_tensor(int fd, const st_file *f, const st_tensor *ti, json_t *crcs, void *dst,
+                       char *err, size_t errlen)
+{
+    size_t nb = (size_t)(ti->end - ti->begin);
+    char why[256];
+    if (read_at(fd, dst, nb, f->data_start + ti->begin, why, sizeof(why)) != 0) {
+        snprintf(err, errlen, "tensor '%s': %s", ti->name, why);
+        return CKPT_EREAD;
+    }
+    const char *want = json_string_value(json_object_get(crcs, ti->name));
+    char hex[9];
+    snprintf(hex, sizeof(hex), "%08x", crc32c(dst, nb));
+    if (!want || strcmp(want, hex) != 0) {
+        snprintf(err, errlen, "tensor '%s': checksum does not match (file says %s, data gives %s)",
+                 ti->name, want ? want : "nothing", hex);
+        return CKPT_EINVALID;
+    }
+    return 0;
 }
 
 static json_t *meta_json(const st_file *f, const char *key, char *err, size_t errlen)
@@ -324,21 +327,54 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
               size_t errlen)
 {
     memset(out, 0, sizeof(*out));
-    size_t len = 0;
     char why[256];
-    unsigned char *buf = slurp(path, &len, why, sizeof(why));
-    if (!buf) {
-        snprintf(err, errlen, "%s", why);
-        return CKPT_EREAD;
-    }
     st_file f;
     memset(&f, 0, sizeof(f));
     json_t *config = NULL, *vars = NULL, *crcs = NULL, *state = NULL, *place = NULL;
+    unsigned char *head = NULL;
     int rc = -1;
-    if (st_parse(buf, len, &f, why, sizeof(why)) != 0) {
-        snprintf(err, errlen, "%s (file is %zu bytes)", why, len);
+    /* only the header is read whole; each tensor goes straight from the file
+     * into its blob, checked as it lands (peak memory: the model, once) */
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        return CKPT_EREAD;
+    }
+    struct stat fst;
+    if (fstat(fd, &fst) != 0 || !S_ISREG(fst.st_mode)) {
+        snprintf(err, errlen, "not a regular file");
+        close(fd);
+        return CKPT_EREAD;
+    }
+    uint64_t len = (uint64_t)fst.st_size, hl = 0;
+    unsigned char prefix[8] = {0};
+    if (len >= 8 && read_at(fd, prefix, 8, 0, why, sizeof(why)) != 0) {
+        snprintf(err, errlen, "%s", why);
+        rc = CKPT_EREAD;
         goto out;
     }
+    if (st_read_prefix(prefix, len, &hl, why, sizeof(why)) != 0) {
+        snprintf(err, errlen, "%s (file is %llu bytes)", why, (unsigned long long)len);
+        goto out;
+    }
+    if (!(head = malloc((size_t)hl))) {
+        snprintf(err, errlen, "out of memory for a header of %llu bytes", (unsigned long long)hl);
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    if (read_at(fd, head, (size_t)hl, 8, why, sizeof(why)) != 0) {
+        snprintf(err, errlen, "%s", why);
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    int pr = st_parse_header(head, hl, len - 8 - hl, &f, why, sizeof(why));
+    if (pr != 0) {
+        snprintf(err, errlen, "%s (file is %llu bytes)", why, (unsigned long long)len);
+        rc = pr == ST_ENOMEM ? CKPT_EREAD : CKPT_EINVALID;
+        goto out;
+    }
+    free(head);
+    head = NULL;
     const char *fmt = st_meta_get(&f, "format"), *ver = st_meta_get(&f, "format_version");
     if (!fmt || strcmp(fmt, CKPT_FORMAT) != 0 || !ver) {
         snprintf(err, errlen, "not a restps checkpoint (metadata 'format' is %s%s%s)",
@@ -397,16 +433,12 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
         snprintf(err, errlen, "metadata 'variables', 'crc32c' and 'state' must be JSON objects");
         goto out;
     }
-    /* every tensor's checksum */
+    /* every tensor has a checksum (each is checked as it is read below) */
     for (int t = 0; t < f.n_tensors; t++) {
         const st_tensor *ti = &f.tensors[t];
-        const char *want = json_string_value(json_object_get(crcs, ti->name));
-        char hex[9];
-        snprintf(hex, sizeof(hex), "%08x",
-                 crc32c(buf + f.data_start + ti->begin, (size_t)(ti->end - ti->begin)));
-        if (!want || strcmp(want, hex) != 0) {
-            snprintf(err, errlen, "tensor '%s': checksum does not match (file says %s, data gives %s)",
-                     ti->name, want ? want : "nothing", hex);
+        if (!json_is_string(json_object_get(crcs, ti->name))) {
+            snprintf(err, errlen, "tensor '%s': checksum does not match (file says nothing)",
+                     ti->name);
             goto out;
         }
         if (strcmp(ti->dtype, "F32") != 0) {
@@ -461,7 +493,9 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
             goto out;
         }
         out->n++;
-        memcpy(v->data->data, buf + f.data_start + ti->begin, nb);
+        if ((rc = read_tensor(fd, &f, ti, crcs, v->data->data, err, errlen)) != 0)
+            goto out;
+        rc = -1;
         used++;
         int ns = (int)json_array_size(slots);
         int need = out->configured ? optim_slots(out->config.optim.kind) : 0;
@@ -487,8 +521,10 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
                          name, want);
                 goto out;
             }
-            memcpy(v->slots + (size_t)j * (size_t)v->numel, buf + f.data_start + f.tensors[st].begin,
-                   nb);
+            if ((rc = read_tensor(fd, &f, &f.tensors[st], crcs, v->slots + (size_t)j * (size_t)v->numel,
+                                  err, errlen)) != 0)
+                goto out;
+            rc = -1;
             used++;
         }
     }
@@ -520,7 +556,8 @@ out:
     json_decref(state);
     json_decref(place);
     st_file_free(&f);
-    free(buf);
+    free(head);
+    close(fd);
     return rc;
 }
 

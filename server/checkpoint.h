@@ -45,7 +45,9 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
                void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen);
 
 /* Read and validate path; on success (0) *out holds it (blobs from pool;
- * free with store_saved_free). Otherwise err says why and the result says
+ * free with store_saved_free). Only the header is read whole: each tensor is
+ * read from the file straight into its blob and checked there, so the peak
+ * memory is the model once (plus the header), not the file plus the model. Otherwise err says why and the result says
  * what that means: CKPT_EINVALID the file is broken (truncated, checksums,
  * ...), CKPT_EREAD it could not be read now (I/O error, out of memory: the
  * file may be fine), CKPT_EOTHER it is valid but another task's or another

@@ -57,14 +57,34 @@ enum MHD_Result h_checkpoint_get(request *r)
     return rc;
 }
 
+static void resume_conn(void *key)
+{
+    MHD_resume_connection(key);
+}
+
 enum MHD_Result h_checkpoint_post(request *r)
 {
     saver *sv = r->srv->saver;
     if (!sv)
         return http_reply_error(r, MHD_HTTP_CONFLICT, "checkpoints are off on this ps (--logdir is empty)");
     char path[PATH_MAX], err[512];
-    int64_t step;
-    if (saver_save(sv, 1, path, sizeof(path), &step, err, sizeof(err)) < 0)
+    int64_t step = -1;
+    int rc = -2;
+    if (!r->parked && r->srv->cfg.http_threads > 0) {
+        /* a save takes seconds for a big model: the saver's thread writes it
+         * while this connection is suspended, and this handler runs again
+         * once it is resumed with the outcome */
+        r->parked = 1;
+        MHD_suspend_connection(r->conn);
+        if (saver_save_async(sv, r->conn, resume_conn) != 0)
+            MHD_resume_connection(r->conn); /* no thread to take it: saved below */
+        return MHD_YES;
+    }
+    if (r->parked)
+        rc = saver_result(sv, r->conn, path, sizeof(path), &step, err, sizeof(err));
+    if (rc == -2) /* thread per connection, or the saver's thread is stopping */
+        rc = saver_save(sv, 1, path, sizeof(path), &step, err, sizeof(err));
+    if (rc < 0)
         return http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR,
                                 "checkpoint failed: %s (the previous checkpoint is intact)", err);
     const char *base = strrchr(path, '/');

@@ -13,6 +13,20 @@
 
 #include "log.h"
 
+/* A requested save (saver_save_async). */
+typedef struct job {
+    void *key;
+    void (*resume)(void *key);
+    int taken;           /* the save that answers it has begun */
+    int resumed;         /* resume(key) was called */
+    int64_t deadline_ms; /* resumed by then, done or not (CLOCK_MONOTONIC) */
+    int done, rc;
+    char path[PATH_MAX];
+    int64_t step;
+    char err[512];
+    struct job *next;
+} job;
+
 struct saver {
     store *st;
     bufpool *pool;
@@ -26,6 +40,11 @@ struct saver {
     pthread_mutex_t mu; /* guards what follows and the thread's wake-ups */
     pthread_cond_t cv;
     int stop;
+    job *jobs;      /* queued and done-but-not-collected requested saves */
+    int n_queued;   /* of them not done yet */
+    pthread_cond_t done_cv; /* a requested save finished */
+    pthread_t resumer;      /* resumes requesters whose save runs long */
+    pthread_cond_t resumer_cv;
 
     pthread_mutex_t save_mu; /* one save at a time */
     uint64_t saved_changes;  /* the store's change counter in the newest checkpoint */
@@ -74,6 +93,8 @@ saver *saver_new(store *st, bufpool *pool, const char *dir, int interval_secs, i
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&sv->cv, &ca);
+    pthread_cond_init(&sv->done_cv, &ca);
+    pthread_cond_init(&sv->resumer_cv, &ca);
     pthread_condattr_destroy(&ca);
     return sv;
 }
@@ -263,23 +284,102 @@ failed:
     return -1;
 }
 
+/* Run one forced save for every queued request (called with mu held, some
+ * queued); each is resumed with the outcome. Requests queued during the save
+ * wait for the next one: its snapshot may predate them. */
+static void run_requested(saver *sv)
+{
+    for (job *j = sv->jobs; j; j = j->next)
+        if (!j->done)
+            j->taken = 1;
+    pthread_mutex_unlock(&sv->mu);
+    char path[PATH_MAX] = "", err[512] = "";
+    int64_t step = -1;
+    int rc = saver_save(sv, 1, path, sizeof(path), &step, err, sizeof(err));
+    pthread_mutex_lock(&sv->mu);
+    for (job *j = sv->jobs; j; j = j->next) {
+        if (j->done || !j->taken)
+            continue;
+        j->done = 1;
+        j->rc = rc;
+        j->step = step;
+        snprintf(j->path, sizeof(j->path), "%s", path);
+        snprintf(j->err, sizeof(j->err), "%s", err);
+        sv->n_queued--;
+        if (!j->resumed) {
+            j->resumed = 1;
+            j->resume(j->key);
+        }
+    }
+    pthread_cond_broadcast(&sv->done_cv);
+}
+
 static void *loop(void *arg)
+{
+    saver *sv = arg;
+    struct timespec at;
+    clock_gettime(CLOCK_MONOTONIC, &at);
+    at.tv_sec += sv->interval;
+    pthread_mutex_lock(&sv->mu);
+    for (;;) {
+        /* requested saves first, stopping or not: their requesters wait */
+        if (sv->n_queued > 0) {
+            run_requested(sv);
+            continue;
+        }
+        if (sv->stop)
+            break;
+        int timed_out = 0;
+        if (sv->interval > 0)
+            timed_out = pthread_cond_timedwait(&sv->cv, &sv->mu, &at) == ETIMEDOUT;
+        else
+            pthread_cond_wait(&sv->cv, &sv->mu);
+        if (sv->stop)
+            break;
+        if (timed_out) {
+            pthread_mutex_unlock(&sv->mu);
+            char path[PATH_MAX], err[512];
+            int64_t step;
+            saver_save(sv, 0, path, sizeof(path), &step, err, sizeof(err));
+            pthread_mutex_lock(&sv->mu);
+            clock_gettime(CLOCK_MONOTONIC, &at);
+            at.tv_sec += sv->interval;
+        }
+    }
+    pthread_mutex_unlock(&sv->mu);
+    return NULL;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Resume the requesters whose save outlasts SAVER_SUSPEND_MAX_MS. */
+static void *resumer(void *arg)
 {
     saver *sv = arg;
     pthread_mutex_lock(&sv->mu);
     while (!sv->stop) {
-        struct timespec at;
-        clock_gettime(CLOCK_MONOTONIC, &at);
-        at.tv_sec += sv->interval;
-        while (!sv->stop && pthread_cond_timedwait(&sv->cv, &sv->mu, &at) != ETIMEDOUT) {
+        int64_t now = now_ms(), next = INT64_MAX;
+        for (job *j = sv->jobs; j; j = j->next) {
+            if (j->done || j->resumed)
+                continue;
+            if (j->deadline_ms <= now) {
+                j->resumed = 1;
+                j->resume(j->key);
+            } else if (j->deadline_ms < next) {
+                next = j->deadline_ms;
+            }
         }
-        if (sv->stop)
-            break;
-        pthread_mutex_unlock(&sv->mu);
-        char path[PATH_MAX], err[512];
-        int64_t step;
-        saver_save(sv, 0, path, sizeof(path), &step, err, sizeof(err));
-        pthread_mutex_lock(&sv->mu);
+        if (next == INT64_MAX) {
+            pthread_cond_wait(&sv->resumer_cv, &sv->mu);
+        } else {
+            struct timespec at = {next / 1000, (next % 1000) * 1000000L};
+            pthread_cond_timedwait(&sv->resumer_cv, &sv->mu, &at);
+        }
     }
     pthread_mutex_unlock(&sv->mu);
     return NULL;
@@ -287,24 +387,102 @@ static void *loop(void *arg)
 
 int saver_start(saver *sv)
 {
-    if (sv->interval <= 0)
-        return 0;
-    if (pthread_create(&sv->thread, NULL, loop, sv) != 0)
-        return -1;
-    sv->running = 1;
-    return 0;
+    pthread_mutex_lock(&sv->mu);
+    int rc = -1;
+    if (pthread_create(&sv->thread, NULL, loop, sv) == 0) {
+        if (pthread_create(&sv->resumer, NULL, resumer, sv) == 0) {
+            rc = 0;
+        } else {
+            sv->stop = 1;
+            pthread_cond_broadcast(&sv->cv);
+            pthread_mutex_unlock(&sv->mu);
+            pthread_join(sv->thread, NULL);
+            pthread_mutex_lock(&sv->mu);
+            sv->stop = 0;
+        }
+    }
+    sv->running = rc == 0;
+    pthread_mutex_unlock(&sv->mu);
+    return rc;
 }
 
 void saver_stop(saver *sv)
 {
-    if (!sv || !sv->running)
+    if (!sv)
         return;
     pthread_mutex_lock(&sv->mu);
+    int running = sv->running;
     sv->stop = 1;
-    pthread_cond_broadcast(&sv->cv);
-    pthread_mutex_unlock(&sv->mu);
-    pthread_join(sv->thread, NULL);
     sv->running = 0;
+    pthread_cond_broadcast(&sv->cv);
+    pthread_cond_broadcast(&sv->resumer_cv);
+    pthread_mutex_unlock(&sv->mu);
+    if (running) {
+        pthread_join(sv->thread, NULL);
+        pthread_join(sv->resumer, NULL);
+    }
+}
+
+int saver_save_async(saver *sv, void *key, void (*resume)(void *key))
+{
+    pthread_mutex_lock(&sv->mu);
+    if (!sv->running || sv->stop) {
+        pthread_mutex_unlock(&sv->mu);
+        return -1;
+    }
+    /* a done job for the same key is from a connection that went away
+     * before it collected it (its key may be reused now) */
+    for (job **pp = &sv->jobs; *pp;) {
+        job *x = *pp;
+        if (x->key == key && x->done) {
+            *pp = x->next;
+            free(x);
+        } else {
+            pp = &x->next;
+        }
+    }
+    job *j = calloc(1, sizeof(*j));
+    if (!j) {
+        pthread_mutex_unlock(&sv->mu);
+        return -1;
+    }
+    j->key = key;
+    j->resume = resume;
+    j->deadline_ms = now_ms() + SAVER_SUSPEND_MAX_MS;
+    j->next = sv->jobs;
+    sv->jobs = j;
+    sv->n_queued++;
+    pthread_cond_broadcast(&sv->cv);
+    pthread_cond_broadcast(&sv->resumer_cv);
+    pthread_mutex_unlock(&sv->mu);
+    return 0;
+}
+
+int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, char *err,
+                 size_t errlen)
+{
+    pthread_mutex_lock(&sv->mu);
+    for (job **pp = &sv->jobs; *pp; pp = &(*pp)->next) {
+        job *x = *pp;
+        if (x->key != key)
+            continue;
+        /* resumed before its save is done: wait for it here (the saver's
+         * thread finishes every save it took, stopping or not) */
+        while (!x->done)
+            pthread_cond_wait(&sv->done_cv, &sv->mu);
+        for (pp = &sv->jobs; *pp != x; pp = &(*pp)->next) {
+        }
+        int rc = x->rc;
+        snprintf(path, cap, "%s", x->path);
+        *step = x->step;
+        snprintf(err, errlen, "%s", x->err);
+        *pp = x->next;
+        free(x);
+        pthread_mutex_unlock(&sv->mu);
+        return rc;
+    }
+    pthread_mutex_unlock(&sv->mu);
+    return -2;
 }
 
 void saver_free(saver *sv)
@@ -312,9 +490,16 @@ void saver_free(saver *sv)
     if (!sv)
         return;
     saver_stop(sv);
+    while (sv->jobs) {
+        job *x = sv->jobs;
+        sv->jobs = x->next;
+        free(x);
+    }
     pthread_mutex_destroy(&sv->mu);
     pthread_mutex_destroy(&sv->save_mu);
     pthread_cond_destroy(&sv->cv);
+    pthread_cond_destroy(&sv->done_cv);
+    pthread_cond_destroy(&sv->resumer_cv);
     free(sv);
 }
 

@@ -9,6 +9,10 @@
  * (the previous checkpoint stays), is logged and counted, and is tried again
  * at the next interval; psd keeps serving.
  *
+ * Saves run on the saver's own thread: the periodic ones, and the requested
+ * ones handed to it with saver_save_async (POST /v1/checkpoint suspends its
+ * connection meanwhile, so no HTTP thread waits for the disk).
+ *
  * Test hook: RESTPS_TEST_SAVE_PAUSE_MS=N pauses each write for N ms half-way
  * through its data (the crash tests kill psd inside a write). */
 #ifndef RESTPS_SAVER_H
@@ -34,10 +38,30 @@ void saver_free(saver *sv); /* stops the thread first */
  * others were passed over. 1 restored, 0 nothing to restore. */
 int saver_restore(saver *sv);
 
-/* Start the periodic thread (when interval_secs > 0). */
+/* Start the saver's thread (periodic saves when interval_secs > 0, and the
+ * requested ones). */
 int saver_start(saver *sv);
 /* Stop it (waits for a save in progress). */
 void saver_stop(saver *sv);
+
+/* A requester is resumed at the latest this long after it queued its save,
+ * done or not: below psd's 5 s grace for the requests in flight at a stop,
+ * so no connection is still suspended when the HTTP server stops (which
+ * libmicrohttpd refuses with an abort). A save that takes longer is waited
+ * for by saver_result, on the requester's thread, as before. */
+#define SAVER_SUSPEND_MAX_MS 4000
+
+/* Queue a forced save (saver_save(force=1)) for the saver's thread. `key`
+ * names the requester (a suspended connection); resume(key) is called from
+ * a saver thread once the save is done, or after SAVER_SUSPEND_MAX_MS,
+ * whichever comes first. Saves queued while one runs share the next one.
+ * -1 when the thread does not run (stopping): save with saver_save. */
+int saver_save_async(saver *sv, void *key, void (*resume)(void *key));
+/* The outcome of key's queued save, as saver_save's (0 or -1; the job is
+ * then forgotten), waiting for it when it is not done yet; -2 when key
+ * queued none. */
+int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, char *err,
+                 size_t errlen);
 
 /* Save now. force: even when nothing changed since the last checkpoint.
  * 0 saved (path and step of the file), 1 skipped (nothing changed: path and
