@@ -171,3 +171,12 @@ void mlp_host_free(mlp *m, void *p)
     else
         free(p);
 }
+
+int mlp_stage_batch(mlp *m, const float *x, const uint8_t *labels, int batch)
+{
+    if (!m || !x || !labels || batch < 1 || batch > m->max_batch)
+        return -1;
+    if (!m->backend->stage_batch)
+        return 0; /* nothing to move ahead of time (the CPU computes on x itself) */
+    return m->backend->stage_batch(m, x, labels, batch);
+}

@@ -105,6 +105,11 @@ struct mlp_backend {
      * NULL when out of memory. host_free takes what host_alloc gave (or NULL). */
     void *(*host_alloc)(mlp *m, size_t bytes);
     void (*host_free)(mlp *m, void *p);
+    /* Optional (NULL: nothing to stage, as on the CPU): start moving the batch
+     * the next forward_backward will get (x, labels, batch) to the device,
+     * and return at once; see mlp_stage_batch. Arguments already checked by
+     * the front door. */
+    int (*stage_batch)(mlp *m, const float *x, const uint8_t *labels, int batch);
 };
 
 /* The OpenBLAS backend (mlp_cpu.c). */
@@ -162,6 +167,32 @@ int mlp_evaluate(mlp *m, const float *params, const float *x, const uint8_t *lab
  * once on one instance, like the functions above. */
 void *mlp_host_alloc(mlp *m, size_t bytes);
 void mlp_host_free(mlp *m, void *p);
+
+/* Prefetch: start copying the batch (x [batch, n_in], labels [batch]) that
+ * the caller will pass to its next mlp_forward_backward, and return at once,
+ * so that the copy overlaps what the caller does in between (the optimizer's
+ * update, the network pull and push). An optimization only: the results are
+ * identical, bit for bit, with or without it. The contract:
+ *  - the next mlp_forward_backward called with the same x, labels and batch
+ *    (the same pointers, not merely equal contents) uses the staged copy;
+ *    called with anything else it copies its own x and labels as always.
+ *    Either way that call ends the staging; so do mlp_evaluate, a later
+ *    mlp_stage_batch (which replaces it) and mlp_free. Nothing carries over
+ *    to a second call: stage again for every batch.
+ *  - from this call until the call that ends the staging returns, the
+ *    caller must neither modify nor free x and labels (the copy may still be
+ *    reading them; mlp_host_free of a staged buffer waits for it first).
+ *  - from memory mlp_host_alloc handed out (pinned: direct DMA) the copy is
+ *    asynchronous; from other memory it may be made before this returns
+ *    (through the backend's staging buffers), which costs the caller that
+ *    time and gains nothing.
+ *  - on a backend without a device (the CPU) it does nothing and returns 0.
+ * 0, or -1 on bad arguments (no m, x or labels; batch outside
+ * [1, max_batch]) or a backend failure (the backend said why on stderr);
+ * after a -1 nothing is staged and mlp_forward_backward still copies as
+ * usual, so a caller may ignore the result. Labels are checked by the
+ * forward_backward that uses them, not here. */
+int mlp_stage_batch(mlp *m, const float *x, const uint8_t *labels, int batch);
 
 /* CPU backend only: OpenBLAS threads for this process (process-wide; 1 is the
  * safe default beside other busy processes, see PERF-NOTES). */

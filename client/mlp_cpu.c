@@ -277,4 +277,6 @@ const mlp_backend mlp_backend_cpu = {
     .destroy = cpu_destroy,
     .forward_backward = cpu_forward_backward,
     .evaluate = cpu_evaluate,
+    /* no host_alloc (calloc does), no stage_batch: the CPU computes on the
+     * caller's x itself, there is nothing to move ahead */
 };

@@ -17,15 +17,26 @@
  * says so, exactly and cheaply); otherwise through the instance's own pinned
  * staging buffers, with a host memcpy (e.g. evaluate's x, the dataset's
  * images). One compute stream, one synchronization per step: the copies in,
- * the compute and the copies out are queued back to back. Gradients going
- * out directly leave layer by layer on a second stream (out), each layer's as
- * soon as the backward pass has computed it (an event per layer), overlapping
- * the rest of the backward pass. The staged copies are cut into pieces so that
- * the host's memcpy into (out of) the staging buffer of one piece overlaps
- * the DMA of the previous one; there is no overlap between steps (the
- * caller's API hands over one batch at a time). Every function returns with
- * both streams idle, failures included, so no DMA touches a caller's buffer
- * after the call.
+ * the compute and the copies out are queued back to back. Three streams
+ * around it overlap copies with the compute:
+ *  - in: parameters coming in directly arrive layer by layer: W_0, b_0 (and
+ *    the batch) on the compute stream, W_l, b_l for l >= 1 on in, after them,
+ *    each with an event the compute stream waits for just before layer l's
+ *    forward sgemm, so layer l-1's forward hides layer l's upload.
+ *  - in also carries the next batch, when the caller stages it ahead
+ *    (stage_batch, mlp.h's mlp_stage_batch) into a second device batch
+ *    buffer (slot 1; slot 0 takes every batch copied in the step itself), with
+ *    an event the step that uses it waits for.
+ *  - out: gradients going out directly leave layer by layer, each layer's as
+ *    soon as the backward pass has computed it (an event per layer),
+ *    overlapping the rest of the backward pass.
+ * The staged copies are cut into pieces so that the host's memcpy into (out
+ * of) the staging buffer of one piece overlaps the DMA of the previous one.
+ * Every function returns with every stream idle, failures included, so no
+ * DMA touches a caller's buffer after the call; the one exception is
+ * stage_batch, whose copy from the caller's pinned batch may run until the
+ * next forward_backward (or evaluate, stage_batch, host_free of that buffer,
+ * destroy), which waits for it.
  *
  * TF32 is off by default (CUBLAS_DEFAULT_MATH: full FP32 sgemm, results match
  * the CPU reference to ~1e-6); mlp_cuda_use(..., tf32 = 1) opts in.
@@ -164,8 +175,8 @@ typedef struct mlp_cuda {
     cublasHandle_t blas;
     /* device */
     float *params, *grads;               /* n_params each, the CPU layout */
-    float *x;                            /* [max_batch, n_in] */
-    uint8_t *y;                          /* [max_batch] */
+    float *xs[2];                        /* [max_batch, n_in] each: slot 0 the step's, 1 the staged */
+    uint8_t *ys[2];                      /* [max_batch] each, the same */
     float *act[MLP_MAX_LAYERS + 1];      /* act[l], l = 1..L as in mlp_cpu.c */
     float *d[2];                         /* [max_batch, max dims[1..L]] each */
     float *ones;                         /* [max_batch] of 1.0f: column sums by gemv */
@@ -183,6 +194,15 @@ typedef struct mlp_cuda {
     cudaStream_t out;                    /* direct gradient copies, layer by layer */
     cudaEvent_t layer_done[MLP_MAX_LAYERS]; /* layer l's gradients are computed */
     int n_layer_events;
+    cudaStream_t in;                     /* direct parameter uploads (l >= 1), staged batches */
+    cudaEvent_t in0_done;                /* the compute stream's copies in are queued before it */
+    cudaEvent_t param_ready[MLP_MAX_LAYERS]; /* W_l, b_l (l >= 1) are on the device */
+    int n_param_events;
+    cudaEvent_t staged_ev;               /* the staged batch is in slot 1 */
+    int staged;                          /* stage_batch's batch: in or on its way to slot 1 */
+    const float *st_x;                   /* ... from these host buffers, this batch */
+    const uint8_t *st_y;
+    int st_B;
     pinned_range *pinned;                /* host_alloc's pinned memory */
     int n_pinned, cap_pinned;
     int warned_unpinned;                 /* host_alloc's fallback said so once */
@@ -375,13 +395,14 @@ static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size
     /* the device block: floats (256-byte aligned pieces), then the rest */
 #define ALIGN(n) (((n) + 255) & ~(size_t)255)
     size_t off_params = 0, off_grads = ALIGN(P * 4), off_x = off_grads + ALIGN(P * 4);
-    size_t off_act = off_x + ALIGN(B * D * 4), off_d = off_act + ALIGN(nact * 4);
+    size_t off_act = off_x + 2 * ALIGN(B * D * 4), off_d = off_act + ALIGN(nact * 4);
     size_t off_ones = off_d + ALIGN(2 * B * dmax * 4), off_rowloss = off_ones + ALIGN(B * 4);
     size_t off_rowright = off_rowloss + ALIGN(B * 8), off_sums = off_rowright + ALIGN(B * 4);
-    size_t off_y = off_sums + ALIGN(2 * 8), dbytes = off_y + ALIGN(B);
+    size_t off_y = off_sums + ALIGN(2 * 8), dbytes = off_y + 2 * ALIGN(B);
     /* pinned host: params, grads, x, y, sums */
     size_t h_grads = ALIGN(P * 4), h_x = h_grads + ALIGN(P * 4), h_y = h_x + ALIGN(B * D * 4);
     size_t h_sums = h_y + ALIGN(B), hbytes = h_sums + ALIGN(2 * 8);
+    const size_t x_slot = ALIGN(B * D * 4), y_slot = ALIGN(B);
 #undef ALIGN
     char *dm, *hm;
     cudaError_t e;
@@ -421,7 +442,8 @@ static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size
     hm = (char *)c->hmem;
     c->params = (float *)(dm + off_params);
     c->grads = (float *)(dm + off_grads);
-    c->x = (float *)(dm + off_x);
+    c->xs[0] = (float *)(dm + off_x);
+    c->xs[1] = (float *)(dm + off_x + x_slot);
     {
         float *p = (float *)(dm + off_act);
         for (int l = 1; l <= L; l++) {
@@ -435,7 +457,8 @@ static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size
     c->rowloss = (double *)(dm + off_rowloss);
     c->rowright = (int *)(dm + off_rowright);
     c->sums = (double *)(dm + off_sums);
-    c->y = (uint8_t *)(dm + off_y);
+    c->ys[0] = (uint8_t *)(dm + off_y);
+    c->ys[1] = (uint8_t *)(dm + off_y + y_slot);
     c->h_params = (float *)hm;
     c->h_grads = (float *)(hm + h_grads);
     c->h_x = (float *)(hm + h_x);
@@ -448,6 +471,11 @@ static mlp *cuda_create(const mlp_layout *layout, int max_batch, char *err, size
     CK(cudaStreamCreateWithFlags(&c->out, cudaStreamNonBlocking));
     for (; c->n_layer_events < L; c->n_layer_events++)
         CK(cudaEventCreateWithFlags(&c->layer_done[c->n_layer_events], cudaEventDisableTiming));
+    CK(cudaStreamCreateWithFlags(&c->in, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&c->in0_done, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&c->staged_ev, cudaEventDisableTiming));
+    for (; c->n_param_events < L; c->n_param_events++)
+        CK(cudaEventCreateWithFlags(&c->param_ready[c->n_param_events], cudaEventDisableTiming));
     CKB(blas.Create(&c->blas));
     CKB(blas.SetStream(c->blas, c->stream));
     CKB(blas.SetMathMode(c->blas, g_tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
@@ -471,12 +499,22 @@ static void cuda_destroy(mlp *m)
         cudaStreamSynchronize(c->stream);
     if (c->out)
         cudaStreamSynchronize(c->out);
+    if (c->in)
+        cudaStreamSynchronize(c->in);
     if (c->blas)
         blas.Destroy(c->blas);
     for (int i = 0; i < c->n_events; i++)
         cudaEventDestroy(c->piece_done[i]);
     for (int i = 0; i < c->n_layer_events; i++)
         cudaEventDestroy(c->layer_done[i]);
+    for (int i = 0; i < c->n_param_events; i++)
+        cudaEventDestroy(c->param_ready[i]);
+    if (c->in0_done)
+        cudaEventDestroy(c->in0_done);
+    if (c->staged_ev)
+        cudaEventDestroy(c->staged_ev);
+    if (c->in)
+        cudaStreamDestroy(c->in);
     if (c->out)
         cudaStreamDestroy(c->out);
     if (c->stream)
@@ -541,7 +579,24 @@ fail:
     return calloc(1, bytes);
 }
 
-/* mlp_host_free: cudaFreeHost what host_alloc pinned, free() its fallbacks. */
+/* The staging (stage_batch) ends without its batch being used: wait for its
+ * copy, which may still be reading the caller's buffers. */
+static void stage_end(mlp_cuda *c)
+{
+    if (!c->staged)
+        return;
+    c->staged = 0;
+    cudaError_t e = cudaSetDevice(c->device);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->in);
+    if (e != cudaSuccess) {
+        fprintf(stderr, "mlp_cuda: the staged batch's copy: %s\n", cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* reported here: a later CKL() must not see it */
+    }
+}
+
+/* mlp_host_free: cudaFreeHost what host_alloc pinned, free() its fallbacks;
+ * a staged batch in the block is waited for first. */
 static void cuda_host_free(mlp *m, void *p)
 {
     mlp_cuda *c = (mlp_cuda *)m;
@@ -550,6 +605,12 @@ static void cuda_host_free(mlp *m, void *p)
     int i = 0;
     while (i < c->n_pinned && c->pinned[i].base != (uintptr_t)p)
         i++;
+    if (c->staged) {
+        const uintptr_t lo = (uintptr_t)p, n = i < c->n_pinned ? c->pinned[i].bytes : 1;
+        const uintptr_t sx = (uintptr_t)c->st_x, sy = (uintptr_t)c->st_y;
+        if ((sx >= lo && sx - lo < n) || (sy >= lo && sy - lo < n))
+            stage_end(c);
+    }
     if (i == c->n_pinned) {
         free(p);
         return;
@@ -562,21 +623,20 @@ fail:
     fprintf(stderr, "mlp_cuda: host_free: %s\n", err);
 }
 
-/* Queue host src -> device dst: one DMA when src is pinned (host_alloc's),
- * else through the staging buffer pinned, in pieces: the memcpy of a piece
- * overlaps the DMA of the one before. */
-static int copy_in(mlp_cuda *c, void *dst, void *pinned, const void *src, size_t bytes, char *err,
-                   size_t errlen)
+/* Queue host src -> device dst on stream s: one DMA when src is pinned
+ * (host_alloc's), else through the staging buffer pinned, in pieces: the
+ * memcpy of a piece overlaps the DMA of the one before. */
+static int copy_in(mlp_cuda *c, cudaStream_t s, void *dst, void *pinned, const void *src,
+                   size_t bytes, char *err, size_t errlen)
 {
     if (is_pinned(c, src, bytes)) {
-        CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream));
+        CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
         return 0;
     }
     for (size_t off = 0; off < bytes; off += PIECE_BYTES) {
         size_t n = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
         memcpy((char *)pinned + off, (const char *)src + off, n);
-        CK(cudaMemcpyAsync((char *)dst + off, (char *)pinned + off, n, cudaMemcpyHostToDevice,
-                           c->stream));
+        CK(cudaMemcpyAsync((char *)dst + off, (char *)pinned + off, n, cudaMemcpyHostToDevice, s));
     }
     return 0;
 fail:
@@ -611,19 +671,23 @@ fail:
     return -1;
 }
 
-/* Queue the forward pass of c->x[0..B) (already on the device); logits land
- * in act[L]. */
-static int forward(mlp_cuda *c, int B, char *err, size_t errlen)
+/* Queue the forward pass of x [B, n_in] (already on the device, or on its
+ * way before the compute stream's position); logits land in act[L]. With
+ * layer_waits, layer l >= 1 waits for param_ready[l] (its parameters are
+ * coming in on the in stream). */
+static int forward(mlp_cuda *c, const float *x, int B, int layer_waits, char *err, size_t errlen)
 {
     const mlp_layout *ly = &c->base.layout;
     const int L = ly->n_layers;
     const float one = 1.0f, zero = 0.0f;
-    const float *a = c->x;
+    const float *a = x;
     for (int l = 0; l < L; l++) {
         const int K = ly->dims[l], N = ly->dims[l + 1];
         const float *W = c->params + ly->tensors[2 * l].offset; /* [K, N] */
         const float *b = c->params + ly->tensors[2 * l + 1].offset;
         float *z = c->act[l + 1];                               /* [B, N] */
+        if (layer_waits && l > 0)
+            CK(cudaStreamWaitEvent(c->stream, c->param_ready[l], 0));
         /* z = a @ W, as z^T [N, B] = W^T [N, K] a^T [K, B] */
         CKB(blas.Sgemm(c->blas, CUBLAS_OP_N, CUBLAS_OP_N, N, B, K, &one, W, N, a, K, &zero, z, N));
         dim3 grid((N + 255) / 256 < 64 ? (N + 255) / 256 : 64, B < 8192 ? B : 8192);
@@ -655,26 +719,56 @@ static int cuda_forward_backward(mlp *m, const float *params, const float *x,
     char err[512];
     const size_t errlen = sizeof(err);
     int cur = 0;
-    if (B < 1 || B > m->max_batch || !params || !x || !labels || !grads || !loss)
+    if (B < 1 || B > m->max_batch || !params || !x || !labels || !grads || !loss ||
+        check_labels(labels, B, C) != 0) {
+        stage_end(c); /* every call ends the staging (mlp.h) */
         return -1;
-    if (check_labels(labels, B, C) != 0)
-        return -1;
+    }
+    /* the staged batch when it is this one (slot 1), else the step copies x
+     * and labels itself (slot 0); either way this call ends the staging */
+    const int staged = c->staged && x == c->st_x && labels == c->st_y && B == c->st_B;
+    const float *dx = c->xs[staged];
+    const uint8_t *dy = c->ys[staged];
+    /* params pinned: layer by layer, W_l, b_l for l >= 1 on the in stream,
+     * each awaited just before its layer's forward sgemm */
+    const int direct_in = is_pinned(c, params, P * sizeof(float));
+    const size_t end0 = ly->tensors[1].offset + ly->tensors[1].numel; /* W_0, b_0 */
     /* grads pinned: each layer's gradients go out directly as soon as they
      * are computed (on c->out), else all at the end through the staging buffer */
     const int direct_out = is_pinned(c, grads, P * sizeof(float));
     CK(cudaSetDevice(c->device));
-    /* in: from the caller's pinned buffers, or through the staging ones */
-    if (copy_in(c, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0 ||
-        copy_in(c, c->x, c->h_x, x, (size_t)B * D * sizeof(float), err, errlen) != 0 ||
-        copy_in(c, c->y, c->h_y, labels, (size_t)B, err, errlen) != 0)
+    /* in, on the compute stream: W_0, b_0 (all of the parameters when they
+     * are not pinned: through the staging buffer), then the batch */
+    if (direct_in)
+        CK(cudaMemcpyAsync(c->params, params, end0 * sizeof(float), cudaMemcpyHostToDevice,
+                           c->stream));
+    else if (copy_in(c, c->stream, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0)
         goto fail;
+    if (staged)
+        CK(cudaStreamWaitEvent(c->stream, c->staged_ev, 0));
+    else if (copy_in(c, c->stream, c->xs[0], c->h_x, x, (size_t)B * D * sizeof(float), err, errlen) != 0 ||
+             copy_in(c, c->stream, c->ys[0], c->h_y, labels, (size_t)B, err, errlen) != 0)
+        goto fail;
+    if (direct_in && L > 1) {
+        /* the other layers' after those (layer 0 needs them first), while
+         * the forward pass runs */
+        CK(cudaEventRecord(c->in0_done, c->stream));
+        CK(cudaStreamWaitEvent(c->in, c->in0_done, 0));
+        for (int l = 1; l < L; l++) {
+            const size_t lo = ly->tensors[2 * l].offset;
+            const size_t hi = ly->tensors[2 * l + 1].offset + ly->tensors[2 * l + 1].numel;
+            CK(cudaMemcpyAsync(c->params + lo, params + lo, (hi - lo) * sizeof(float),
+                               cudaMemcpyHostToDevice, c->in));
+            CK(cudaEventRecord(c->param_ready[l], c->in));
+        }
+    }
 
-    if (forward(c, B, err, errlen) != 0)
+    if (forward(c, dx, B, direct_in && L > 1, err, errlen) != 0)
         goto fail;
 
     /* dz [B, C] = (softmax - onehot) / B, the row losses; db_L-1 = column sums */
     k_softmax_xent<<<grid_for((size_t)B, 128), 128, 0, c->stream>>>(
-        c->act[L], c->y, B, C, 1.0f / (float)B, c->d[0], c->rowloss, c->rowright);
+        c->act[L], dy, B, C, 1.0f / (float)B, c->d[0], c->rowloss, c->rowright);
     CKL();
     k_sum_rows<<<1, SUM_THREADS, 0, c->stream>>>(c->rowloss, c->rowright, B, c->sums, 0);
     CKL();
@@ -688,7 +782,7 @@ static int cuda_forward_backward(mlp *m, const float *params, const float *x,
      *   dz_{l-1} = da_l * (a_l > 0), db_{l-1} = its column sums. */
     for (int l = L - 1; l >= 0; l--) {
         const int K = ly->dims[l], N = ly->dims[l + 1];
-        const float *a = l == 0 ? c->x : c->act[l];
+        const float *a = l == 0 ? dx : c->act[l];
         const float *W = c->params + ly->tensors[2 * l].offset;
         float *dW = c->grads + ly->tensors[2 * l].offset;
         const float *dzl = c->d[cur];
@@ -725,6 +819,10 @@ static int cuda_forward_backward(mlp *m, const float *params, const float *x,
     } else if (copy_out(c, grads, c->h_grads, c->grads, P * sizeof(float), err, errlen) != 0) {
         goto fail;
     }
+    /* the parameter uploads on in are done (the compute waited for each); a
+     * staged batch this call did not use may still be coming in */
+    CK(cudaStreamSynchronize(c->in));
+    c->staged = 0;
     *loss = c->h_sums[0] / B;
     return 0;
 fail:
@@ -733,7 +831,9 @@ fail:
      * error, if the wait has one, is the one just reported */
     (void)cudaStreamSynchronize(c->stream);
     (void)cudaStreamSynchronize(c->out);
+    (void)cudaStreamSynchronize(c->in);
     (void)cudaGetLastError();
+    c->staged = 0;
     *loss = NAN;
     return -1;
 }
@@ -747,12 +847,13 @@ static int cuda_evaluate(mlp *m, const float *params, const float *x, const uint
     const size_t P = ly->n_params;
     char err[512];
     const size_t errlen = sizeof(err);
+    stage_end(c); /* evaluate ends the staging too (mlp.h); it uses slot 0 */
     if (n < 1 || !params || !x || !labels || !loss || !accuracy)
         return -1;
     if (check_labels(labels, n, C) != 0)
         return -1;
     CK(cudaSetDevice(c->device));
-    if (copy_in(c, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0)
+    if (copy_in(c, c->stream, c->params, c->h_params, params, P * sizeof(float), err, errlen) != 0)
         goto fail;
     for (int64_t start = 0; start < n; start += m->max_batch) {
         int B = (int)(n - start < m->max_batch ? n - start : m->max_batch);
@@ -761,14 +862,14 @@ static int cuda_evaluate(mlp *m, const float *params, const float *x, const uint
         if (start > 0 && (!is_pinned(c, x + (size_t)start * D, (size_t)B * D * sizeof(float)) ||
                           !is_pinned(c, labels + start, (size_t)B)))
             CK(cudaStreamSynchronize(c->stream));
-        if (copy_in(c, c->x, c->h_x, x + (size_t)start * D, (size_t)B * D * sizeof(float), err,
-                    errlen) != 0 ||
-            copy_in(c, c->y, c->h_y, labels + start, (size_t)B, err, errlen) != 0)
+        if (copy_in(c, c->stream, c->xs[0], c->h_x, x + (size_t)start * D,
+                    (size_t)B * D * sizeof(float), err, errlen) != 0 ||
+            copy_in(c, c->stream, c->ys[0], c->h_y, labels + start, (size_t)B, err, errlen) != 0)
             goto fail;
-        if (forward(c, B, err, errlen) != 0)
+        if (forward(c, c->xs[0], B, 0, err, errlen) != 0)
             goto fail;
         k_softmax_xent<<<grid_for((size_t)B, 128), 128, 0, c->stream>>>(
-            c->act[L], c->y, B, C, 1.0f, NULL, c->rowloss, c->rowright);
+            c->act[L], c->ys[0], B, C, 1.0f, NULL, c->rowloss, c->rowright);
         CKL();
         k_sum_rows<<<1, SUM_THREADS, 0, c->stream>>>(c->rowloss, c->rowright, B, c->sums, start > 0);
         CKL();
@@ -787,7 +888,39 @@ fail:
     return -1;
 }
 
+/* mlp_stage_batch: x and labels into slot 1 on the in stream, with staged_ev
+ * after them; from pinned memory asynchronously, from other memory through
+ * the staging buffers, waited for here (the step's own copies reuse them). */
+static int cuda_stage_batch(mlp *m, const float *x, const uint8_t *labels, int B)
+{
+    mlp_cuda *c = (mlp_cuda *)m;
+    char err[512];
+    const size_t errlen = sizeof(err);
+    stage_end(c); /* one staged batch at a time: this one replaces it */
+    if (B < 1 || B > m->max_batch || !x || !labels)
+        return -1;
+    const size_t xbytes = (size_t)B * (size_t)m->layout.dims[0] * sizeof(float);
+    const int direct = is_pinned(c, x, xbytes) && is_pinned(c, labels, (size_t)B);
+    CK(cudaSetDevice(c->device));
+    if (copy_in(c, c->in, c->xs[1], c->h_x, x, xbytes, err, errlen) != 0 ||
+        copy_in(c, c->in, c->ys[1], c->h_y, labels, (size_t)B, err, errlen) != 0)
+        goto fail;
+    CK(cudaEventRecord(c->staged_ev, c->in));
+    if (!direct)
+        CK(cudaStreamSynchronize(c->in));
+    c->staged = 1;
+    c->st_x = x;
+    c->st_y = labels;
+    c->st_B = B;
+    return 0;
+fail:
+    fprintf(stderr, "mlp_cuda: stage_batch: %s\n", err);
+    (void)cudaStreamSynchronize(c->in); /* nothing staged: no copy may go on */
+    (void)cudaGetLastError();
+    return -1;
+}
+
 extern "C" const mlp_backend mlp_backend_cuda = {
     "cuda", cuda_create, cuda_destroy, cuda_forward_backward, cuda_evaluate,
-    cuda_host_alloc, cuda_host_free,
+    cuda_host_alloc, cuda_host_free, cuda_stage_batch,
 };

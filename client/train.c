@@ -367,15 +367,21 @@ int train_worker(const train_config *c)
     /* from the backend: pinned on a GPU, so the step's copies skip a memcpy */
     float *params = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
     float *grads = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
-    float *x = mlp_host_alloc(m, sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
-    uint8_t *y = mlp_host_alloc(m, (size_t)c->batch_size);
+    /* two batch buffers: after a push the predicted next batch goes into the
+     * other one and is staged (mlp_stage_batch), its copy to the device
+     * overlapping the pull */
+    const size_t xbytes = sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features;
+    float *xb[2] = {mlp_host_alloc(m, xbytes), mlp_host_alloc(m, xbytes)};
+    uint8_t *yb[2] = {mlp_host_alloc(m, (size_t)c->batch_size), mlp_host_alloc(m, (size_t)c->batch_size)};
+    int cur = 0;
+    int64_t next_k = -1; /* the batch number xb[cur ^ 1] holds (staged), or -1 */
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     batcher b = {0};
     json_t *cfg = NULL; /* the chief's configuration, as a worker reads it */
     heartbeat *hb = NULL;
     rc = 1;
-    if (!m || !params || !grads || !x || !y || !pc) {
+    if (!m || !params || !grads || !xb[0] || !xb[1] || !yb[0] || !yb[1] || !pc) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
     }
@@ -496,12 +502,19 @@ int train_worker(const train_config *c)
          * async, this task's own count, started where the others are */
         if (k < 0)
             k = step / c->n_trainers;
-        batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, x, y);
+        /* the batch staged after the last push (in the other buffer) when it
+         * is this one, else gathered now into the last step's buffer (a
+         * staged one must stay as it is until the step below) */
+        if (next_k == (sync ? step : k))
+            cur ^= 1;
+        else
+            batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+        next_k = -1; /* the forward_backward below ends the staging either way */
         k++;
         (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
                          shard that holds ours already answers "duplicate" */
         double loss;
-        if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
+        if (mlp_forward_backward(m, params, xb[cur], yb[cur], c->batch_size, grads, &loss) != 0) {
             fprintf(stderr, "workerd: forward/backward failed\n");
             goto out;
         }
@@ -550,6 +563,16 @@ int train_worker(const train_config *c)
         }
         if (!sync && after >= c->train_steps)
             break;
+        /* the next batch, as predicted (sync: the next global step, async:
+         * this task's next), into the other buffer and on its way to the
+         * device while the pull waits; gathered here, not before the push,
+         * so as not to delay the push the other workers may be waiting for */
+        int64_t nk = sync ? step + 1 : k;
+        if ((max_local < 0 || local < max_local) && (!sync || nk < c->train_steps)) {
+            batcher_at(&b, nk, c->batch_size, ds.n_features, xb[cur ^ 1], yb[cur ^ 1]);
+            (void)mlp_stage_batch(m, xb[cur ^ 1], yb[cur ^ 1], c->batch_size); /* -1: copied then */
+            next_k = nk;
+        }
     }
     heartbeat_stop(hb);
     hb = NULL;
@@ -609,8 +632,10 @@ out:
     ps_client_free(pc);
     mlp_host_free(m, params); /* before mlp_free: the memory is m's device's */
     mlp_host_free(m, grads);
-    mlp_host_free(m, x);
-    mlp_host_free(m, y);
+    for (int i = 0; i < 2; i++) {
+        mlp_host_free(m, xb[i]);
+        mlp_host_free(m, yb[i]);
+    }
     mlp_free(m);
     idx_dataset_free(&ds);
     return rc;
@@ -704,11 +729,16 @@ int train_local(const train_config *c)
     float *params = mlp_host_alloc(m, np * sizeof(float));
     float *grads = mlp_host_alloc(m, np * sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
-    float *x = mlp_host_alloc(m, sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
-    uint8_t *y = mlp_host_alloc(m, (size_t)c->batch_size);
+    /* two batch buffers: step n computes on one while the other is filled
+     * with batch n+1 and staged (mlp_stage_batch), its copy to the device
+     * overlapping the optimizer's update */
+    const size_t xbytes = sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features;
+    float *xb[2] = {mlp_host_alloc(m, xbytes), mlp_host_alloc(m, xbytes)};
+    uint8_t *yb[2] = {mlp_host_alloc(m, (size_t)c->batch_size), mlp_host_alloc(m, (size_t)c->batch_size)};
+    int cur = 0, ready = 0; /* ready: xb[cur], yb[cur] hold this step's batch */
     batcher b = {0};
     rc = 1;
-    if (!m || !params || !grads || !s0 || !s1 || !x || !y ||
+    if (!m || !params || !grads || !s0 || !s1 || !xb[0] || !xb[1] || !yb[0] || !yb[1] ||
         batcher_init(&b, &ds.train, c->seed, 0, 1) != 0) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
@@ -722,13 +752,22 @@ int train_local(const train_config *c)
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
     for (int64_t step = 0; step < c->train_steps; step++) {
-        batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
+        if (!ready)
+            batcher_at(&b, step, c->batch_size, ds.n_features, xb[cur], yb[cur]);
         double loss;
-        if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
+        if (mlp_forward_backward(m, params, xb[cur], yb[cur], c->batch_size, grads, &loss) != 0) {
             /* the backend printed what failed (a CUDA or cuBLAS call) */
             progress_clear(&bar);
             fprintf(stderr, "workerd: forward/backward failed at step %lld\n", (long long)step);
             goto out;
+        }
+        /* the next batch now, on its way to the device during the update
+         * (staging is only faster: a failure leaves the copy to the step) */
+        ready = step + 1 < c->train_steps;
+        if (ready) {
+            cur ^= 1;
+            batcher_at(&b, step + 1, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+            (void)mlp_stage_batch(m, xb[cur], yb[cur], c->batch_size);
         }
         /* one update per variable, as the ps applies them (clipping is per
          * variable); the slots share the parameters' offsets */
@@ -760,8 +799,10 @@ out:
     free(b.order);
     mlp_host_free(m, params); /* before mlp_free */
     mlp_host_free(m, grads);
-    mlp_host_free(m, x);
-    mlp_host_free(m, y);
+    for (int i = 0; i < 2; i++) {
+        mlp_host_free(m, xb[i]);
+        mlp_host_free(m, yb[i]);
+    }
     mlp_free(m);
     free(s0);
     free(s1);

@@ -11,7 +11,10 @@
 #      fraction of that rate, with the host buffers pinned (mlp_host_alloc, as
 #      the worker's); 4096 also with malloc'd ones (copied through the
 #      backend's staging buffers), for comparison; and the step's sgemm calls
-#      alone (its ceiling);
+#      alone (its ceiling); and 4096 as workerd --local steps (two batches in
+#      turn, the host's SGD update between steps) without and with each batch
+#      staged ahead (mlp_stage_batch: its copy overlaps the update): what
+#      staging buys;
 #   4. the example's model (784-100-10, batch 100) trained by a cuda worker
 #      against a local psd: the loss must fall;
 #   5. 784-1024-1024-10 at batch 4096: one cuda worker against a local psd vs
@@ -150,15 +153,19 @@ if [ "$DEVICE" = cuda ]; then
         cat "$LOGS/sgemm.log"
         bad "cuBLAS sgemm" "gpu_bench sgemm failed; see $LOGS/sgemm.log"
     fi
-    for spec in "256:" "4096:" "4096:tf32" "4096:plain"; do
+    LOCAL_SPS_RUN="" STAGED_SPS_RUN=""
+    for spec in "256:" "4096:" "4096:tf32" "4096:plain" "4096:local" "4096:local stage"; do
         bsz=${spec%%:*}
         mode=${spec#*:}
         name="step 784-1024-1024-10 batch $bsz${mode:+ ($mode)}"
-        f="$LOGS/step-$bsz${mode:+-$mode}.log"
+        f="$LOGS/step-$bsz${mode:+-${mode// /-}}.log"
         log "$name"
+        # shellcheck disable=SC2086 # $mode: zero, one or two words
         if timeout 90 "$BIN/gpu_bench" step 784,1024,1024,10 "$bsz" 4 $mode > "$f" 2>&1; then
             cat "$f"
             sps=$(kv steps_per_s "$f")
+            [ "$mode" = local ] && LOCAL_SPS_RUN=$sps
+            [ "$mode" = "local stage" ] && STAGED_SPS_RUN=$sps
             gf=$(kv gflops "$f")
             fr=$(ratio "$gf" "$SGEMM")
             hb=$(grep -o "host_buffers=[a-z]*" "$f" | tail -1 | cut -d= -f2)
@@ -172,6 +179,10 @@ if [ "$DEVICE" = cuda ]; then
             bad "$name" "gpu_bench step failed; see $f"
         fi
     done
+    if [ -n "$LOCAL_SPS_RUN" ] && [ -n "$STAGED_SPS_RUN" ]; then
+        row "staging the next batch, batch 4096 (local steps)" "x $(ratio "$STAGED_SPS_RUN" "$LOCAL_SPS_RUN")" \
+            "steps/s staged / unstaged ($STAGED_SPS_RUN / $LOCAL_SPS_RUN); > 1: the batch's copy hidden behind the update"
+    fi
     for bsz in 256 4096; do
         name="only the step's sgemms, batch $bsz"
         f="$LOGS/gemms-$bsz.log"

@@ -24,6 +24,18 @@
  * pinned, x and labels from malloc, as the worker's evaluation of the
  * dataset). The CPU computes on the same buffers.
  *
+ * The overlapped copies (issue 7) against the CPU too, in every buffer mode:
+ * with pinned params the upload is per layer (W_0, b_0 on the compute
+ * stream, the other layers on a copy stream with an event each; deep and
+ * 8-hidden-layer models, the parameters changed between steps so every
+ * layer's upload is checked), and mlp_stage_batch (the next batch copied
+ * ahead into the second device batch buffer): a staged batch used; a staged
+ * batch followed by a step on another one (which must compute on that one);
+ * then the staged one without staging; one staged buffer refilled with new
+ * contents and used unstaged (nothing stale); staging replaced by a second
+ * stage; a staged batch of another size; staging ended by evaluate; and the
+ * same with a staged batch from malloc (copied at once).
+ *
  *   cuda_vs_cpu [--seed=N]      exit 0 all agree, 1 a mismatch or a CUDA
  *                               failure, 77 no CUDA device (skipped; the
  *                               reason on stdout)
@@ -126,6 +138,24 @@ static void buf_free(mlp *m, int pinned, void *p)
         free(p);
 }
 
+/* Parameters for a check: exact (j/den, |j| <= 2; den > 0) or the example's
+ * initialization with non-zero biases (den 0), or all 0. */
+static void fill_params(const mlp_layout *ly, float *params, uint64_t *st, uint64_t seed, int den,
+                        int zero_weights)
+{
+    mlp_init_params(ly, params, seed);
+    for (int i = 0; i < ly->n_tensors; i++) {
+        const mlp_tensor *t = &ly->tensors[i];
+        for (size_t k = 0; k < t->numel; k++)
+            if (zero_weights)
+                params[t->offset + k] = 0.0f;
+            else if (den > 0)
+                params[t->offset + k] = (float)((int)rng_below(st, 5) - 2) / (float)den;
+            else if (t->shape.ndim == 1) /* non-zero biases, so the bias paths show */
+                params[t->offset + k] = (float)(0.1 * rng_normal(st));
+    }
+}
+
 static void compare(const char *shape, int n_in, const int *hidden, int n_hidden, int n_out, int mb,
                     int B, int n_eval, uint64_t seed, int zero_weights, int mode)
 {
@@ -163,17 +193,7 @@ static void compare(const char *shape, int n_in, const int *hidden, int n_hidden
         printf("  ok   %-36s %-8s mlp_host_alloc: zeroed, page-locked\n", what, "buffers");
     uint64_t st = rng_stream(seed, 1000);
     const int exact = n_hidden > 0;
-    mlp_init_params(&ly, params, seed);
-    for (int i = 0; i < ly.n_tensors; i++) {
-        const mlp_tensor *t = &ly.tensors[i];
-        for (size_t k = 0; k < t->numel; k++)
-            if (zero_weights)
-                params[t->offset + k] = 0.0f;
-            else if (exact)
-                params[t->offset + k] = (float)((int)rng_below(&st, 5) - 2) / 16.0f;
-            else if (t->shape.ndim == 1) /* non-zero biases, so the bias paths show */
-                params[t->offset + k] = (float)(0.1 * rng_normal(&st));
-    }
+    fill_params(&ly, params, &st, seed, exact ? 16 : 0, zero_weights);
     for (int64_t k = 0; k < nx * n_in; k++) /* like pixels in [0, 1], some exactly 0 */
         x[k] = rand_x(&st, exact);
     for (int64_t k = 0; k < nx; k++)
@@ -270,6 +290,151 @@ out:
     mlp_free(mg);
 }
 
+/* The worst error of one CUDA step against the CPU's on the same inputs:
+ * the loss and every gradient tensor; poisons both gradient buffers first. */
+static void step_check(mlp *mc, mlp *mg, const mlp_layout *ly, const float *params, const float *x,
+                       const uint8_t *y, int B, float *g_cpu, float *g_gpu, const char *what,
+                       const char *check)
+{
+    const size_t P = ly->n_params;
+    double l_cpu = NAN, l_gpu = NAN;
+    fill_poison(g_cpu, P);
+    fill_poison(g_gpu, P);
+    int rc_c = mlp_forward_backward(mc, params, x, y, B, g_cpu, &l_cpu);
+    int rc_g = mlp_forward_backward(mg, params, x, y, B, g_gpu, &l_gpu);
+    if (rc_c != 0 || rc_g != 0) {
+        printf("  FAIL %-36s %-8s forward_backward returned cpu %d, cuda %d\n", what, check, rc_c,
+               rc_g);
+        failures++;
+        return;
+    }
+    float lc = (float)l_cpu, lg = (float)l_gpu;
+    int nan_at, any_nan;
+    double worst = rel_err(&lg, &lc, 1, &any_nan);
+    for (int i = 0; i < ly->n_tensors && any_nan < 0; i++) {
+        const mlp_tensor *t = &ly->tensors[i];
+        double e = rel_err(g_gpu + t->offset, g_cpu + t->offset, t->numel, &nan_at);
+        worst = e > worst ? e : worst;
+        any_nan = nan_at >= 0 ? (int)t->offset + nan_at : -1;
+    }
+    report(what, check, worst, any_nan);
+}
+
+/* The overlapped copies of one shape against the CPU (see the top): batch B
+ * of max_batch mb, two batches a and b, in buffer mode `mode`; den as
+ * fill_params (0 for a model without hidden layers: continuous inputs). */
+static void compare_staged(const char *shape, int n_in, const int *hidden, int n_hidden, int n_out,
+                           int mb, int B, uint64_t seed, int den, int mode)
+{
+    char err[512], what[128];
+    mlp_layout ly;
+    snprintf(what, sizeof(what), "%s, %s", shape, mode_name[mode]);
+    if (mlp_layout_init(&ly, n_in, hidden, n_hidden, n_out, err, sizeof(err)) != 0) {
+        printf("  FAIL %s: layout: %s\n", what, err);
+        failures++;
+        return;
+    }
+    const size_t P = ly.n_params, xn = (size_t)mb * n_in;
+    const int pin_p = mode != PLAIN, pin_x = mode == PINNED;
+    mlp *mc = mlp_new(&mlp_backend_cpu, &ly, mb, err, sizeof(err));
+    mlp *mg = mc ? mlp_new(&mlp_backend_cuda, &ly, mb, err, sizeof(err)) : NULL;
+    float *params = NULL, *g_cpu = NULL, *g_gpu = NULL, *xa = NULL, *xb = NULL;
+    uint8_t *ya = NULL, *yb = NULL;
+    if (!mc || !mg) {
+        printf("  FAIL %s: %s\n", what, err);
+        failures++;
+        goto out;
+    }
+    params = buf_alloc(mg, pin_p, P * sizeof(float), what, "params");
+    g_gpu = buf_alloc(mg, pin_p, P * sizeof(float), what, "grads");
+    g_cpu = malloc(P * sizeof(float));
+    xa = buf_alloc(mg, pin_x, xn * sizeof(float), what, "x a");
+    xb = buf_alloc(mg, pin_x, xn * sizeof(float), what, "x b");
+    ya = buf_alloc(mg, pin_x, (size_t)mb, what, "labels a");
+    yb = buf_alloc(mg, pin_x, (size_t)mb, what, "labels b");
+    if (!params || !g_cpu || !g_gpu || !xa || !xb || !ya || !yb) {
+        printf("  FAIL %s: out of (pinned) host memory, or see above\n", what);
+        failures++;
+        goto out;
+    }
+    uint64_t st = rng_stream(seed, 2000);
+    const int exact = den > 0;
+    fill_params(&ly, params, &st, seed, den, 0);
+    for (size_t k = 0; k < xn; k++) {
+        xa[k] = rand_x(&st, exact);
+        xb[k] = rand_x(&st, exact);
+    }
+    for (int k = 0; k < mb; k++) {
+        ya[k] = (uint8_t)rng_below(&st, (uint64_t)n_out);
+        yb[k] = (uint8_t)rng_below(&st, (uint64_t)n_out);
+    }
+    int rs = 0;
+#define STAGE(x, y, n) (rs |= mlp_stage_batch(mg, x, y, n))
+    STAGE(xa, ya, B);
+    step_check(mc, mg, &ly, params, xa, ya, B, g_cpu, g_gpu, what, "staged a, step a");
+    STAGE(xb, yb, B);
+    step_check(mc, mg, &ly, params, xa, ya, B, g_cpu, g_gpu, what, "staged b, step a");
+    step_check(mc, mg, &ly, params, xb, yb, B, g_cpu, g_gpu, what, "then b unstaged");
+    STAGE(xa, ya, B);
+    step_check(mc, mg, &ly, params, xa, ya, B, g_cpu, g_gpu, what, "staged a again");
+    for (size_t k = 0; k < xn; k++) /* a's buffer refilled: nothing of the staging may stay */
+        xa[k] = rand_x(&st, exact);
+    for (int k = 0; k < mb; k++)
+        ya[k] = (uint8_t)rng_below(&st, (uint64_t)n_out);
+    step_check(mc, mg, &ly, params, xa, ya, B, g_cpu, g_gpu, what, "a refilled, unstaged");
+    STAGE(xa, ya, B);
+    STAGE(xb, yb, B); /* replaces a's */
+    step_check(mc, mg, &ly, params, xb, yb, B, g_cpu, g_gpu, what, "staged a then b, step b");
+    STAGE(xb, yb, B > 1 ? B - 1 : B);
+    step_check(mc, mg, &ly, params, xb, yb, B, g_cpu, g_gpu, what, "staged b of B-1, step B");
+    /* new parameters: every layer's upload again (per layer when pinned) */
+    fill_params(&ly, params, &st, seed + 1, den, 0);
+    STAGE(xb, yb, B);
+    step_check(mc, mg, &ly, params, xb, yb, B, g_cpu, g_gpu, what, "new params, staged b");
+    /* evaluate ends a staging: the step after it copies its batch */
+    STAGE(xa, ya, B);
+    double el_c = NAN, ea_c = NAN, el_g = NAN, ea_g = NAN;
+    int rc_c = mlp_evaluate(mc, params, xb, yb, mb, &el_c, &ea_c);
+    int rc_g = mlp_evaluate(mg, params, xb, yb, mb, &el_g, &ea_g);
+    float lc = (float)el_c, lg = (float)el_g;
+    int nan_at;
+    double e = rel_err(&lg, &lc, 1, &nan_at);
+    if (rc_c != 0 || rc_g != 0) {
+        printf("  FAIL %-36s %-8s evaluate returned cpu %d, cuda %d\n", what, "staged a, eval b",
+               rc_c, rc_g);
+        failures++;
+    } else {
+        report(what, "staged a, eval b", e, nan_at);
+    }
+    step_check(mc, mg, &ly, params, xa, ya, B, g_cpu, g_gpu, what, "then a, unstaged");
+#undef STAGE
+    if (rs != 0) {
+        printf("  FAIL %-36s %-8s mlp_stage_batch returned an error (see stderr)\n", what, "stage");
+        failures++;
+    }
+    if (mlp_stage_batch(mg, xa, ya, mb + 1) >= 0 || mlp_stage_batch(mg, xa, ya, 0) >= 0) {
+        printf("  FAIL %-36s %-8s mlp_stage_batch accepted a batch outside [1, %d]\n", what, "stage", mb);
+        failures++;
+    }
+    /* pinned, staged and left: mlp_host_free waits for its copy (below) */
+    if (pin_x && mlp_stage_batch(mg, xa, ya, B) != 0) {
+        printf("  FAIL %-36s %-8s mlp_stage_batch before the free\n", what, "stage");
+        failures++;
+    }
+out:
+    if (mg) {
+        buf_free(mg, pin_p, params);
+        buf_free(mg, pin_p, g_gpu);
+        buf_free(mg, pin_x, xa);
+        buf_free(mg, pin_x, xb);
+        buf_free(mg, pin_x, ya);
+        buf_free(mg, pin_x, yb);
+    }
+    free(g_cpu);
+    mlp_free(mc);
+    mlp_free(mg);
+}
+
 int main(int argc, char **argv)
 {
     uint64_t seed = (uint64_t)time(NULL);
@@ -309,6 +474,14 @@ int main(int argc, char **argv)
     }
     compare("37-64-33-3 batch 5 of 8", 37, h2, 2, 3, 8, 5, 21, seed + 3, 0, MIXED);
     compare("784-1024-1024-10 batch 256", 784, hbig, 2, 10, 256, 256, 600, seed + 4, 0, MIXED);
+    /* the overlapped copies: per-layer upload (pinned params), staged batches */
+    const int h8[] = {12, 12, 12, 12, 12, 12, 12, 12};
+    for (int mode = PLAIN; mode <= MIXED; mode++) {
+        compare_staged("784-10 batch 64", 784, NULL, 0, 10, 64, 64, seed + 11, 0, mode);
+        compare_staged("37-64-33-3 batch 5 of 8", 37, h2, 2, 3, 8, 5, seed + 12, 16, mode);
+        compare_staged("784-1024-1024-10 batch 256", 784, hbig, 2, 10, 256, 256, seed + 13, 16, mode);
+        compare_staged("16-12x8-4 batch 33 of 40", 16, h8, 8, 4, 40, 33, seed + 14, 4, mode);
+    }
     printf("cuda_vs_cpu: %s\n", failures ? "FAILED" : "all agree");
     return failures ? 1 : 0;
 }

@@ -6,6 +6,12 @@
  *       or with plain, from malloc (copied through the backend's staging
  *       buffers); prints steps/s, GFLOP/s and which buffers it used (checked
  *       with cudaPointerGetAttributes).
+ *   gpu_bench step DIMS BATCH SECS local [stage]   the step as workerd --local
+ *       makes it: two pinned batches in turn, and between the steps the
+ *       host's SGD update of the parameters (the optimizer's pass over them);
+ *       with stage, each step's batch is staged (mlp_stage_batch) right
+ *       after the step before, so its copy to the device overlaps that
+ *       update: the two rows' ratio is what staging buys.
  *   gpu_bench sgemm N SECS                  cublasSgemm N x N x N (FP32,
  *       CUBLAS_DEFAULT_MATH, as the backend) for about SECS; prints GFLOP/s.
  *   gpu_bench gemms DIMS BATCH SECS         only the step's sgemm calls (the
@@ -45,7 +51,8 @@ static int all_pinned(void *const *ps, int n)
     return 1;
 }
 
-static int bench_step(const char *dims_s, int B, double secs, int tf32, int plain)
+static int bench_step(const char *dims_s, int B, double secs, int tf32, int plain, int local,
+                      int stage)
 {
     int dims[MLP_MAX_LAYERS + 1], nd = 0;
     char err[512], desc[256];
@@ -74,21 +81,30 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
 #define ALLOC(bytes) (plain ? malloc(bytes) : mlp_host_alloc(m, bytes))
     float *params = ALLOC(P * 4), *grads = ALLOC(P * 4), *x = ALLOC((size_t)B * dims[0] * 4);
     uint8_t *y = ALLOC((size_t)B);
+    /* local: the second batch */
+    float *x2 = local ? ALLOC((size_t)B * dims[0] * 4) : x;
+    uint8_t *y2 = local ? ALLOC((size_t)B) : y;
 #undef ALLOC
-    if (!params || !grads || !x || !y) {
+    if (!params || !grads || !x || !y || !x2 || !y2) {
         fprintf(stderr, "gpu_bench: out of host memory\n");
         return 1;
     }
-    void *bufs[] = {params, grads, x, y};
-    const char *path = all_pinned(bufs, 4) ? "pinned" : "malloc";
+    void *bufs[] = {params, grads, x, y, x2, y2};
+    const char *path = all_pinned(bufs, 6) ? "pinned" : "malloc";
     if (!plain && strcmp(path, "pinned") != 0)
         fprintf(stderr, "gpu_bench: warning: mlp_host_alloc gave memory that is not page-locked\n");
     mlp_init_params(&ly, params, 1);
     uint64_t st = rng_stream(7, 0);
-    for (size_t k = 0; k < (size_t)B * dims[0]; k++)
+    for (size_t k = 0; k < (size_t)B * dims[0]; k++) {
         x[k] = (float)rng_uniform_open0(&st);
-    for (int k = 0; k < B; k++)
+        x2[k] = (float)rng_uniform_open0(&st);
+    }
+    for (int k = 0; k < B; k++) {
         y[k] = (uint8_t)rng_below(&st, (uint64_t)dims[nd - 1]);
+        y2[k] = (uint8_t)rng_below(&st, (uint64_t)dims[nd - 1]);
+    }
+    float *xs[2] = {x, x2};
+    uint8_t *ys[2] = {y, y2};
     double loss, flop = 0;
     for (int l = 0; l + 1 < nd; l++) /* forward, dW, and dA except for the input */
         flop += 2.0 * B * dims[l] * dims[l + 1] * (l == 0 ? 2 : 3);
@@ -97,16 +113,25 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
             return 1;
     long n = 0;
     double t0 = now(), t;
+    if (stage && mlp_stage_batch(m, xs[0], ys[0], B) != 0)
+        return 1;
     do {
-        if (mlp_forward_backward(m, params, x, y, B, grads, &loss) != 0)
+        const int i = (int)(n & 1);
+        if (mlp_forward_backward(m, params, xs[i], ys[i], B, grads, &loss) != 0)
             return 1;
+        if (stage && mlp_stage_batch(m, xs[i ^ 1], ys[i ^ 1], B) != 0)
+            return 1;
+        if (local) /* SGD with a rate that keeps the model where it is */
+            for (size_t k = 0; k < P; k++)
+                params[k] -= 1e-9f * grads[k];
         n++;
         t = now() - t0;
     } while (t < secs);
     double sps = n / t;
-    printf("gpu_bench step %s batch %d%s: %ld steps in %.2f s: %.1f steps/s, %.1f GFLOP/s (%.2f GFLOP a "
-           "step); host buffers %s (%s)\n",
-           dims_s, B, tf32 ? " tf32" : "", n, t, sps, sps * flop / 1e9, flop / 1e9, path,
+    printf("gpu_bench step %s batch %d%s%s%s: %ld steps in %.2f s: %.1f steps/s, %.1f GFLOP/s (%.2f "
+           "GFLOP a step); host buffers %s (%s)\n",
+           dims_s, B, tf32 ? " tf32" : "", local ? " local (+ host SGD update)" : "",
+           stage ? " staged" : "", n, t, sps, sps * flop / 1e9, flop / 1e9, path,
            strcmp(path, "pinned") == 0 ? "direct DMA" : "through the staging buffers");
     printf("steps_per_s=%.3f gflops=%.3f flop_per_step=%.0f host_buffers=%s\n", sps, sps * flop / 1e9,
            flop, path);
@@ -115,11 +140,19 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
         free(grads);
         free(x);
         free(y);
+        if (local) {
+            free(x2);
+            free(y2);
+        }
     } else { /* before mlp_free */
         mlp_host_free(m, params);
         mlp_host_free(m, grads);
         mlp_host_free(m, x);
         mlp_host_free(m, y);
+        if (local) {
+            mlp_host_free(m, x2);
+            mlp_host_free(m, y2);
+        }
     }
     mlp_free(m);
     return 0;
@@ -255,7 +288,7 @@ int main(int argc, char **argv)
     char why[256] = "";
     if (argc < 2 || (strcmp(argv[1], "step") != 0 && strcmp(argv[1], "sgemm") != 0 &&
                      strcmp(argv[1], "gemms") != 0)) {
-        fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] | gpu_bench sgemm N SECS | "
+        fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] [local [stage]] | gpu_bench sgemm N SECS | "
                         "gpu_bench gemms DIMS BATCH SECS\n");
         return 2;
     }
@@ -264,23 +297,29 @@ int main(int argc, char **argv)
         return 77;
     }
     if (strcmp(argv[1], "step") == 0 && argc >= 5) {
-        int tf32 = 0, plain = 0, bad = 0;
+        int tf32 = 0, plain = 0, local = 0, stage = 0, bad = 0;
         for (int i = 5; i < argc; i++) {
             if (strcmp(argv[i], "tf32") == 0)
                 tf32 = 1;
             else if (strcmp(argv[i], "plain") == 0)
                 plain = 1;
+            else if (strcmp(argv[i], "local") == 0)
+                local = 1;
+            else if (strcmp(argv[i], "stage") == 0)
+                stage = 1;
             else
                 bad = 1;
         }
+        if (stage && !local)
+            bad = 1; /* staging needs a second batch to stage */
         if (!bad)
-            return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), tf32, plain);
+            return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), tf32, plain, local, stage);
     }
     if (strcmp(argv[1], "sgemm") == 0 && argc >= 4)
         return bench_sgemm(atoi(argv[2]), atof(argv[3]));
     if (strcmp(argv[1], "gemms") == 0 && argc >= 5)
         return bench_gemms(argv[2], atoi(argv[3]), atof(argv[4]));
-    fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] | gpu_bench sgemm N SECS | "
+    fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] [local [stage]] | gpu_bench sgemm N SECS | "
                     "gpu_bench gemms DIMS BATCH SECS\n");
     return 2;
 }
