@@ -9,7 +9,9 @@ ps sync mode on loopback, with 2, 3 and 4 workers:
    steady state: the rate of the last --log_every steps of worker 0;
 3. the link load per step: the ps's link in ps mode (measured from psd's
    /metrics: request and response bytes) against each worker's link in ring
-   mode (measured from workerd's count), for N up to 4, computed beyond.
+   mode (measured from workerd's count), for N up to 4, computed beyond;
+4. the all-reduce's time over HTTPS (--tls_cert: a CA and a certificate made
+   here with openssl) against HTTP, best of 5 runs each, alternating.
 
 Every process is started here on free 127.0.0.1 ports and stopped by PID.
 Prints figures, never fails on one. RESTPS_BIN_DIR picks the build (bin/).
@@ -59,10 +61,10 @@ def stop_all():
     started.clear()
 
 
-def allreduce(n, floats, steps):
+def allreduce(n, floats, steps, extra=()):
     h = hosts(n)
     ps = [start([f"{BIN}/ring_allreduce", f"--worker_hosts={h}", f"--task_index={r}", f"--floats={floats}",
-                 f"--steps={steps}"]) for r in range(n)]
+                 f"--steps={steps}"] + list(extra)) for r in range(n)]
     outs = [finish(p) for p in ps]
     secs, sent = [], []
     for rc, out in outs:
@@ -110,6 +112,36 @@ def ring_run(n, args, logdir):
             raise RuntimeError(out[-3000:])
     m = re.search(r"ring: (\d+) all-reduces, (\d+) bytes sent", outs[0][1])
     return step_secs, int(m.group(2)) / int(m.group(1))
+
+
+def make_pki(d):
+    """A CA and a certificate for 127.0.0.1 in d; ring_allreduce's TLS flags."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=restps bench ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "ext.cnf"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            "srv.pem", "-days", "1", "-extfile", "ext.cnf")
+    return [f"--tls_cert={d}/srv.pem", f"--tls_key={d}/srv.key", f"--tls_ca={d}/ca.pem"]
+
+
+def https_vs_http(tmp):
+    print("== ring all-reduce alone over HTTPS (--tls_cert, psd's priorities) vs HTTP: best of 5, alternating")
+    tls = make_pki(tmp)
+    small = (784 * 100 + 100 + 100 * 10 + 10 + 1) * 4
+    print(f"{'buffer':>10} {'N':>2} {'HTTP':>10} {'HTTPS':>10} {'HTTPS/HTTP time':>16}")
+    for label, floats, steps in (("318 KB", small // 4, 50), ("64 MiB", 16 * MIB, 6)):
+        for n in (2, 3):
+            best = {}
+            for _ in range(5):
+                for mode, extra in (("http", []), ("https", tls)):
+                    secs, _ = allreduce(n, floats, steps, extra)
+                    best[mode] = min(best.get(mode, secs), secs)
+            print(f"{label:>10} {n:>2} {best['http'] * 1000:>8.2f}ms {best['https'] * 1000:>8.2f}ms "
+                  f"{best['https'] / best['http']:>16.2f}", flush=True)
 
 
 def metric_sum(text, name):
@@ -190,6 +222,8 @@ def main():
                       f"(computed {ps_c / MIB:.0f} / {ring_c / MIB:.0f} MiB)")
             else:
                 print(f"{n:>4} {ps_c / MIB:>8.0f} MiB {ring_c / MIB:>13.0f} MiB {ps_c / ring_c:>8.2f}  computed")
+        print()
+        https_vs_http(tmp)
     finally:
         stop_all()
         subprocess.run(["rm", "-rf", tmp])

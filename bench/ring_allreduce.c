@@ -21,7 +21,8 @@ static double now_secs(void)
 
 int main(int argc, char **argv)
 {
-    const char *hosts = NULL, *input = NULL, *output = NULL;
+    const char *hosts = NULL, *input = NULL, *output = NULL, *tls_cert = NULL, *tls_key = NULL,
+               *tls_ca = NULL;
     int rank = -1, steps = 1;
     uint64_t floats = 0, piece = 1 << 20;
     float timeout = 30;
@@ -34,6 +35,9 @@ int main(int argc, char **argv)
         {"steps", FLAG_INT, &steps, "all-reduces to run (default 1)", 0},
         {"piece_bytes", FLAG_U64, &piece, "pieces of at most this many bytes (default 1048576)", 0},
         {"timeout_secs", FLAG_FLOAT, &timeout, "wait this long for a neighbour (default 30)", 0},
+        {"tls_cert", FLAG_STRING, &tls_cert, "serve and speak HTTPS, with this PEM certificate (needs --tls_key)", 0},
+        {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
+        {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) the neighbours' certificates must chain to (default: the system's)", 0},
     };
     int nf = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
@@ -79,7 +83,8 @@ int main(int argc, char **argv)
     char name[32];
     snprintf(name, sizeof(name), "worker %d", rank);
     ring_options o = {.peers = cs.jobs[JOB_WORKER].tasks, .n = cs.jobs[JOB_WORKER].n, .rank = rank,
-                      .n_floats = floats, .piece_bytes = piece, .timeout_secs = timeout, .name = name};
+                      .n_floats = floats, .piece_bytes = piece, .timeout_secs = timeout, .name = name,
+                      .tls_cert = tls_cert, .tls_key = tls_key, .tls_ca = tls_ca};
     ring *r = ring_new(&o, err, sizeof(err));
     if (!r) {
         fprintf(stderr, "ring_allreduce: %s\n", err);

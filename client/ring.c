@@ -1,6 +1,7 @@
-/* ring.c - ring all-reduce over HTTP: the endpoint each worker serves
- * (libmicrohttpd), the pushes to the right neighbour (libcurl, one keep-alive
- * handle), and the reduce-scatter / all-gather between them. See ring.h. */
+/* ring.c - ring all-reduce over HTTP (or HTTPS): the endpoint each worker
+ * serves (libmicrohttpd, GnuTLS with a certificate), the pushes to the right
+ * neighbour (libcurl, one keep-alive handle), and the reduce-scatter /
+ * all-gather between them. See ring.h. */
 #include "ring.h"
 
 #include <arpa/inet.h>
@@ -18,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "http.h" /* HTTP_TLS_PRIORITIES: the ring serves HTTPS as psd does */
 #include "token.h"
 #include "web.h"
 
@@ -26,6 +28,7 @@
 #endif
 
 #define PEER_MAX (CLUSTER_HOST_MAX + 16)
+#define RING_MISMATCH_LINGER_MS 3000
 
 struct ring {
     int n, rank;
@@ -39,6 +42,8 @@ struct ring {
     double timeout;
     int (*abort)(void);
     char *token; /* NULL: the endpoint is open */
+    int tls;     /* HTTPS, served and spoken */
+    char *cert_pem, *key_pem, *ca_file; /* with tls; ca_file NULL: the system's CAs */
     struct MHD_Daemon *d;
     struct timespec started;
 
@@ -53,9 +58,11 @@ struct ring {
     struct curl_slist *hdrs, *auth; /* auth: the token alone (the state fetch); NULL: none */
     char resp[512];
     size_t resp_len;
+    char curl_err[CURL_ERROR_SIZE];
     _Atomic uint64_t bytes_sent;
     _Atomic int64_t allreduces;
     _Atomic int uploads; /* pieces being received or answered */
+    _Atomic int mismatch; /* a peer speaks the other protocol: ring_free lingers */
 
     /* under mu */
     void *state;
@@ -457,6 +464,89 @@ static const char *token_refused(const ring *r)
                       "the same --auth_token_file";
 }
 
+static size_t on_discard(char *p, size_t size, size_t n, void *ctx)
+{
+    (void)p;
+    (void)ctx;
+    return size * n;
+}
+
+/* HTTPS on a handle to a peer: verify its certificate (and host name, curl's
+ * default) against the ring's CA file, or the system's. */
+static void set_tls(const ring *r, CURL *h)
+{
+    if (r->tls && r->ca_file)
+        curl_easy_setopt(h, CURLOPT_CAINFO, r->ca_file);
+}
+
+/* 1 when peer i answers /healthz over the other protocol than this task's
+ * (HTTP when this task speaks HTTPS, HTTPS, unverified, when it speaks
+ * HTTP): it was started with other TLS flags. One request, 3 s at most. */
+static int speaks_other(const ring *r, int i)
+{
+    CURL *h = curl_easy_init();
+    if (!h)
+        return 0;
+    char url[PEER_MAX + 32];
+    snprintf(url, sizeof(url), "%s://%s/healthz", r->tls ? "http" : "https", r->peer[i]);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 3000L);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_discard);
+    /* only asks which protocol it speaks: nothing is sent but the path */
+    curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+    curl_easy_setopt(h, CURLOPT_SSL_VERIFYHOST, 0L);
+    long status = 0;
+    CURLcode cc = curl_easy_perform(h);
+    if (cc == CURLE_OK)
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+    curl_easy_cleanup(h);
+    return cc == CURLE_OK && status == 200;
+}
+
+/* After a request to peer i (`who`: "worker 1 (h:p), the right neighbour")
+ * failed with cc: -1 with err when no retry can help (its certificate does
+ * not verify, the CA file is unusable, or it speaks the other protocol),
+ * else 0. curl_err: the handle's error buffer. */
+static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const char *who, char *err,
+                       size_t errlen)
+{
+    const char *why = curl_err && *curl_err ? curl_err : curl_easy_strerror(cc);
+    switch (cc) {
+    case CURLE_PEER_FAILED_VERIFICATION:
+        seterr(err, errlen,
+               "%s: its certificate does not verify (%s): every task's --ring_tls_cert must be signed by a CA "
+               "in %s and name its host in the cluster",
+               who, why, r->ca_file ? "--tls_ca" : "the system's store (no --tls_ca)");
+        return -1;
+    case CURLE_SSL_CACERT_BADFILE:
+    case CURLE_SSL_CERTPROBLEM:
+        seterr(err, errlen, "cannot talk HTTPS to %s: %s (--tls_ca)", who, why);
+        return -1;
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_GOT_NOTHING:
+    case CURLE_RECV_ERROR:
+    case CURLE_SEND_ERROR:
+    case CURLE_WEIRD_SERVER_REPLY:
+    case CURLE_UNSUPPORTED_PROTOCOL:
+    case CURLE_OPERATION_TIMEDOUT: /* a TLS hello to an HTTP server waits for a line end */
+        if (!speaks_other(r, i))
+            return 0;
+        atomic_store(&r->mismatch, 1);
+        seterr(err, errlen,
+               r->tls ? "%s, serves the ring over plain HTTP and this task over HTTPS (--ring_tls_cert): "
+                        "give every task --ring_tls_cert and --ring_tls_key, or none"
+                      : "%s, serves the ring over HTTPS (--ring_tls_cert) and this task over plain HTTP: "
+                        "give every task --ring_tls_cert and --ring_tls_key, or none",
+               who);
+        return -1;
+    default:
+        return 0;
+    }
+}
+
 /* POST one piece to the right neighbour, retrying what may pass (it is not up
  * yet, a 5xx) until `deadline`. */
 static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *data, size_t n,
@@ -470,6 +560,7 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
     for (;;) {
         r->resp_len = 0;
         r->resp[0] = '\0';
+        r->curl_err[0] = '\0';
         curl_easy_setopt(r->curl, CURLOPT_URL, url);
         curl_easy_setopt(r->curl, CURLOPT_POSTFIELDS, (const char *)data);
         curl_easy_setopt(r->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
@@ -491,12 +582,18 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
                    status, resp_error(r));
             return -1;
         }
+        if (cc != CURLE_OK) {
+            char who[PEER_MAX + 64];
+            snprintf(who, sizeof(who), "worker %d (%s), the right neighbour", right, r->peer[right]);
+            if (tls_refused(r, right, cc, r->curl_err, who, err, errlen))
+                return -1;
+        }
         if (r->abort && r->abort())
             return -2;
         if (now_secs() + (double)wait / 1000 > deadline) {
             if (cc != CURLE_OK)
                 seterr(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
-                       right, r->peer[right], curl_easy_strerror(cc));
+                       right, r->peer[right], r->curl_err[0] ? r->curl_err : curl_easy_strerror(cc));
             else
                 seterr(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
                        r->peer[right], status, resp_error(r));
@@ -637,8 +734,8 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
         seterr(err, errlen, "out of memory");
         return -1;
     }
-    char url[PEER_MAX + 40];
-    snprintf(url, sizeof(url), "http://%s/v1/ring/state", r->peer[from]);
+    char url[PEER_MAX + 40], curl_err[CURL_ERROR_SIZE];
+    snprintf(url, sizeof(url), "%s://%s/v1/ring/state", r->tls ? "https" : "http", r->peer[from]);
     curl_easy_setopt(h, CURLOPT_URL, url);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
@@ -646,10 +743,13 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(wait_secs * 1000) + 60000);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_grow);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, r->auth);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, curl_err);
+    set_tls(r, h);
     double deadline = now_secs() + wait_secs, said = now_secs();
     int rc = -1;
     for (;;) {
         grow g = {0};
+        curl_err[0] = '\0';
         curl_easy_setopt(h, CURLOPT_WRITEDATA, &g);
         CURLcode cc = curl_easy_perform(h);
         long status = 0;
@@ -666,6 +766,12 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
             seterr(err, errlen, "the chief, worker %d (%s), %s", from, r->peer[from], token_refused(r));
             break;
         }
+        if (cc != CURLE_OK) {
+            char who[PEER_MAX + 64];
+            snprintf(who, sizeof(who), "the chief, worker %d (%s)", from, r->peer[from]);
+            if (tls_refused(r, from, cc, curl_err, who, err, errlen))
+                break;
+        }
         if (r->abort && r->abort()) {
             rc = -2;
             break;
@@ -673,7 +779,7 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
         if (now_secs() > deadline) {
             if (cc != CURLE_OK)
                 seterr(err, errlen, "cannot reach the chief, worker %d (%s), for %.0f s: %s", from,
-                       r->peer[from], wait_secs, curl_easy_strerror(cc));
+                       r->peer[from], wait_secs, curl_err[0] ? curl_err : curl_easy_strerror(cc));
             else
                 seterr(err, errlen, "the chief, worker %d (%s), answers HTTP %ld to %s", from, r->peer[from],
                        status, url);
@@ -722,6 +828,42 @@ const char *ring_peer(const ring *r, int i) { return r->peer[i]; }
 
 /* ---- life ---- */
 
+/* A whole PEM file (a certificate or a key), NUL-ended; NULL with err. */
+static char *read_pem(const char *flag, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        seterr(err, errlen, "%s=%s: %s", flag, path, strerror(errno));
+        return NULL;
+    }
+    size_t len = 0, cap = 1 << 14;
+    char *buf = malloc(cap);
+    while (buf) {
+        len += fread(buf + len, 1, cap - 1 - len, f);
+        if (len < cap - 1 || cap >= (1u << 20))
+            break;
+        char *nb = realloc(buf, cap *= 2);
+        if (!nb)
+            free(buf);
+        buf = nb;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (!buf) {
+        seterr(err, errlen, "%s=%s: out of memory", flag, path);
+        return NULL;
+    }
+    buf[len] = '\0';
+    if (bad || len >= cap - 1 || !strstr(buf, "-----BEGIN ")) {
+        seterr(err, errlen, "%s=%s: %s", flag, path,
+               bad ? "read error" : len >= cap - 1 ? "larger than 1 MiB: not a PEM file"
+                                                   : "not a PEM file (no -----BEGIN line)");
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
 static int is_loopback(const char *host)
 {
     return strcmp(host, "localhost") == 0 || strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0;
@@ -755,6 +897,21 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     r->abort = o->abort;
     if (o->token && !(r->token = strdup(o->token)))
         goto oom;
+    if (!o->tls_cert != !o->tls_key) {
+        seterr(err, errlen, "a certificate and its key go together (--ring_tls_cert, --ring_tls_key)");
+        ring_free(r);
+        return NULL;
+    }
+    if (o->tls_cert) {
+        r->tls = 1;
+        if (!(r->cert_pem = read_pem("--ring_tls_cert", o->tls_cert, err, errlen)) ||
+            !(r->key_pem = read_pem("--ring_tls_key", o->tls_key, err, errlen))) {
+            ring_free(r);
+            return NULL;
+        }
+        if (o->tls_ca && !(r->ca_file = strdup(o->tls_ca)))
+            goto oom;
+    }
     snprintf(r->name, sizeof(r->name), "%s", o->name ? o->name : "ring");
     r->peer = calloc((size_t)o->n, sizeof(*r->peer));
     r->off = calloc((size_t)o->n + 1, sizeof(size_t));
@@ -763,7 +920,8 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     for (int i = 0; i < o->n; i++)
         snprintf(r->peer[i], PEER_MAX, strchr(o->peers[i].host, ':') ? "[%s]:%d" : "%s:%d",
                  o->peers[i].host, o->peers[i].port);
-    snprintf(r->right_url, sizeof(r->right_url), "http://%s", r->peer[mod(o->rank + 1, o->n)]);
+    snprintf(r->right_url, sizeof(r->right_url), "%s://%s", r->tls ? "https" : "http",
+             r->peer[mod(o->rank + 1, o->n)]);
     for (int c = 0; c <= o->n; c++)
         r->off[c] = (size_t)((unsigned __int128)o->n_floats * (unsigned)c / (unsigned)o->n);
     for (int c = 0; c < o->n; c++)
@@ -800,12 +958,17 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     curl_easy_setopt(r->curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(r->curl, CURLOPT_NOPROXY, "*");
     curl_easy_setopt(r->curl, CURLOPT_TCP_NODELAY, 1L);
+    /* a piece goes out in writes of this size (64 KiB by default): HTTPS
+     * encrypts each into records of 16 KiB, fewer calls for larger ones */
+    curl_easy_setopt(r->curl, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
     curl_easy_setopt(r->curl, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
     /* (a timeout past ~30 years: no limit; converting it to long would overflow) */
     curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS,
                      o->timeout_secs < 1e9 ? (long)(o->timeout_secs * 1000) + 1000 : 0L);
     curl_easy_setopt(r->curl, CURLOPT_WRITEFUNCTION, on_body);
     curl_easy_setopt(r->curl, CURLOPT_WRITEDATA, r);
+    curl_easy_setopt(r->curl, CURLOPT_ERRORBUFFER, r->curl_err);
+    set_tls(r, r->curl);
 
     const cluster_addr *self = &o->peers[o->rank];
     /* a loopback host: that very address (a socket on 127.0.0.1 refuses
@@ -825,14 +988,29 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG;
     if (v6)
         mflags |= is_loopback(self->host) ? MHD_USE_IPv6 : MHD_USE_DUAL_STACK;
+    if (r->tls)
+        mflags |= MHD_USE_TLS;
+    /* HTTPS: psd's certificate options and default priorities (TLS 1.3/1.2,
+     * AEAD suites, AES-GCM first, the server's order) */
+    struct MHD_OptionItem tls_opts[] = {
+        {MHD_OPTION_HTTPS_MEM_CERT, 0, r->cert_pem},
+        {MHD_OPTION_HTTPS_MEM_KEY, 0, r->key_pem},
+        {MHD_OPTION_HTTPS_PRIORITIES, 0, (void *)HTTP_TLS_PRIORITIES},
+        {MHD_OPTION_END, 0, NULL},
+    };
+    if (!r->tls)
+        tls_opts[0].option = MHD_OPTION_END;
+    errno = 0;
     r->d = MHD_start_daemon(mflags, (uint16_t)self->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
                             v6 ? (struct sockaddr *)&sa6 : (struct sockaddr *)&sa,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
                             MHD_OPTION_CONNECTION_TIMEOUT, 120u,
-                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024), MHD_OPTION_END);
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
+                            MHD_OPTION_ARRAY, tls_opts, MHD_OPTION_END);
     if (!r->d) {
-        seterr(err, errlen, "cannot serve the ring endpoint on %s (port %d): %s", r->peer[o->rank],
-               self->port, errno ? strerror(errno) : "libmicrohttpd failed to start");
+        seterr(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
+               self->port, r->tls ? " over HTTPS (is --ring_tls_key the key of --ring_tls_cert?)" : "",
+               errno ? strerror(errno) : "libmicrohttpd failed to start");
         ring_free(r);
         return NULL;
     }
@@ -852,6 +1030,11 @@ void ring_free(ring *r)
          * out: let the answer go (else it sees an error and waits to retry) */
         for (int i = 0; i < 200 && atomic_load(&r->uploads) > 0; i++)
             sleep_ms(10);
+        /* a peer speaks the other protocol: keep serving a while, so that
+         * one sending to this task (in a ring of two, that same peer) finds
+         * out too, by its probe, rather than by waiting out its timeout */
+        if (atomic_load(&r->mismatch))
+            sleep_ms(RING_MISMATCH_LINGER_MS);
         MHD_stop_daemon(r->d);
     }
     if (r->curl)
@@ -864,6 +1047,9 @@ void ring_free(ring *r)
     free(r->off);
     free(r->state);
     free(r->token);
+    free(r->cert_pem);
+    free(r->key_pem);
+    free(r->ca_file);
     pthread_cond_destroy(&r->cv);
     pthread_mutex_destroy(&r->mu);
     free(r);

@@ -1,4 +1,4 @@
-/* ring.h - ring all-reduce between workers over HTTP, with no ps.
+/* ring.h - ring all-reduce between workers over HTTP or HTTPS, with no ps.
  *
  * Every worker serves a small libmicrohttpd endpoint on its own address and
  * pushes pieces of the buffer to its right neighbour (rank + 1 mod N) with
@@ -28,7 +28,16 @@
  * routes need "Authorization: Bearer <token>" (401 with {"error": ...} and
  * WWW-Authenticate: Bearer otherwise; the state is the whole model, so it is
  * a protected read), and the pushes and the state fetch send it; the status,
- * health and page routes stay open. */
+ * health and page routes stay open.
+ *
+ * With a certificate (workerd --ring_tls_cert/--ring_tls_key) every route is
+ * served over HTTPS only, with psd's default GnuTLS priorities
+ * (HTTP_TLS_PRIORITIES: TLS 1.3/1.2, AEAD, ECDHE), and the pushes and the
+ * state fetch go over HTTPS, the peer's certificate verified against tls_ca
+ * (or the system's CAs), its host name included. Every task must then have
+ * one: a peer that speaks the other protocol (found by one probe of its
+ * /healthz after a failed request) or whose certificate does not verify
+ * stops this task at once with an error naming the peer, no retry. */
 #ifndef RESTPS_RING_H
 #define RESTPS_RING_H
 
@@ -48,6 +57,10 @@ typedef struct ring_options {
     const char *name;          /* "worker 1", for messages */
     int (*abort)(void);        /* non-zero: stop waiting (a signal); may be NULL */
     const char *token;         /* bearer token every peer needs and sends (copied); NULL: open */
+    const char *tls_cert;      /* PEM files: serve HTTPS and talk HTTPS to the peers; NULL: HTTP */
+    const char *tls_key;       /* (read by ring_new; both or neither) */
+    const char *tls_ca;        /* with tls_cert: PEM CA(s) the peers' certificates must chain to;
+                                * NULL: the system's */
 } ring_options;
 
 /* Start this worker's endpoint on peers[rank]'s port (loopback when its host

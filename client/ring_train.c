@@ -69,12 +69,17 @@ int train_ring(const train_config *c)
     float *params = mlp_host_alloc(m, np * sizeof(float));
     float *grads = mlp_host_alloc(m, (np + 1) * sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
-    float *x = mlp_host_alloc(m, sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features);
-    uint8_t *y = mlp_host_alloc(m, (size_t)c->batch_size);
+    /* two batch buffers: after the all-reduce the next batch goes into the
+     * other one and is staged (mlp_stage_batch), its copy to the device
+     * overlapping the optimizer's update */
+    const size_t xbytes = sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features;
+    float *xb[2] = {mlp_host_alloc(m, xbytes), mlp_host_alloc(m, xbytes)};
+    uint8_t *yb[2] = {mlp_host_alloc(m, (size_t)c->batch_size), mlp_host_alloc(m, (size_t)c->batch_size)};
+    int cur = 0, ready = 0; /* ready: xb[cur], yb[cur] hold this step's batch */
     batcher b = {0};
     ring *r = NULL;
     rc = 1;
-    if (!m || !params || !grads || !s0 || !s1 || !x || !y ||
+    if (!m || !params || !grads || !s0 || !s1 || !xb[0] || !xb[1] || !yb[0] || !yb[1] ||
         batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
@@ -94,7 +99,8 @@ int train_ring(const train_config *c)
         peers[i + has_chief] = cs->jobs[JOB_WORKER].tasks[i];
     ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = np + 1,
                        .piece_bytes = c->ring_piece_bytes, .timeout_secs = c->ring_timeout_secs,
-                       .name = c->name, .abort = train_stop_requested, .token = c->token};
+                       .name = c->name, .abort = train_stop_requested, .token = c->token,
+                       .tls_cert = c->ring_tls_cert, .tls_key = c->ring_tls_key, .tls_ca = c->tls_ca};
     r = ring_new(&ro, err, sizeof(err));
     free(peers);
     if (!r) {
@@ -177,9 +183,11 @@ int train_ring(const train_config *c)
             stopped = 1;
             break;
         }
-        batcher_at(&b, step, c->batch_size, ds.n_features, x, y);
+        if (!ready)
+            batcher_at(&b, step, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+        ready = 0;
         double loss;
-        if (mlp_forward_backward(m, params, x, y, c->batch_size, grads, &loss) != 0) {
+        if (mlp_forward_backward(m, params, xb[cur], yb[cur], c->batch_size, grads, &loss) != 0) {
             /* the parameters are intact: the chief still writes its checkpoint */
             progress_clear(&bar);
             fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
@@ -204,6 +212,14 @@ int train_ring(const train_config *c)
                     chief && c->logdir && *c->logdir ? " (the last checkpoint is written now)" : "");
             broken = 1;
             break;
+        }
+        /* the next batch now, on its way to the device during the update;
+         * after the all-reduce, not before, so as not to delay the ring */
+        if (step + 1 < c->train_steps) {
+            cur ^= 1;
+            batcher_at(&b, step + 1, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+            (void)mlp_stage_batch(m, xb[cur], yb[cur], c->batch_size); /* -1: copied then */
+            ready = 1;
         }
         /* every variable, as the ps applies them: the average of the N gradients */
         float scale = 1.0f / (float)n;
@@ -276,8 +292,10 @@ out:
     free(b.order);
     mlp_host_free(m, params); /* before mlp_free */
     mlp_host_free(m, grads);
-    mlp_host_free(m, x);
-    mlp_host_free(m, y);
+    for (int i = 0; i < 2; i++) {
+        mlp_host_free(m, xb[i]);
+        mlp_host_free(m, yb[i]);
+    }
     mlp_free(m);
     free(s0);
     free(s1);

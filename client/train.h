@@ -48,6 +48,8 @@ typedef struct train_config {
     int ring;
     double ring_timeout_secs;   /* wait this long for a neighbour */
     size_t ring_piece_bytes;    /* chunks travel in pieces of this size */
+    const char *ring_tls_cert;  /* PEM files: the ring over HTTPS (trusting tls_ca); NULL: HTTP */
+    const char *ring_tls_key;
     const char *logdir;         /* the chief's checkpoints; "" = none */
     int save_checkpoint_secs;   /* 0 = only at the end (and on a stop or a broken ring) */
     int log_param_hash;         /* print a CRC-32C of the parameters after every step */

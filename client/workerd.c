@@ -60,6 +60,7 @@ static int set_optim_flags(optim_config *c, int nesterov, float rmsprop_decay, f
 int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
+    const char *ring_tls_cert = NULL, *ring_tls_key = NULL;
     const char *token_file = NULL, *tls_ca = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
     const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL, *placement_s = "bytes";
     uint64_t partition_bytes = 4ULL << 20;
@@ -120,7 +121,7 @@ int main(int argc, char **argv)
         {"gpu", FLAG_INT, &gpu, "cuda: the device to use, counted among those CUDA_VISIBLE_DEVICES leaves (default 0)", 0},
         {"tf32", FLAG_BOOL, &tf32, "cuda: let cuBLAS use TF32 tensor cores for the matrix products (faster, ~1e-3 relative error; default false: full FP32, as the cpu)", 0},
         {"tls", FLAG_BOOL, &tls, "talk HTTPS to the ps tasks (psd --tls_cert), trusting the system's CAs (default false)", 0},
-        {"tls_ca", FLAG_STRING, &tls_ca, "talk HTTPS to the ps tasks, trusting the CA(s) in this PEM file", 0},
+        {"tls_ca", FLAG_STRING, &tls_ca, "talk HTTPS to the ps tasks, trusting the CA(s) in this PEM file; with --ring_tls_cert, the CA(s) every ring neighbour's certificate must chain to (default: the system's)", 0},
         {"auth_token_file", FLAG_STRING, &token_file, "file holding the bearer token psd was started with; with --allreduce=ring it guards the ring too: every task requires it on the gradient pieces it receives and on GET /v1/ring/state, and sends it (/v1/status, /healthz and the page stay open; every task needs the same file)", 0},
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
         {"placement", FLAG_STRING, &placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
@@ -132,8 +133,10 @@ int main(int argc, char **argv)
         {"ps_retry_secs", FLAG_FLOAT, &retry_secs, "once training runs, keep retrying a ps that does not answer for this long, e.g. while it restarts from its checkpoint (default 120; the evaluator waits at most 2 x --eval_secs, 10 at least)", 0},
         {"ps_backoff_ms", FLAG_INT, &backoff_ms, "first wait before retrying a ps, doubled each time, with jitter (default 100)", 0},
         {"ps_backoff_max_ms", FLAG_INT, &backoff_max_ms, "longest wait between retries (default 2000)", 0},
-        {"allreduce", FLAG_STRING, &allreduce, "none (default): train against the ps tasks; ring: no ps, the chief and the workers sum their gradients in a ring all-reduce over HTTP, each serving it on its own --worker_hosts (or --chief_hosts) address, and every task applies the average (always synchronous; the ps flags are ignored)", 0},
+        {"allreduce", FLAG_STRING, &allreduce, "none (default): train against the ps tasks; ring: no ps, the chief and the workers sum their gradients in a ring all-reduce over HTTP (HTTPS with --ring_tls_cert), each serving it on its own --worker_hosts (or --chief_hosts) address, and every task applies the average (always synchronous; the ps flags are ignored)", 0},
         {"ring_timeout_secs", FLAG_FLOAT, &ring_timeout, "ring: a neighbour silent this long has died; the job stops (default 30; the first step waits at least 120 for every task to start)", 0},
+        {"ring_tls_cert", FLAG_STRING, &ring_tls_cert, "ring: serve this task's ring endpoint over HTTPS only, with this PEM certificate (chain), which must name its --worker_hosts (or --chief_hosts) host, and send to the neighbours over HTTPS, verifying theirs against --tls_ca (default: the system's CAs), host name included; needs --ring_tls_key; every task needs one (a neighbour that speaks the other protocol, or whose certificate does not verify, stops this task at once, naming it)", 0},
+        {"ring_tls_key", FLAG_STRING, &ring_tls_key, "ring: the PEM private key of --ring_tls_cert", 0},
         {"ring_piece_bytes", FLAG_U64, &ring_piece, "ring: chunks travel in pieces of at most this many bytes, so sending and receiving overlap (default 1048576)", 0},
         {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors; the newest valid one is restored at start (default logs/ring); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
@@ -261,12 +264,32 @@ int main(int argc, char **argv)
             free((char *)c.token);
             return 2;
         }
+        if (!ring_tls_cert != !ring_tls_key) {
+            fprintf(stderr, "workerd: --ring_tls_cert and --ring_tls_key go together\n");
+            free((char *)c.token);
+            return 2;
+        }
+        const char *pem[] = {ring_tls_cert, ring_tls_key};
+        for (int i = 0; i < 2 && ring_tls_cert; i++)
+            if (access(pem[i], R_OK) != 0) {
+                fprintf(stderr, "workerd: --%s=%s: %s\n", i ? "ring_tls_key" : "ring_tls_cert", pem[i],
+                        strerror(errno));
+                free((char *)c.token);
+                return 2;
+            }
         c.ring = 1;
     } else if (strcmp(allreduce, "none") != 0) {
         fprintf(stderr, "workerd: --allreduce must be none or ring, got '%s'\n", allreduce);
         free((char *)c.token);
         return 2;
+    } else if (ring_tls_cert || ring_tls_key) {
+        fprintf(stderr, "workerd: --ring_tls_cert and --ring_tls_key need --allreduce=ring "
+                        "(to the ps tasks: --tls or --tls_ca)\n");
+        free((char *)c.token);
+        return 2;
     }
+    c.ring_tls_cert = ring_tls_cert;
+    c.ring_tls_key = ring_tls_key;
     c.ring_timeout_secs = ring_timeout;
     c.ring_piece_bytes = (size_t)ring_piece;
     c.logdir = logdir;
