@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "http.h" /* HTTP_TLS_PRIORITIES: the ring serves HTTPS as psd does */
+#include "pem.h"
 #include "token.h"
 #include "web.h"
 
@@ -828,40 +829,14 @@ const char *ring_peer(const ring *r, int i) { return r->peer[i]; }
 
 /* ---- life ---- */
 
-/* A whole PEM file (a certificate or a key), NUL-ended; NULL with err. */
+/* pem_read with the flag named: "--ring_tls_cert=PATH: why". */
 static char *read_pem(const char *flag, const char *path, char *err, size_t errlen)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        seterr(err, errlen, "%s=%s: %s", flag, path, strerror(errno));
-        return NULL;
-    }
-    size_t len = 0, cap = 1 << 14;
-    char *buf = malloc(cap);
-    while (buf) {
-        len += fread(buf + len, 1, cap - 1 - len, f);
-        if (len < cap - 1 || cap >= (1u << 20))
-            break;
-        char *nb = realloc(buf, cap *= 2);
-        if (!nb)
-            free(buf);
-        buf = nb;
-    }
-    int bad = ferror(f);
-    fclose(f);
-    if (!buf) {
-        seterr(err, errlen, "%s=%s: out of memory", flag, path);
-        return NULL;
-    }
-    buf[len] = '\0';
-    if (bad || len >= cap - 1 || !strstr(buf, "-----BEGIN ")) {
-        seterr(err, errlen, "%s=%s: %s", flag, path,
-               bad ? "read error" : len >= cap - 1 ? "larger than 1 MiB: not a PEM file"
-                                                   : "not a PEM file (no -----BEGIN line)");
-        free(buf);
-        return NULL;
-    }
-    return buf;
+    char why[512];
+    char *pem = pem_read(path, why, sizeof(why));
+    if (!pem)
+        seterr(err, errlen, "%s=%s", flag, why);
+    return pem;
 }
 
 static int is_loopback(const char *host)

@@ -72,14 +72,13 @@ int train_ring(const train_config *c)
     /* two batch buffers: after the all-reduce the next batch goes into the
      * other one and is staged (mlp_stage_batch), its copy to the device
      * overlapping the optimizer's update */
-    const size_t xbytes = sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features;
-    float *xb[2] = {mlp_host_alloc(m, xbytes), mlp_host_alloc(m, xbytes)};
-    uint8_t *yb[2] = {mlp_host_alloc(m, (size_t)c->batch_size), mlp_host_alloc(m, (size_t)c->batch_size)};
-    int cur = 0, ready = 0; /* ready: xb[cur], yb[cur] hold this step's batch */
+    batch_pair bp;
+    const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
+    int cur = 0, ready = 0; /* ready: bp.x[cur], bp.y[cur] hold this step's batch */
     batcher b = {0};
     ring *r = NULL;
     rc = 1;
-    if (!m || !params || !grads || !s0 || !s1 || !xb[0] || !xb[1] || !yb[0] || !yb[1] ||
+    if (!m || !params || !grads || !s0 || !s1 || !bp_ok ||
         batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
@@ -184,10 +183,10 @@ int train_ring(const train_config *c)
             break;
         }
         if (!ready)
-            batcher_at(&b, step, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
         ready = 0;
         double loss;
-        if (mlp_forward_backward(m, params, xb[cur], yb[cur], c->batch_size, grads, &loss) != 0) {
+        if (mlp_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, grads, &loss) != 0) {
             /* the parameters are intact: the chief still writes its checkpoint */
             progress_clear(&bar);
             fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
@@ -217,8 +216,8 @@ int train_ring(const train_config *c)
          * after the all-reduce, not before, so as not to delay the ring */
         if (step + 1 < c->train_steps) {
             cur ^= 1;
-            batcher_at(&b, step + 1, c->batch_size, ds.n_features, xb[cur], yb[cur]);
-            (void)mlp_stage_batch(m, xb[cur], yb[cur], c->batch_size); /* -1: copied then */
+            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
+            (void)mlp_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size); /* -1: copied then */
             ready = 1;
         }
         /* every variable, as the ps applies them: the average of the N gradients */
@@ -292,10 +291,7 @@ out:
     free(b.order);
     mlp_host_free(m, params); /* before mlp_free */
     mlp_host_free(m, grads);
-    for (int i = 0; i < 2; i++) {
-        mlp_host_free(m, xb[i]);
-        mlp_host_free(m, yb[i]);
-    }
+    batch_pair_free(&bp, m);
     mlp_free(m);
     free(s0);
     free(s1);

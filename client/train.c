@@ -108,6 +108,24 @@ void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint
     b->k = k + 1;
 }
 
+int batch_pair_alloc(batch_pair *p, mlp *m, int batch, int n_features)
+{
+    const size_t xbytes = sizeof(float) * (size_t)batch * (size_t)n_features;
+    for (int i = 0; i < 2; i++) {
+        p->x[i] = mlp_host_alloc(m, xbytes);
+        p->y[i] = mlp_host_alloc(m, (size_t)batch);
+    }
+    return p->x[0] && p->x[1] && p->y[0] && p->y[1] ? 0 : -1;
+}
+
+void batch_pair_free(batch_pair *p, mlp *m)
+{
+    for (int i = 0; i < 2; i++) {
+        mlp_host_free(m, p->x[i]);
+        mlp_host_free(m, p->y[i]);
+    }
+}
+
 int train_load(const train_config *c, idx_dataset *ds)
 {
     char err[512];
@@ -370,18 +388,17 @@ int train_worker(const train_config *c)
     /* two batch buffers: after a push the predicted next batch goes into the
      * other one and is staged (mlp_stage_batch), its copy to the device
      * overlapping the pull */
-    const size_t xbytes = sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features;
-    float *xb[2] = {mlp_host_alloc(m, xbytes), mlp_host_alloc(m, xbytes)};
-    uint8_t *yb[2] = {mlp_host_alloc(m, (size_t)c->batch_size), mlp_host_alloc(m, (size_t)c->batch_size)};
+    batch_pair bp;
+    const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
     int cur = 0;
-    int64_t next_k = -1; /* the batch number xb[cur ^ 1] holds (staged), or -1 */
+    int64_t next_k = -1; /* the batch number bp.x[cur ^ 1] holds (staged), or -1 */
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     batcher b = {0};
     json_t *cfg = NULL; /* the chief's configuration, as a worker reads it */
     heartbeat *hb = NULL;
     rc = 1;
-    if (!m || !params || !grads || !xb[0] || !xb[1] || !yb[0] || !yb[1] || !pc) {
+    if (!m || !params || !grads || !bp_ok || !pc) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
     }
@@ -508,13 +525,13 @@ int train_worker(const train_config *c)
         if (next_k == (sync ? step : k))
             cur ^= 1;
         else
-            batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+            batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
         next_k = -1; /* the forward_backward below ends the staging either way */
         k++;
         (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
                          shard that holds ours already answers "duplicate" */
         double loss;
-        if (mlp_forward_backward(m, params, xb[cur], yb[cur], c->batch_size, grads, &loss) != 0) {
+        if (mlp_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, grads, &loss) != 0) {
             fprintf(stderr, "workerd: forward/backward failed\n");
             goto out;
         }
@@ -569,8 +586,8 @@ int train_worker(const train_config *c)
          * so as not to delay the push the other workers may be waiting for */
         int64_t nk = sync ? step + 1 : k;
         if ((max_local < 0 || local < max_local) && (!sync || nk < c->train_steps)) {
-            batcher_at(&b, nk, c->batch_size, ds.n_features, xb[cur ^ 1], yb[cur ^ 1]);
-            (void)mlp_stage_batch(m, xb[cur ^ 1], yb[cur ^ 1], c->batch_size); /* -1: copied then */
+            batcher_at(&b, nk, c->batch_size, ds.n_features, bp.x[cur ^ 1], bp.y[cur ^ 1]);
+            (void)mlp_stage_batch(m, bp.x[cur ^ 1], bp.y[cur ^ 1], c->batch_size); /* -1: copied then */
             next_k = nk;
         }
     }
@@ -632,10 +649,7 @@ out:
     ps_client_free(pc);
     mlp_host_free(m, params); /* before mlp_free: the memory is m's device's */
     mlp_host_free(m, grads);
-    for (int i = 0; i < 2; i++) {
-        mlp_host_free(m, xb[i]);
-        mlp_host_free(m, yb[i]);
-    }
+    batch_pair_free(&bp, m);
     mlp_free(m);
     idx_dataset_free(&ds);
     return rc;
@@ -732,13 +746,12 @@ int train_local(const train_config *c)
     /* two batch buffers: step n computes on one while the other is filled
      * with batch n+1 and staged (mlp_stage_batch), its copy to the device
      * overlapping the optimizer's update */
-    const size_t xbytes = sizeof(float) * (size_t)c->batch_size * (size_t)ds.n_features;
-    float *xb[2] = {mlp_host_alloc(m, xbytes), mlp_host_alloc(m, xbytes)};
-    uint8_t *yb[2] = {mlp_host_alloc(m, (size_t)c->batch_size), mlp_host_alloc(m, (size_t)c->batch_size)};
-    int cur = 0, ready = 0; /* ready: xb[cur], yb[cur] hold this step's batch */
+    batch_pair bp;
+    const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
+    int cur = 0, ready = 0; /* ready: bp.x[cur], bp.y[cur] hold this step's batch */
     batcher b = {0};
     rc = 1;
-    if (!m || !params || !grads || !s0 || !s1 || !xb[0] || !xb[1] || !yb[0] || !yb[1] ||
+    if (!m || !params || !grads || !s0 || !s1 || !bp_ok ||
         batcher_init(&b, &ds.train, c->seed, 0, 1) != 0) {
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
@@ -753,9 +766,9 @@ int train_local(const train_config *c)
     progress_init(&bar, c->name, c->train_steps, -1);
     for (int64_t step = 0; step < c->train_steps; step++) {
         if (!ready)
-            batcher_at(&b, step, c->batch_size, ds.n_features, xb[cur], yb[cur]);
+            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
         double loss;
-        if (mlp_forward_backward(m, params, xb[cur], yb[cur], c->batch_size, grads, &loss) != 0) {
+        if (mlp_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, grads, &loss) != 0) {
             /* the backend printed what failed (a CUDA or cuBLAS call) */
             progress_clear(&bar);
             fprintf(stderr, "workerd: forward/backward failed at step %lld\n", (long long)step);
@@ -766,8 +779,8 @@ int train_local(const train_config *c)
         ready = step + 1 < c->train_steps;
         if (ready) {
             cur ^= 1;
-            batcher_at(&b, step + 1, c->batch_size, ds.n_features, xb[cur], yb[cur]);
-            (void)mlp_stage_batch(m, xb[cur], yb[cur], c->batch_size);
+            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
+            (void)mlp_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size);
         }
         /* one update per variable, as the ps applies them (clipping is per
          * variable); the slots share the parameters' offsets */
@@ -799,10 +812,7 @@ out:
     free(b.order);
     mlp_host_free(m, params); /* before mlp_free */
     mlp_host_free(m, grads);
-    for (int i = 0; i < 2; i++) {
-        mlp_host_free(m, xb[i]);
-        mlp_host_free(m, yb[i]);
-    }
+    batch_pair_free(&bp, m);
     mlp_free(m);
     free(s0);
     free(s1);

@@ -78,6 +78,16 @@ typedef struct batcher {
 } batcher;
 int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer, int n_trainers);
 void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y);
+/* Two batch buffers from mlp_host_alloc (pinned on a GPU): a step computes on
+ * one while the next batch is gathered into the other and staged
+ * (mlp_stage_batch). alloc: 0, or -1 when out of memory (free it still);
+ * free takes what alloc left, before mlp_free(m). */
+typedef struct batch_pair {
+    float *x[2];
+    uint8_t *y[2];
+} batch_pair;
+int batch_pair_alloc(batch_pair *p, mlp *m, int batch, int n_features);
+void batch_pair_free(batch_pair *p, mlp *m);
 /* Load and check --data_dir; 0 or 2 after a message. */
 int train_load(const train_config *c, idx_dataset *ds);
 /* Write --export (a safetensors file of the model); 0 or -1 after a message. */

@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "pem.h"
 #include "token.h"
 #include "flags.h"
 #include "history.h"
@@ -139,48 +140,6 @@ static void mhd_panic(void *cls, const char *file, unsigned int line, const char
     (void)cls;
     log_error("libmicrohttpd: fatal error at %s:%u: %s", file, line, reason ? reason : "");
     abort();
-}
-
-/* A whole text file (a PEM certificate or key), NUL-ended; NULL with err. */
-static char *read_text(const char *path, char *err, size_t errlen)
-{
-    FILE *f = fopen(path, "rb");
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    if (!f) {
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
-        return NULL;
-    }
-    for (;;) {
-        if (len + 4096 + 1 > cap) {
-            char *nb = realloc(buf, cap = cap ? 2 * cap : 8192);
-            if (!nb) {
-                free(buf);
-                fclose(f);
-                snprintf(err, errlen, "%s: out of memory", path);
-                return NULL;
-            }
-            buf = nb;
-        }
-        size_t k = fread(buf + len, 1, 4096, f);
-        len += k;
-        if (k < 4096)
-            break;
-        if (len > (1u << 20)) {
-            free(buf);
-            fclose(f);
-            snprintf(err, errlen, "%s: larger than 1 MiB: not a PEM file", path);
-            return NULL;
-        }
-    }
-    fclose(f);
-    buf[len] = '\0';
-    if (!strstr(buf, "-----BEGIN ")) {
-        free(buf);
-        snprintf(err, errlen, "%s: not a PEM file (no -----BEGIN line)", path);
-        return NULL;
-    }
-    return buf;
 }
 
 /* Leave before the server starts: free what was built (a clean exit under
@@ -311,8 +270,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: --tls_priorities=%s: %s\n", tls_prio, err);
         return fail(srv, 2);
     }
-    if (tls_cert && (!(srv->tls_cert_pem = read_text(tls_cert, err, sizeof(err))) ||
-                     !(srv->tls_key_pem = read_text(tls_key, err, sizeof(err))))) {
+    if (tls_cert && (!(srv->tls_cert_pem = pem_read(tls_cert, err, sizeof(err))) ||
+                     !(srv->tls_key_pem = pem_read(tls_key, err, sizeof(err))))) {
         fprintf(stderr, "psd: %s\n", err);
         return fail(srv, 2);
     }

@@ -156,6 +156,10 @@ static void fill_params(const mlp_layout *ly, float *params, uint64_t *st, uint6
     }
 }
 
+static void step_check(mlp *mc, mlp *mg, const mlp_layout *ly, const float *params, const float *x,
+                       const uint8_t *y, int B, float *g_cpu, float *g_gpu, const char *what,
+                       const char *check);
+
 static void compare(const char *shape, int n_in, const int *hidden, int n_hidden, int n_out, int mb,
                     int B, int n_eval, uint64_t seed, int zero_weights, int mode)
 {
@@ -221,24 +225,7 @@ static void compare(const char *shape, int n_in, const int *hidden, int n_hidden
     /* a second step with other inputs on the same instances: nothing stale */
     for (int64_t k = 0; k < (int64_t)B * n_in; k++)
         x[k] = rand_x(&st, exact);
-    fill_poison(g_cpu, P);
-    fill_poison(g_gpu, P);
-    rc_c = mlp_forward_backward(mc, params, x, y, B, g_cpu, &l_cpu);
-    rc_g = mlp_forward_backward(mg, params, x, y, B, g_gpu, &l_gpu);
-    if (rc_c != 0 || rc_g != 0) {
-        printf("  FAIL %s: second forward_backward returned cpu %d, cuda %d\n", what, rc_c, rc_g);
-        failures++;
-        goto out;
-    }
-    double worst = 0;
-    int any_nan = -1;
-    for (int i = 0; i < ly.n_tensors; i++) {
-        const mlp_tensor *t = &ly.tensors[i];
-        e = rel_err(g_gpu + t->offset, g_cpu + t->offset, t->numel, &nan_at);
-        worst = e > worst ? e : worst;
-        any_nan = any_nan >= 0 ? any_nan : nan_at;
-    }
-    report(what, "step 2", worst, any_nan);
+    step_check(mc, mg, &ly, params, x, y, B, g_cpu, g_gpu, what, "step 2");
 
     double el_c = NAN, ea_c = NAN, el_g = NAN, ea_g = NAN;
     rc_c = mlp_evaluate(mc, params, x, y, n_eval, &el_c, &ea_c);
