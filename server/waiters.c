@@ -57,15 +57,19 @@ static int deadline_passed(const waiter *x, int64_t now) { return now >= x->dead
  * s). Resumed, it is answered (the write fails) or closed by libmicrohttpd
  * when it reads the end of the stream; a client that only half-closed is
  * answered early or closed. */
-static int client_gone(const waiter *x, int64_t unused)
+static int conn_gone(struct MHD_Connection *conn)
 {
-    (void)unused;
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(x->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (!ci)
         return 0;
     struct pollfd p = {.fd = ci->connect_fd, .events = POLLRDHUP};
     return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+static int client_gone(const waiter *x, int64_t unused)
+{
+    (void)unused;
+    return conn_gone(x->conn);
 }
 
 static int always(const waiter *x, int64_t unused)
@@ -219,13 +223,23 @@ int waiters_count(waiters *w)
     return n;
 }
 
-void waiters_block(waiters *w, int64_t min_step, int64_t deadline_ms)
+void waiters_block(waiters *w, struct MHD_Connection *conn, int64_t min_step, int64_t deadline_ms)
 {
-    struct timespec ts = {deadline_ms / 1000, (deadline_ms % 1000) * 1000000L};
     pthread_mutex_lock(&w->mu);
     w->count++;
-    while (w->step < min_step && !w->stopping && waiters_now_ms() < deadline_ms)
-        pthread_cond_timedwait(&w->step_cv, &w->mu, &ts);
+    for (;;) {
+        int64_t now = waiters_now_ms();
+        if (w->step >= min_step || w->stopping || now >= deadline_ms)
+            break;
+        /* wake at least once a second to see whether the client hung up:
+         * this thread is its connection's only reader, and a departed client
+         * would otherwise hold it (and count in waiting_pulls) until the
+         * deadline */
+        int64_t until = deadline_ms < now + 1000 ? deadline_ms : now + 1000;
+        struct timespec ts = {until / 1000, (until % 1000) * 1000000L};
+        if (pthread_cond_timedwait(&w->step_cv, &w->mu, &ts) != 0 && conn && conn_gone(conn))
+            break;
+    }
     w->count--;
     pthread_mutex_unlock(&w->mu);
 }

@@ -497,9 +497,10 @@ def test_long_poll_timeout(start_psd):
         assert pull(p, q)[1] == 0 and time.monotonic() - t0 < 0.25
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [0, 1, 2])
 def test_a_long_poll_whose_client_left_stops_waiting(start_psd, threads):
-    """libmicrohttpd does not watch a parked (suspended) connection; psd checks
+    """libmicrohttpd does not watch a parked (suspended) connection, nor a
+    thread-per-connection handler blocked in a long poll (threads=0); psd checks
     them about once a second, so a client that hung up no longer holds its
     connection or counts in waiting_pulls until its deadline (60 s here). A
     client still connected keeps waiting (the control); one that only
