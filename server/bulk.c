@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "auth.h"
 #include "routes.h"
 #include "workers.h"
 
@@ -45,6 +46,19 @@ enum MHD_Result h_params_get(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_clock and clock must be non-negative integers");
     if (worker >= 0)
         store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
+    /* stale-synchronous: a worker starts iteration `clock` only after its push
+     * of iteration clock - 1 is answered, so the pull proves `clock` completed
+     * iterations. After a restart from a checkpoint the clocks start at 0:
+     * without this, workers whose pulls came before their next push would
+     * wait for each other until the long poll's deadline. Taken once (not
+     * again when a parked request resumes), and only from a caller that may
+     * push (with --auth_token_file: the token), so a mere reader cannot lift
+     * the bound. */
+    if (worker >= 0 && clock >= 0 && !r->parked &&
+        (!srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization")))) {
+        store_clock_done(&srv->store, (int)worker, clock);
+        waiters_level(srv->clock_waiters, store_min_clock(&srv->store));
+    }
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock) {

@@ -590,9 +590,8 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
 
     /* the worker completed this iteration, whether its gradient is applied
      * or dropped below (the stale-synchronous clocks) */
-    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0 &&
-        meta->clock + 1 > atomic_load(&s->clock_done[meta->worker]))
-        atomic_store(&s->clock_done[meta->worker], meta->clock + 1);
+    if (meta->worker >= 0 && meta->clock >= 0)
+        store_clock_done(s, (int)meta->worker, meta->clock + 1);
     /* async: how stale is it? Drop it past --max_staleness
      * (DropStaleGradientOptimizer) */
     int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
@@ -844,6 +843,16 @@ void store_clock_start(store *s, int worker, int64_t clock)
 {
     if (worker >= 0 && worker < STORE_MAX_WORKERS)
         atomic_store(&s->clock_started[worker], clock);
+}
+
+void store_clock_done(store *s, int worker, int64_t done)
+{
+    if (worker < 0 || worker >= STORE_MAX_WORKERS)
+        return;
+    /* max-only: a late or repeated report never lowers it */
+    int64_t was = atomic_load(&s->clock_done[worker]);
+    while (done > was && !atomic_compare_exchange_weak(&s->clock_done[worker], &was, done)) {
+    }
 }
 
 int64_t store_min_clock(store *s)

@@ -163,3 +163,45 @@ def test_stale_synchronous_bound_holds_the_fast_worker_back(jobs):
           f"completed iterations: max {max(leads)} in {len(leads)} samples; global step {steps}")
     assert max(leads) <= S
     assert max(leads) >= 1  # it did run ahead, within the bound
+
+
+def test_stale_synchronous_workers_go_on_at_once_after_a_ps_restart(jobs):
+    """--staleness=3, worker 1 20 ms slower; the ps is killed with -9 and
+    restarted from its checkpoint, which does not hold the workers' clocks
+    (they start at 0 again). Each worker's next pull says which iteration it
+    starts, so proves how many it completed: the steps go on at once (they
+    used to wait out the pulls' 30 s long poll) and the bound still holds."""
+    S = 3
+    args = ["--sync=0", "--hidden_units=32", "--batch_size=50", "--train_steps=1000000",
+            "--log_every=0", f"--staleness={S}", "--ps_backoff_max_ms=300"]
+    job = jobs("ssp-restart", 2, args)
+    job.start_psd()
+    procs = [job.worker(1, "--step_delay_ms=20"), job.worker(0, "--keep_ps")]
+    job.wait_step(50)
+    t0 = time.time()
+    # a checkpoint of step 50 or later (saved every second)
+    while not any(int(c.rsplit("-", 1)[1].split(".")[0]) >= 50 for c in job.checkpoints()):
+        assert time.time() - t0 < 10, f"no checkpoint of step 50 or later: {job.checkpoints()}"
+        time.sleep(0.05)
+    job.kill_psd()
+    t_restart = time.time()
+    job.start_psd()
+    restored = job.step()
+    moved = job.wait_step(restored + 20, timeout=60)
+    secs = time.time() - t_restart
+    leads = []
+    t0 = time.time()
+    while time.time() - t0 < 1:
+        st, _, body = http("GET", job.url + "/v1/status")
+        c = json.loads(body)["staleness"]["clocks"]
+        leads.append(c["0"]["started"] - c["1"]["done"])
+        time.sleep(0.01)
+    for p in procs:
+        assert p.poll() is None, job.output(p)[-3000:]
+        p.kill()
+        p.wait()
+    print(f"--staleness={S}, ps killed and restarted from its checkpoint at step {restored}: "
+          f"step {moved} {secs:.2f} s after the restart; fast worker's lead after it: "
+          f"max {max(leads)} in {len(leads)} samples")
+    assert secs < 10  # not the 30 s long poll
+    assert max(leads) <= S

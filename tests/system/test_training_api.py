@@ -697,3 +697,111 @@ def test_json_values_are_capped(start_psd):
     assert st == 413 and "offset" in json.loads(body)["error"]
     st, _, body = http("GET", p.url + "/v1/vars/big?format=json&offset=5&count=3")
     assert st == 200 and json.loads(body)["values"] == [0, 0, 0]
+
+
+# ------------------------------------------- stale-synchronous after a restart
+
+def ssp_push(p, worker, clock, headers=None):
+    """An async push for `worker` that completes its iteration `clock`."""
+    body = st_grads([("w", np.ones(2, F32))],
+                    meta={"worker": str(worker), "step": "0", "clock": str(clock)})
+    st, _, out = http("POST", p.url + "/v1/grads", body, headers)
+    assert st == 200, out
+    return json.loads(out)
+
+
+def ssp_pull(p, worker, clock, min_clock, timeout_ms=5000, headers=None):
+    """workerd's pull before its iteration `clock`: (global step, seconds)."""
+    t0 = time.monotonic()
+    st, h, body = http("GET", f"{p.url}/v1/params?worker={worker}&clock={clock}"
+                       f"&min_clock={min_clock}&timeout_ms={timeout_ms}",
+                       headers=headers, timeout=timeout_ms / 1000 + 10)
+    assert st == 200, body
+    return int(h["x-global-step"]), time.monotonic() - t0
+
+
+def done_clocks(p):
+    c = status(p)["staleness"]["clocks"]
+    return [c[str(w)]["done"] for w in range(len(c))]
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_ssp_pulls_after_a_ps_restart_are_not_held_to_their_deadline(start_psd, tmp_path,
+                                                                      threads):
+    """Two workers, staleness 1, each has completed 5 iterations when the ps
+    stops; the ps restarts from its checkpoint with the clocks at 0. Each
+    worker's pull for iteration 5 (min_clock 4) proves its 5 completed
+    iterations: worker 0's waits only until worker 1's comes (the bound holds
+    while worker 1 has proven nothing), then both are answered at once, not
+    at the 5 s deadline (the old behaviour: every pull waited it out). The
+    bound still holds afterwards: worker 0 may not start iteration 7 before
+    worker 1 completes iteration 5. With a thread per connection (0) and
+    parked connections (2)."""
+    logdir = str(tmp_path / "ssp-logs")
+    args = (f"--logdir={logdir}", f"--http_threads={threads}")
+    p = start_psd(*args)
+    put_var(p.url, "w", np.zeros(2, F32))
+    configure(p, optimizer="sgd", learning_rate=0.5, sync=False, workers=2, staleness=1)
+    for clock in range(5):
+        for worker in (0, 1):
+            ssp_push(p, worker, clock)
+    assert done_clocks(p) == [5, 5]
+    assert p.stop() == 0  # a clean stop writes the checkpoint
+    q = start_psd(*args)
+    s = status(q)
+    assert s["global_step"] == 10 and s["staleness"]["bound"] == 1, s
+    assert done_clocks(q) == [0, 0]  # not in the checkpoint: the premise of this test
+
+    first = Background(lambda: ssp_pull(q, 0, 5, 4))
+    wait_status(q, "waiting_pulls", 1)
+    time.sleep(0.3)
+    assert not first.done  # worker 1 has proven nothing yet: the bound holds worker 0
+    t1 = time.monotonic()
+    gstep, secs = ssp_pull(q, 1, 5, 4)
+    (gstep0, _), at = first.result()
+    assert gstep == gstep0 == 10
+    assert secs < 2 and at - t1 < 2, (secs, at - t1)  # not the 5 s deadline
+    assert done_clocks(q) == [5, 5]
+    c = status(q)["staleness"]["clocks"]
+    assert c["0"]["started"] == c["1"]["started"] == 5, c
+
+    # a pull never lowers a clock, and a repeated one changes nothing
+    assert ssp_pull(q, 1, 3, 0, timeout_ms=0)[0] == 10
+    assert ssp_pull(q, 1, 5, 4, timeout_ms=0)[0] == 10
+    assert done_clocks(q) == [5, 5]
+    # worker 0 completes iterations 5 and 6; iteration 6 may start (worker 1
+    # completed 5 = 6 - 1), iteration 7 waits until worker 1 completes 6
+    ssp_push(q, 0, 5)
+    assert ssp_pull(q, 0, 6, 5, timeout_ms=0)[1] < 1
+    ssp_push(q, 0, 6)
+    ahead = Background(lambda: ssp_pull(q, 0, 7, 6))
+    wait_status(q, "waiting_pulls", 1)
+    time.sleep(0.3)
+    assert not ahead.done and done_clocks(q) == [7, 5]
+    t1 = time.monotonic()
+    ssp_push(q, 1, 5)  # worker 1's iteration 5 is done
+    (gstep, _), at = ahead.result()
+    assert gstep == 13 and at - t1 < 2 and done_clocks(q) == [7, 6]
+
+
+def test_only_a_caller_with_the_token_proves_ssp_clocks(start_psd, tmp_path):
+    """With --auth_token_file the pull's clock counts as completed iterations
+    only when the pull carries the token, as a push must: a reader (reads are
+    open) cannot lift the bound for the workers."""
+    token = tmp_path / "token"
+    token.write_text("ssp-secret-token\n")
+    auth = {"Authorization": "Bearer ssp-secret-token"}
+    p = start_psd(f"--auth_token_file={token}")
+    st, _, body = http("PUT", p.url + "/v1/vars/w", np.zeros(2, F32).tobytes(),
+                       {"X-Shape": "2", **auth})
+    assert st == 201, body
+    st, _, body = http("PUT", p.url + "/v1/config", json.dumps(
+        {"optimizer": "sgd", "sync": False, "workers": 2, "staleness": 1}).encode(), auth)
+    assert st == 200, body
+    assert ssp_pull(p, 1, 5, 0, timeout_ms=0)[0] == 0  # answered, but proves nothing
+    assert done_clocks(p) == [0, 0]
+    t0 = time.monotonic()
+    ssp_pull(p, 0, 5, 4, timeout_ms=300)  # the bound holds: waits out its 300 ms
+    assert time.monotonic() - t0 >= 0.29
+    assert ssp_pull(p, 1, 5, 0, timeout_ms=0, headers=auth)[0] == 0
+    assert done_clocks(p) == [0, 5]
