@@ -25,7 +25,7 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/training.c server/waiters.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c server/conntrack.c server/tls_priorities.c
+             server/membership.c server/conntrack.c
 CLIENT_SRC = client/libps.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
@@ -69,7 +69,10 @@ COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(BUILD)/web_assets.o
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
-LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
+LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
+# GnuTLS priority strings (psd's --tls_priorities, the ring's): kept out of
+# COMMON_OBJ, whose users (libps.a, the unit tests) do not link GnuTLS
+TLS_OBJ = $(BUILD)/common/tls_priorities.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
@@ -99,19 +102,19 @@ $(BUILD)/libps.a: $(CLIENT_OBJ) $(COMMON_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ)
+$(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(BUILD)/web_assets.o $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(BUILD)/web_assets.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
 # One member of a ring all-reduce, no model (tests/system/test_ring.py, bench/ring.py).
-$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(BUILD)/web_assets.o $(COMMON_OBJ)
+$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(TLS_OBJ) $(BUILD)/web_assets.o $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd $(LDLIBS_CLIENT)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lgnutls $(LDLIBS_CLIENT)
 
 # A libps client that pushes and pulls concurrently (the consistency test).
 $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a

@@ -22,7 +22,7 @@ static double now_secs(void)
 int main(int argc, char **argv)
 {
     const char *hosts = NULL, *input = NULL, *output = NULL, *tls_cert = NULL, *tls_key = NULL,
-               *tls_ca = NULL;
+               *tls_ca = NULL, *tls_prio = NULL;
     int rank = -1, steps = 1;
     uint64_t floats = 0, piece = 1 << 20;
     float timeout = 30;
@@ -38,6 +38,7 @@ int main(int argc, char **argv)
         {"tls_cert", FLAG_STRING, &tls_cert, "serve and speak HTTPS, with this PEM certificate (needs --tls_key)", 0},
         {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) the neighbours' certificates must chain to (default: the system's)", 0},
+        {"tls_priorities", FLAG_STRING, &tls_prio, "with --tls_cert: the GnuTLS priority string served, whose TLS versions the pushes offer (default psd's)", 0},
     };
     int nf = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
@@ -84,7 +85,8 @@ int main(int argc, char **argv)
     snprintf(name, sizeof(name), "worker %d", rank);
     ring_options o = {.peers = cs.jobs[JOB_WORKER].tasks, .n = cs.jobs[JOB_WORKER].n, .rank = rank,
                       .n_floats = floats, .piece_bytes = piece, .timeout_secs = timeout, .name = name,
-                      .tls_cert = tls_cert, .tls_key = tls_key, .tls_ca = tls_ca};
+                      .tls_cert = tls_cert, .tls_key = tls_key, .tls_ca = tls_ca, .tls_priorities = tls_prio,
+                      .tls_names = {"--tls_cert", "--tls_key", "--tls_ca", "--tls_priorities"}};
     ring *r = ring_new(&o, err, sizeof(err));
     if (!r) {
         fprintf(stderr, "ring_allreduce: %s\n", err);

@@ -19,8 +19,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "http.h" /* HTTP_TLS_PRIORITIES: the ring serves HTTPS as psd does */
 #include "pem.h"
+#include "tls_priorities.h"
 #include "token.h"
 #include "web.h"
 
@@ -45,6 +45,13 @@ struct ring {
     char *token; /* NULL: the endpoint is open */
     int tls;     /* HTTPS, served and spoken */
     char *cert_pem, *key_pem, *ca_file; /* with tls; ca_file NULL: the system's CAs */
+    char *priorities; /* with tls: the GnuTLS priority string served */
+    long sslversion;  /* with tls: curl's range of the TLS versions it enables (the pushes offer) */
+    char tls_desc[32]; /* with tls: "TLS 1.3", "TLS 1.2-1.3" */
+    char self_url[PEER_MAX + 16];
+    struct {
+        char cert[48], key[48], ca[48], prio[48];
+    } names; /* what messages call the TLS settings (ring_tls_names) */
     struct MHD_Daemon *d;
     struct timespec started;
 
@@ -296,7 +303,8 @@ static json_t *status_json(ring *r)
                           "optimizer", r->optimizer, "learning_rate", r->info.learning_rate, "workers", r->n,
                           "train_steps", (json_int_t)r->info.train_steps, "uptime_secs", up);
     json_object_set_new(o, "ring",
-                        json_pack("{s:i,s:i,s:s,s:s,s:I,s:I}", "size", r->n, "rank", r->rank, "left",
+                        json_pack("{s:i,s:i,s:s,s:o,s:s,s:s,s:I,s:I}", "size", r->n, "rank", r->rank, "url",
+                                  r->self_url, "tls", r->tls ? json_string(r->tls_desc) : json_null(), "left",
                                   r->peer[mod(r->rank - 1, r->n)], "right", r->peer[mod(r->rank + 1, r->n)],
                                   "bytes_sent", (json_int_t)atomic_load(&r->bytes_sent), "allreduces",
                                   (json_int_t)atomic_load(&r->allreduces)));
@@ -472,25 +480,29 @@ static size_t on_discard(char *p, size_t size, size_t n, void *ctx)
     return size * n;
 }
 
-/* HTTPS on a handle to a peer: verify its certificate (and host name, curl's
- * default) against the ring's CA file, or the system's. */
+/* HTTPS on a handle to a peer: offer the TLS versions this task serves,
+ * and verify its certificate (and host name, curl's default) against the
+ * ring's CA file, or the system's. */
 static void set_tls(const ring *r, CURL *h)
 {
-    if (r->tls && r->ca_file)
+    if (!r->tls)
+        return;
+    curl_easy_setopt(h, CURLOPT_SSLVERSION, r->sslversion);
+    if (r->ca_file)
         curl_easy_setopt(h, CURLOPT_CAINFO, r->ca_file);
 }
 
-/* 1 when peer i answers /healthz over the other protocol than this task's
- * (HTTP when this task speaks HTTPS, HTTPS, unverified, when it speaks
- * HTTP): it was started with other TLS flags. One request, 3 s at most. */
-static int speaks_other(const ring *r, int i)
+/* 1 when peer i answers GET /healthz over `scheme` (HTTPS: unverified, with
+ * curl's TLS versions sslversion). One request, 3 s at most. */
+static int probe(const ring *r, int i, const char *scheme, long sslversion)
 {
     CURL *h = curl_easy_init();
     if (!h)
         return 0;
     char url[PEER_MAX + 32];
-    snprintf(url, sizeof(url), "%s://%s/healthz", r->tls ? "http" : "https", r->peer[i]);
+    snprintf(url, sizeof(url), "%s://%s/healthz", scheme, r->peer[i]);
     curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_SSLVERSION, sslversion);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
     curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
@@ -507,10 +519,27 @@ static int speaks_other(const ring *r, int i)
     return cc == CURLE_OK && status == 200;
 }
 
+/* 1 when peer i speaks the other protocol than this task (HTTP when this
+ * task speaks HTTPS, HTTPS when it speaks HTTP): it was started with other
+ * TLS flags. */
+static int speaks_other(const ring *r, int i)
+{
+    return probe(r, i, r->tls ? "http" : "https", CURL_SSLVERSION_DEFAULT);
+}
+
+/* 1 when peer i, on HTTPS as this task, answers a TLS handshake with curl's
+ * versions but not with those this task offers: its priority string shares
+ * no TLS version with this task's. */
+static int takes_other_versions(const ring *r, int i)
+{
+    return r->tls && probe(r, i, "https", CURL_SSLVERSION_DEFAULT) && !probe(r, i, "https", r->sslversion);
+}
+
 /* After a request to peer i (`who`: "worker 1 (h:p), the right neighbour")
  * failed with cc: -1 with err when no retry can help (its certificate does
- * not verify, the CA file is unusable, or it speaks the other protocol),
- * else 0. curl_err: the handle's error buffer. */
+ * not verify, the CA file is unusable, it speaks the other protocol, or it
+ * takes none of the TLS versions this task offers), else 0. curl_err: the
+ * handle's error buffer. */
 static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const char *who, char *err,
                        size_t errlen)
 {
@@ -518,13 +547,14 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
     switch (cc) {
     case CURLE_PEER_FAILED_VERIFICATION:
         seterr(err, errlen,
-               "%s: its certificate does not verify (%s): every task's --ring_tls_cert must be signed by a CA "
-               "in %s and name its host in the cluster",
-               who, why, r->ca_file ? "--tls_ca" : "the system's store (no --tls_ca)");
+               "%s: its certificate does not verify (%s): every task's %s must be signed by a CA "
+               "in %s%s%s and name its host in the cluster",
+               who, why, r->names.cert, r->ca_file ? "" : "the system's store (no ", r->names.ca,
+               r->ca_file ? "" : ")");
         return -1;
     case CURLE_SSL_CACERT_BADFILE:
     case CURLE_SSL_CERTPROBLEM:
-        seterr(err, errlen, "cannot talk HTTPS to %s: %s (--tls_ca)", who, why);
+        seterr(err, errlen, "cannot talk HTTPS to %s: %s (%s)", who, why, r->names.ca);
         return -1;
     case CURLE_SSL_CONNECT_ERROR:
     case CURLE_GOT_NOTHING:
@@ -533,16 +563,29 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
     case CURLE_WEIRD_SERVER_REPLY:
     case CURLE_UNSUPPORTED_PROTOCOL:
     case CURLE_OPERATION_TIMEDOUT: /* a TLS hello to an HTTP server waits for a line end */
-        if (!speaks_other(r, i))
-            return 0;
-        atomic_store(&r->mismatch, 1);
-        seterr(err, errlen,
-               r->tls ? "%s, serves the ring over plain HTTP and this task over HTTPS (--ring_tls_cert): "
-                        "give every task --ring_tls_cert and --ring_tls_key, or none"
-                      : "%s, serves the ring over HTTPS (--ring_tls_cert) and this task over plain HTTP: "
-                        "give every task --ring_tls_cert and --ring_tls_key, or none",
-               who);
-        return -1;
+        if (speaks_other(r, i)) {
+            atomic_store(&r->mismatch, 1);
+            if (r->tls)
+                seterr(err, errlen,
+                       "%s, serves the ring over plain HTTP and this task over HTTPS (%s): "
+                       "give every task %s and %s, or none",
+                       who, r->names.cert, r->names.cert, r->names.key);
+            else
+                seterr(err, errlen,
+                       "%s, serves the ring over HTTPS (%s) and this task over plain HTTP: "
+                       "give every task %s and %s, or none",
+                       who, r->names.cert, r->names.cert, r->names.key);
+            return -1;
+        }
+        if (takes_other_versions(r, i)) {
+            atomic_store(&r->mismatch, 1);
+            seterr(err, errlen,
+                   "%s, takes none of the TLS versions this task offers (%s, from its %s): "
+                   "give every task %s that share a TLS version",
+                   who, r->tls_desc, r->names.prio, r->names.prio);
+            return -1;
+        }
+        return 0;
     default:
         return 0;
     }
@@ -826,10 +869,12 @@ void ring_set_checkpoint(ring *r, int64_t step, const char *path)
 uint64_t ring_bytes_sent(const ring *r) { return atomic_load(&r->bytes_sent); }
 int64_t ring_allreduces(const ring *r) { return atomic_load(&r->allreduces); }
 const char *ring_peer(const ring *r, int i) { return r->peer[i]; }
+const char *ring_url(const ring *r) { return r->self_url; }
+const char *ring_tls(const ring *r) { return r->tls ? r->tls_desc : NULL; }
 
 /* ---- life ---- */
 
-/* pem_read with the flag named: "--ring_tls_cert=PATH: why". */
+/* pem_read with the setting named: "--ring_tls_cert=PATH: why". */
 static char *read_pem(const char *flag, const char *path, char *err, size_t errlen)
 {
     char why[512];
@@ -872,15 +917,46 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     r->abort = o->abort;
     if (o->token && !(r->token = strdup(o->token)))
         goto oom;
+    const ring_tls_names *nm = &o->tls_names;
+    snprintf(r->names.cert, sizeof(r->names.cert), "%s", nm->cert ? nm->cert : "tls_cert");
+    snprintf(r->names.key, sizeof(r->names.key), "%s", nm->key ? nm->key : "tls_key");
+    snprintf(r->names.ca, sizeof(r->names.ca), "%s", nm->ca ? nm->ca : "tls_ca");
+    snprintf(r->names.prio, sizeof(r->names.prio), "%s", nm->priorities ? nm->priorities : "tls_priorities");
     if (!o->tls_cert != !o->tls_key) {
-        seterr(err, errlen, "a certificate and its key go together (--ring_tls_cert, --ring_tls_key)");
+        seterr(err, errlen, "a certificate and its key go together (%s, %s)", r->names.cert, r->names.key);
+        ring_free(r);
+        return NULL;
+    }
+    if (o->tls_priorities && !o->tls_cert) {
+        seterr(err, errlen, "%s needs %s and %s", r->names.prio, r->names.cert, r->names.key);
         ring_free(r);
         return NULL;
     }
     if (o->tls_cert) {
         r->tls = 1;
-        if (!(r->cert_pem = read_pem("--ring_tls_cert", o->tls_cert, err, errlen)) ||
-            !(r->key_pem = read_pem("--ring_tls_key", o->tls_key, err, errlen))) {
+        const char *prio = o->tls_priorities ? o->tls_priorities : TLS_PRIORITIES_DEFAULT;
+        char why[400] = "it enables no TLS version";
+        int lo, hi;
+        if (tls_priorities_check(prio, why, sizeof(why)) != 0 || tls_priorities_versions(prio, &lo, &hi) != 0) {
+            seterr(err, errlen, "%s=%s: %s", r->names.prio, prio, why);
+            ring_free(r);
+            return NULL;
+        }
+        /* the pushes offer the versions the endpoint serves (libcurl is
+         * built on OpenSSL here: the cipher suites apply to the endpoint) */
+        static const long vmin[] = {CURL_SSLVERSION_TLSv1_0, CURL_SSLVERSION_TLSv1_1, CURL_SSLVERSION_TLSv1_2,
+                                    CURL_SSLVERSION_TLSv1_3};
+        static const long vmax[] = {CURL_SSLVERSION_MAX_TLSv1_0, CURL_SSLVERSION_MAX_TLSv1_1,
+                                    CURL_SSLVERSION_MAX_TLSv1_2, CURL_SSLVERSION_MAX_TLSv1_3};
+        r->sslversion = vmin[lo] | vmax[hi];
+        if (lo == hi)
+            snprintf(r->tls_desc, sizeof(r->tls_desc), "TLS 1.%d", lo);
+        else
+            snprintf(r->tls_desc, sizeof(r->tls_desc), "TLS 1.%d-1.%d", lo, hi);
+        if (!(r->priorities = strdup(prio)))
+            goto oom;
+        if (!(r->cert_pem = read_pem(r->names.cert, o->tls_cert, err, errlen)) ||
+            !(r->key_pem = read_pem(r->names.key, o->tls_key, err, errlen))) {
             ring_free(r);
             return NULL;
         }
@@ -897,6 +973,7 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
                  o->peers[i].host, o->peers[i].port);
     snprintf(r->right_url, sizeof(r->right_url), "%s://%s", r->tls ? "https" : "http",
              r->peer[mod(o->rank + 1, o->n)]);
+    snprintf(r->self_url, sizeof(r->self_url), "%s://%s", r->tls ? "https" : "http", r->peer[o->rank]);
     for (int c = 0; c <= o->n; c++)
         r->off[c] = (size_t)((unsigned __int128)o->n_floats * (unsigned)c / (unsigned)o->n);
     for (int c = 0; c < o->n; c++)
@@ -965,12 +1042,13 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         mflags |= is_loopback(self->host) ? MHD_USE_IPv6 : MHD_USE_DUAL_STACK;
     if (r->tls)
         mflags |= MHD_USE_TLS;
-    /* HTTPS: psd's certificate options and default priorities (TLS 1.3/1.2,
-     * AEAD suites, AES-GCM first, the server's order) */
+    /* HTTPS: psd's certificate options, and its default priorities (TLS
+     * 1.3/1.2, AEAD suites, AES-GCM first, the server's order) unless the
+     * caller named others */
     struct MHD_OptionItem tls_opts[] = {
         {MHD_OPTION_HTTPS_MEM_CERT, 0, r->cert_pem},
         {MHD_OPTION_HTTPS_MEM_KEY, 0, r->key_pem},
-        {MHD_OPTION_HTTPS_PRIORITIES, 0, (void *)HTTP_TLS_PRIORITIES},
+        {MHD_OPTION_HTTPS_PRIORITIES, 0, r->priorities},
         {MHD_OPTION_END, 0, NULL},
     };
     if (!r->tls)
@@ -983,9 +1061,12 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
                             MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
                             MHD_OPTION_ARRAY, tls_opts, MHD_OPTION_END);
     if (!r->d) {
+        int e = errno;
+        char hint[160] = "";
+        if (r->tls && e != EADDRINUSE)
+            snprintf(hint, sizeof(hint), " over HTTPS (is %s the key of %s?)", r->names.key, r->names.cert);
         seterr(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
-               self->port, r->tls ? " over HTTPS (is --ring_tls_key the key of --ring_tls_cert?)" : "",
-               errno ? strerror(errno) : "libmicrohttpd failed to start");
+               self->port, hint, e ? strerror(e) : "libmicrohttpd failed to start");
         ring_free(r);
         return NULL;
     }
@@ -1025,6 +1106,7 @@ void ring_free(ring *r)
     free(r->cert_pem);
     free(r->key_pem);
     free(r->ca_file);
+    free(r->priorities);
     pthread_cond_destroy(&r->cv);
     pthread_mutex_destroy(&r->mu);
     free(r);

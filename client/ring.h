@@ -30,14 +30,18 @@
  * a protected read), and the pushes and the state fetch send it; the status,
  * health and page routes stay open.
  *
- * With a certificate (workerd --ring_tls_cert/--ring_tls_key) every route is
- * served over HTTPS only, with psd's default GnuTLS priorities
- * (HTTP_TLS_PRIORITIES: TLS 1.3/1.2, AEAD, ECDHE), and the pushes and the
- * state fetch go over HTTPS, the peer's certificate verified against tls_ca
- * (or the system's CAs), its host name included. Every task must then have
- * one: a peer that speaks the other protocol (found by one probe of its
- * /healthz after a failed request) or whose certificate does not verify
- * stops this task at once with an error naming the peer, no retry. */
+ * With a certificate (tls_cert/tls_key; workerd --ring_tls_cert/--ring_tls_key)
+ * every route is served over HTTPS only, with the GnuTLS priority string
+ * tls_priorities (default psd's, TLS_PRIORITIES_DEFAULT: TLS 1.3/1.2, AEAD,
+ * ECDHE), and the pushes and the state fetch go over HTTPS offering only the
+ * TLS versions that string enables, the peer's certificate verified against
+ * tls_ca (or the system's CAs), its host name included. Every task must then
+ * have one: a peer that speaks the other protocol (found by one probe of its
+ * /healthz after a failed request), that takes none of the TLS versions this
+ * task offers (a probe with any version answers, one with this task's does
+ * not) or whose certificate does not verify stops this task at once with an
+ * error naming the peer, no retry. /v1/status says the scheme ("ring":
+ * {"url": "https://...", "tls": "TLS 1.3", ...}). */
 #ifndef RESTPS_RING_H
 #define RESTPS_RING_H
 
@@ -47,6 +51,13 @@
 #include "cluster.h"
 
 typedef struct ring ring;
+
+/* What ring_new's and the all-reduce's messages call the TLS settings: the
+ * caller's flag names (workerd: "--ring_tls_cert", ..., "--tls_ca"); a NULL
+ * member: the ring_options field's name ("tls_cert"). */
+typedef struct ring_tls_names {
+    const char *cert, *key, *ca, *priorities;
+} ring_tls_names;
 
 typedef struct ring_options {
     const cluster_addr *peers; /* the ring in rank order; peers[rank] is this worker */
@@ -61,6 +72,9 @@ typedef struct ring_options {
     const char *tls_key;       /* (read by ring_new; both or neither) */
     const char *tls_ca;        /* with tls_cert: PEM CA(s) the peers' certificates must chain to;
                                 * NULL: the system's */
+    const char *tls_priorities; /* with tls_cert: the GnuTLS priority string served (checked by
+                                 * ring_new); NULL: TLS_PRIORITIES_DEFAULT */
+    ring_tls_names tls_names;  /* what the messages call these settings (copied) */
 } ring_options;
 
 /* Start this worker's endpoint on peers[rank]'s port (loopback when its host
@@ -101,5 +115,9 @@ uint64_t ring_bytes_sent(const ring *r);
 int64_t ring_allreduces(const ring *r);
 /* "host:port" of peer i, for messages. */
 const char *ring_peer(const ring *r, int i);
+/* This worker's endpoint, "https://host:port" or "http://host:port". */
+const char *ring_url(const ring *r);
+/* The TLS versions it serves and offers, "TLS 1.3" or "TLS 1.2-1.3"; NULL over HTTP. */
+const char *ring_tls(const ring *r);
 
 #endif

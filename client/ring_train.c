@@ -99,13 +99,22 @@ int train_ring(const train_config *c)
     ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = np + 1,
                        .piece_bytes = c->ring_piece_bytes, .timeout_secs = c->ring_timeout_secs,
                        .name = c->name, .abort = train_stop_requested, .token = c->token,
-                       .tls_cert = c->ring_tls_cert, .tls_key = c->ring_tls_key, .tls_ca = c->tls_ca};
+                       .tls_cert = c->ring_tls_cert, .tls_key = c->ring_tls_key, .tls_ca = c->tls_ca,
+                       .tls_priorities = c->ring_tls_priorities,
+                       .tls_names = {.cert = "--ring_tls_cert", .key = "--ring_tls_key", .ca = "--tls_ca",
+                                     .priorities = "--ring_tls_priorities"}};
     r = ring_new(&ro, err, sizeof(err));
     free(peers);
     if (!r) {
         fprintf(stderr, "workerd: ring: %s\n", err);
         goto out;
     }
+    if (ring_tls(r))
+        printf("%s: serving the ring on %s (%s, neighbours' certificates checked against %s)\n", c->name,
+               ring_url(r), ring_tls(r), c->tls_ca ? c->tls_ca : "the system's CAs");
+    else
+        printf("%s: serving the ring on %s (plain HTTP: --ring_tls_cert for HTTPS)\n", c->name, ring_url(r));
+    fflush(stdout);
     int chief = c->trainer == 0;
     ring_info info = {.task_type = cluster_job_name(cs->job), .task_index = cs->task_index,
                       .optimizer = optim_name(c->optim.kind),

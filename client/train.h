@@ -50,6 +50,7 @@ typedef struct train_config {
     size_t ring_piece_bytes;    /* chunks travel in pieces of this size */
     const char *ring_tls_cert;  /* PEM files: the ring over HTTPS (trusting tls_ca); NULL: HTTP */
     const char *ring_tls_key;
+    const char *ring_tls_priorities; /* with ring_tls_cert: the GnuTLS priority string; NULL: the default */
     const char *logdir;         /* the chief's checkpoints; "" = none */
     int save_checkpoint_secs;   /* 0 = only at the end (and on a stop or a broken ring) */
     int log_param_hash;         /* print a CRC-32C of the parameters after every step */

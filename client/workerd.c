@@ -12,6 +12,7 @@
 #include "idx.h"
 #include "libps.h"
 #include "mlp.h"
+#include "tls_priorities.h"
 #include "token.h"
 #include "train.h"
 
@@ -60,7 +61,7 @@ static int set_optim_flags(optim_config *c, int nesterov, float rmsprop_decay, f
 int main(int argc, char **argv)
 {
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
-    const char *ring_tls_cert = NULL, *ring_tls_key = NULL;
+    const char *ring_tls_cert = NULL, *ring_tls_key = NULL, *ring_tls_prio = NULL;
     const char *token_file = NULL, *tls_ca = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
     const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL, *placement_s = "bytes";
     uint64_t partition_bytes = 4ULL << 20;
@@ -137,6 +138,7 @@ int main(int argc, char **argv)
         {"ring_timeout_secs", FLAG_FLOAT, &ring_timeout, "ring: a neighbour silent this long has died; the job stops (default 30; the first step waits at least 120 for every task to start)", 0},
         {"ring_tls_cert", FLAG_STRING, &ring_tls_cert, "ring: serve this task's ring endpoint over HTTPS only, with this PEM certificate (chain), which must name its --worker_hosts (or --chief_hosts) host, and send to the neighbours over HTTPS, verifying theirs against --tls_ca (default: the system's CAs), host name included; needs --ring_tls_key; every task needs one (a neighbour that speaks the other protocol, or whose certificate does not verify, stops this task at once, naming it)", 0},
         {"ring_tls_key", FLAG_STRING, &ring_tls_key, "ring: the PEM private key of --ring_tls_cert", 0},
+        {"ring_tls_priorities", FLAG_STRING, &ring_tls_prio, "ring, with --ring_tls_cert: the GnuTLS priority string of the ring endpoint this task serves, which picks its TLS versions and cipher suites; this task's own requests (its pushes, the chief's state) offer those TLS versions alone (default psd's, " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order); one GnuTLS rejects exits 2 naming the part; a task whose right neighbour or chief takes none of its TLS versions stops at once, naming it", 0},
         {"ring_piece_bytes", FLAG_U64, &ring_piece, "ring: chunks travel in pieces of at most this many bytes, so sending and receiving overlap (default 1048576)", 0},
         {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors; the newest valid one is restored at start (default logs/ring); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
@@ -264,8 +266,14 @@ int main(int argc, char **argv)
             free((char *)c.token);
             return 2;
         }
-        if (!ring_tls_cert != !ring_tls_key) {
-            fprintf(stderr, "workerd: --ring_tls_cert and --ring_tls_key go together\n");
+        if (!ring_tls_cert != !ring_tls_key || (ring_tls_prio && !ring_tls_cert)) {
+            fprintf(stderr, "workerd: --ring_tls_cert and --ring_tls_key go together (and --ring_tls_priorities "
+                            "needs them)\n");
+            free((char *)c.token);
+            return 2;
+        }
+        if (ring_tls_prio && tls_priorities_check(ring_tls_prio, err, sizeof(err)) != 0) {
+            fprintf(stderr, "workerd: --ring_tls_priorities=%s: %s\n", ring_tls_prio, err);
             free((char *)c.token);
             return 2;
         }
@@ -282,14 +290,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "workerd: --allreduce must be none or ring, got '%s'\n", allreduce);
         free((char *)c.token);
         return 2;
-    } else if (ring_tls_cert || ring_tls_key) {
-        fprintf(stderr, "workerd: --ring_tls_cert and --ring_tls_key need --allreduce=ring "
+    } else if (ring_tls_cert || ring_tls_key || ring_tls_prio) {
+        fprintf(stderr, "workerd: --ring_tls_cert, --ring_tls_key and --ring_tls_priorities need --allreduce=ring "
                         "(to the ps tasks: --tls or --tls_ca)\n");
         free((char *)c.token);
         return 2;
     }
     c.ring_tls_cert = ring_tls_cert;
     c.ring_tls_key = ring_tls_key;
+    c.ring_tls_priorities = ring_tls_prio;
     c.ring_timeout_secs = ring_timeout;
     c.ring_piece_bytes = (size_t)ring_piece;
     c.logdir = logdir;

@@ -72,17 +72,22 @@ enum MHD_Result h_checkpoint_post(request *r)
     int rc = -2;
     if (!r->parked && r->srv->cfg.http_threads > 0) {
         /* a save takes seconds for a big model: the saver's thread writes it
-         * while this connection is suspended, and this handler runs again
-         * once it is resumed with the outcome */
+         * while this connection is suspended, however long that takes, and
+         * this handler runs again once it is resumed with the outcome (at a
+         * stop, psd waits for that before it stops its HTTP server) */
         r->parked = 1;
         MHD_suspend_connection(r->conn);
         if (saver_save_async(sv, r->conn, resume_conn) != 0)
-            MHD_resume_connection(r->conn); /* no thread to take it: saved below */
+            MHD_resume_connection(r->conn); /* not queued (out of memory): saved below */
         return MHD_YES;
     }
     if (r->parked)
         rc = saver_result(sv, r->conn, path, sizeof(path), &step, err, sizeof(err));
-    if (rc == -2) /* thread per connection, or the saver's thread is stopping */
+    if (rc == SAVER_STOPPING)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", err);
+    if (rc == -2 && saver_draining(sv)) /* stopping, as in saver_save_async */
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", SAVER_STOPPING_MSG);
+    if (rc == -2) /* thread per connection, or not queued */
         rc = saver_save(sv, 1, path, sizeof(path), &step, err, sizeof(err));
     if (rc < 0)
         return http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR,

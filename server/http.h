@@ -36,17 +36,8 @@ typedef struct request {
     unsigned long json_fail_mark;   /* json_failed_allocs() when the handler was called */
 } request;
 
-/* HTTPS (--tls_cert): the GnuTLS priority string psd serves with unless
- * --tls_priorities names another. TLS 1.3 and 1.2 only; AEAD suites only
- * (AES-GCM, then ChaCha20-Poly1305), ECDHE key exchange; and the server's
- * order wins. libmicrohttpd's own default took TLS 1.0/1.1, CBC/SHA-1 and RSA
- * key exchange, and followed the client's order: a client listing ChaCha20
- * first got it, and GnuTLS 3.7's ChaCha20-Poly1305 runs at 0.29 GB/s on this
- * kind of CPU against 4.9 GB/s for AES-128-GCM (gnutls-cli
- * --benchmark-ciphers): one step's push + pull of 16 MiB went 2.7x slower. */
-#define HTTP_TLS_PRIORITIES                                                                 \
-    "NORMAL:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2:-CIPHER-ALL:+AES-256-GCM:+AES-128-GCM:"     \
-    "+CHACHA20-POLY1305:-MAC-ALL:+AEAD:-KX-ALL:+ECDHE-ECDSA:+ECDHE-RSA:%SERVER_PRECEDENCE"
+/* HTTPS (--tls_cert): psd's default GnuTLS priority string is
+ * TLS_PRIORITIES_DEFAULT in common/tls_priorities.h (the ring's too). */
 
 /* Request header or query argument, or NULL. */
 const char *http_header(request *r, const char *name);

@@ -183,7 +183,7 @@ int main(int argc, char **argv)
         {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
         {"tls_cert", FLAG_STRING, &tls_cert, "serve HTTPS with this PEM certificate (chain); needs --tls_key", 0},
         {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
-        {"tls_priorities", FLAG_STRING, &tls_prio, "with --tls_cert: the GnuTLS priority string that picks the TLS versions and cipher suites (default " HTTP_TLS_PRIORITIES ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order)", 0},
+        {"tls_priorities", FLAG_STRING, &tls_prio, "with --tls_cert: the GnuTLS priority string that picks the TLS versions and cipher suites (default " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order)", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) to trust for the other ps tasks' certificates (ps 0 polls their status; default: the system's)", 0},
         {"logdir", FLAG_STRING, &logdir, "folder for checkpoints, as tf.train.Supervisor's logdir; this task's go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start (default ./logs); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
@@ -409,7 +409,7 @@ int main(int argc, char **argv)
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, srv->tls_cert_pem};
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, srv->tls_key_pem};
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_PRIORITIES, 0,
-                                             (void *)(tls_prio ? tls_prio : HTTP_TLS_PRIORITIES)};
+                                             (void *)(tls_prio ? tls_prio : TLS_PRIORITIES_DEFAULT)};
     }
     if (http_threads > 1)
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, http_threads, NULL};
@@ -446,12 +446,17 @@ int main(int argc, char **argv)
 
     log_info("psd: stopping (%llu requests served)",
              (unsigned long long)atomic_load(&srv->requests));
-    /* no new connections; answer the parked long polls and SSE streams, let
-     * the requests in flight finish (at most 5 s), then stop */
+    /* no new connections; answer the parked long polls and SSE streams and
+     * the checkpoint requests (once the save they wait for is written,
+     * however long that takes; new ones are refused), let the requests in
+     * flight finish (at most 5 s more), then stop. Nothing is suspended when
+     * MHD_stop_daemon runs: libmicrohttpd aborts the process if something is. */
     atomic_store(&closing, true);
     history_stop(srv->history);
     waiters_wake_all(srv->waiters);
     waiters_wake_all(srv->clock_waiters);
+    if (srv->saver)
+        saver_drain(srv->saver);
     for (int i = 0; i < 500 && atomic_load(&srv->in_flight) > 0; i++) {
         struct timespec t = {0, 10 * 1000000L};
         nanosleep(&t, NULL);

@@ -17,10 +17,9 @@
 typedef struct job {
     void *key;
     void (*resume)(void *key);
-    int taken;           /* the save that answers it has begun */
-    int resumed;         /* resume(key) was called */
-    int64_t deadline_ms; /* resumed by then, done or not (CLOCK_MONOTONIC) */
-    int done, rc;
+    int taken; /* the save that answers it has begun */
+    int done;  /* answered (saved, failed or refused) and resumed */
+    int rc;
     char path[PATH_MAX];
     int64_t step;
     char err[512];
@@ -40,11 +39,10 @@ struct saver {
     pthread_mutex_t mu; /* guards what follows and the thread's wake-ups */
     pthread_cond_t cv;
     int stop;
+    int draining;   /* psd is stopping: no more requested saves (saver_drain) */
     job *jobs;      /* queued and done-but-not-collected requested saves */
     int n_queued;   /* of them not done yet */
     pthread_cond_t done_cv; /* a requested save finished */
-    pthread_t resumer;      /* resumes requesters whose save runs long */
-    pthread_cond_t resumer_cv;
 
     pthread_mutex_t save_mu; /* one save at a time */
     uint64_t saved_changes;  /* the store's change counter in the newest checkpoint */
@@ -94,7 +92,6 @@ saver *saver_new(store *st, bufpool *pool, const char *dir, int interval_secs, i
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&sv->cv, &ca);
     pthread_cond_init(&sv->done_cv, &ca);
-    pthread_cond_init(&sv->resumer_cv, &ca);
     pthread_condattr_destroy(&ca);
     return sv;
 }
@@ -306,10 +303,7 @@ static void run_requested(saver *sv)
         snprintf(j->path, sizeof(j->path), "%s", path);
         snprintf(j->err, sizeof(j->err), "%s", err);
         sv->n_queued--;
-        if (!j->resumed) {
-            j->resumed = 1;
-            j->resume(j->key);
-        }
+        j->resume(j->key);
     }
     pthread_cond_broadcast(&sv->done_cv);
 }
@@ -350,57 +344,10 @@ static void *loop(void *arg)
     return NULL;
 }
 
-static int64_t now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
-/* Resume the requesters whose save outlasts SAVER_SUSPEND_MAX_MS. */
-static void *resumer(void *arg)
-{
-    saver *sv = arg;
-    pthread_mutex_lock(&sv->mu);
-    while (!sv->stop) {
-        int64_t now = now_ms(), next = INT64_MAX;
-        for (job *j = sv->jobs; j; j = j->next) {
-            if (j->done || j->resumed)
-                continue;
-            if (j->deadline_ms <= now) {
-                j->resumed = 1;
-                j->resume(j->key);
-            } else if (j->deadline_ms < next) {
-                next = j->deadline_ms;
-            }
-        }
-        if (next == INT64_MAX) {
-            pthread_cond_wait(&sv->resumer_cv, &sv->mu);
-        } else {
-            struct timespec at = {next / 1000, (next % 1000) * 1000000L};
-            pthread_cond_timedwait(&sv->resumer_cv, &sv->mu, &at);
-        }
-    }
-    pthread_mutex_unlock(&sv->mu);
-    return NULL;
-}
-
 int saver_start(saver *sv)
 {
     pthread_mutex_lock(&sv->mu);
-    int rc = -1;
-    if (pthread_create(&sv->thread, NULL, loop, sv) == 0) {
-        if (pthread_create(&sv->resumer, NULL, resumer, sv) == 0) {
-            rc = 0;
-        } else {
-            sv->stop = 1;
-            pthread_cond_broadcast(&sv->cv);
-            pthread_mutex_unlock(&sv->mu);
-            pthread_join(sv->thread, NULL);
-            pthread_mutex_lock(&sv->mu);
-            sv->stop = 0;
-        }
-    }
+    int rc = pthread_create(&sv->thread, NULL, loop, sv) == 0 ? 0 : -1;
     sv->running = rc == 0;
     pthread_mutex_unlock(&sv->mu);
     return rc;
@@ -415,18 +362,16 @@ void saver_stop(saver *sv)
     sv->stop = 1;
     sv->running = 0;
     pthread_cond_broadcast(&sv->cv);
-    pthread_cond_broadcast(&sv->resumer_cv);
+    pthread_cond_broadcast(&sv->done_cv); /* saver_drain: nobody saves any more */
     pthread_mutex_unlock(&sv->mu);
-    if (running) {
+    if (running)
         pthread_join(sv->thread, NULL);
-        pthread_join(sv->resumer, NULL);
-    }
 }
 
 int saver_save_async(saver *sv, void *key, void (*resume)(void *key))
 {
     pthread_mutex_lock(&sv->mu);
-    if (!sv->running || sv->stop) {
+    if (!sv->draining && (!sv->running || sv->stop)) {
         pthread_mutex_unlock(&sv->mu);
         return -1;
     }
@@ -448,12 +393,19 @@ int saver_save_async(saver *sv, void *key, void (*resume)(void *key))
     }
     j->key = key;
     j->resume = resume;
-    j->deadline_ms = now_ms() + SAVER_SUSPEND_MAX_MS;
     j->next = sv->jobs;
     sv->jobs = j;
-    sv->n_queued++;
-    pthread_cond_broadcast(&sv->cv);
-    pthread_cond_broadcast(&sv->resumer_cv);
+    if (sv->draining) {
+        /* refused: a save now would race the final checkpoint at the stop,
+         * which holds everything anyway */
+        j->done = 1;
+        j->rc = SAVER_STOPPING;
+        snprintf(j->err, sizeof(j->err), "%s", SAVER_STOPPING_MSG);
+        resume(key);
+    } else {
+        sv->n_queued++;
+        pthread_cond_broadcast(&sv->cv);
+    }
     pthread_mutex_unlock(&sv->mu);
     return 0;
 }
@@ -466,10 +418,12 @@ int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, ch
         job *x = *pp;
         if (x->key != key)
             continue;
-        /* resumed before its save is done: wait for it here (the saver's
-         * thread finishes every save it took, stopping or not) */
-        while (!x->done)
+        /* resumed only once done; should a requester look earlier, it
+         * waits (the saver's thread finishes every save it took) */
+        while (!x->done && sv->running)
             pthread_cond_wait(&sv->done_cv, &sv->mu);
+        if (!x->done) /* the thread stopped without it (not after saver_drain) */
+            break;
         for (pp = &sv->jobs; *pp != x; pp = &(*pp)->next) {
         }
         int rc = x->rc;
@@ -499,8 +453,29 @@ void saver_free(saver *sv)
     pthread_mutex_destroy(&sv->save_mu);
     pthread_cond_destroy(&sv->cv);
     pthread_cond_destroy(&sv->done_cv);
-    pthread_cond_destroy(&sv->resumer_cv);
     free(sv);
+}
+
+int saver_drain(saver *sv)
+{
+    pthread_mutex_lock(&sv->mu);
+    sv->draining = 1;
+    int n = sv->n_queued;
+    if (n)
+        log_info("psd: checkpoints: stopping once the %d checkpoint request%s waiting %s answered",
+                 n, n == 1 ? "" : "s", n == 1 ? "is" : "are");
+    while (sv->n_queued > 0 && sv->running)
+        pthread_cond_wait(&sv->done_cv, &sv->mu);
+    pthread_mutex_unlock(&sv->mu);
+    return n;
+}
+
+int saver_draining(saver *sv)
+{
+    pthread_mutex_lock(&sv->mu);
+    int d = sv->draining;
+    pthread_mutex_unlock(&sv->mu);
+    return d;
 }
 
 int saver_latest(saver *sv, char *path, size_t cap, int64_t *step)

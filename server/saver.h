@@ -11,7 +11,9 @@
  *
  * Saves run on the saver's own thread: the periodic ones, and the requested
  * ones handed to it with saver_save_async (POST /v1/checkpoint suspends its
- * connection meanwhile, so no HTTP thread waits for the disk).
+ * connection until its save is done, so no HTTP thread waits for the disk,
+ * however long the save takes). At a stop, saver_drain lets the requested
+ * saves finish and answers them before psd stops its HTTP server.
  *
  * Test hook: RESTPS_TEST_SAVE_PAUSE_MS=N pauses each write for N ms half-way
  * through its data (the crash tests kill psd inside a write). */
@@ -44,24 +46,33 @@ int saver_start(saver *sv);
 /* Stop it (waits for a save in progress). */
 void saver_stop(saver *sv);
 
-/* A requester is resumed at the latest this long after it queued its save,
- * done or not: below psd's 5 s grace for the requests in flight at a stop,
- * so no connection is still suspended when the HTTP server stops (which
- * libmicrohttpd refuses with an abort). A save that takes longer is waited
- * for by saver_result, on the requester's thread, as before. */
-#define SAVER_SUSPEND_MAX_MS 4000
-
 /* Queue a forced save (saver_save(force=1)) for the saver's thread. `key`
- * names the requester (a suspended connection); resume(key) is called from
- * a saver thread once the save is done, or after SAVER_SUSPEND_MAX_MS,
- * whichever comes first. Saves queued while one runs share the next one.
- * -1 when the thread does not run (stopping): save with saver_save. */
+ * names the requester (a suspended connection); resume(key) is called, from
+ * the saver's thread, once its save is done, however long it takes (the
+ * connection stays suspended meanwhile and holds no thread). Saves queued
+ * while one runs share the next one. Once saver_drain began (psd is
+ * stopping) nothing is queued: the request is refused at once (resume(key)
+ * is called before this returns, and saver_result says SAVER_STOPPING).
+ * 0 queued or refused; -1 not queued (out of memory, or the thread does not
+ * run): save with saver_save. */
 int saver_save_async(saver *sv, void *key, void (*resume)(void *key));
-/* The outcome of key's queued save, as saver_save's (0 or -1; the job is
- * then forgotten), waiting for it when it is not done yet; -2 when key
- * queued none. */
+/* The outcome of key's queued save, as saver_save's (0 or -1, with path,
+ * step, err), or SAVER_STOPPING (refused: psd is stopping; err says so); the
+ * job is then forgotten. -2 when key queued none. */
+#define SAVER_STOPPING (-3)
+#define SAVER_STOPPING_MSG \
+    "psd is stopping: no checkpoint on request now (the final checkpoint is written as psd exits)"
 int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, char *err,
                  size_t errlen);
+/* At a stop, before the HTTP server stops (libmicrohttpd aborts when it
+ * stops with a connection still suspended): queue no more requested saves,
+ * and wait until every queued one is saved and its requester resumed with
+ * the outcome (the save in progress finishes; the ones queued during it
+ * share one more). Returns how many requests it waited for. */
+int saver_drain(saver *sv);
+/* saver_drain began: requested saves are refused (thread per connection,
+ * where a request saves on its own thread, asks this). */
+int saver_draining(saver *sv);
 
 /* Save now. force: even when nothing changed since the last checkpoint.
  * 0 saved (path and step of the file), 1 skipped (nothing changed: path and

@@ -1,10 +1,12 @@
 """Checkpoint I/O (the follow-ups of issue 5): a restore reads each tensor
 straight from the file into the store (peak memory: the model once, not the
 file plus the model), and POST /v1/checkpoint writes on the saver's thread
-while its connection waits suspended, so the HTTP threads keep answering and
-a SIGTERM during a save still stops psd cleanly."""
+while its connection waits suspended for as long as the save takes, so the
+HTTP threads keep answering, and a SIGTERM during a save waits for it, answers
+the request and stops psd cleanly."""
 import json
 import os
+import signal
 import threading
 import time
 
@@ -13,6 +15,7 @@ import pytest
 
 import ckpt_check
 from conftest import BIN, http
+from syshelp import connect, read_response, request_head
 
 ASAN = "asan" in BIN
 
@@ -83,46 +86,107 @@ def post_in_background(url):
     return t, out
 
 
-def test_a_save_does_not_hold_an_http_thread_and_sigterm_waits_for_it(start_psd, tmp_path):
+SAVE_PAUSE_S = 6.5  # each write pauses this long (RESTPS_TEST_SAVE_PAUSE_MS)
+
+
+def test_a_long_save_keeps_its_request_suspended_and_a_stop_waits_for_it(start_psd, tmp_path):
+    """About 14 s. One HTTP thread: a save waited for on it would hold every
+    other request. Each write pauses 6.5 s: longer than the 4 s after which
+    psd used to resume the request and wait for the rest of the save on its
+    HTTP thread, and longer than the 5 s psd gives the requests in flight at
+    a stop."""
     logdir = str(tmp_path / "logs")
-    # one HTTP thread: a save written on it would hold every other request.
-    # Each write pauses 4.5 s: longer than the 4 s a request stays suspended
-    # (then its HTTP thread waits for the rest), shorter than psd's 5 s grace
-    # for requests in flight at a stop.
     p = start_psd(f"--logdir={logdir}", "--save_checkpoint_secs=0", "--http_threads=1",
-                  env={"RESTPS_TEST_SAVE_PAUSE_MS": "4500"})
+                  env={"RESTPS_TEST_SAVE_PAUSE_MS": str(int(SAVE_PAUSE_S * 1000))})
     w = np.arange(12, dtype=np.float32)
     st, _, body = http("PUT", f"{p.url}/v1/vars/w", w.tobytes(), {"X-Shape": "12"})
     assert st == 201, body
     pauses = lambda: p.read_stderr().count("test hook: pausing the write")
     t, out = post_in_background(p.url)
     wait_for(lambda: pauses() == 1, "the save to start")
-    t0 = time.time()
-    s = status(p.url)  # answered while the write is paused half-way
-    took = time.time() - t0
-    assert took < 1.5, took
-    assert s["checkpoint"]["saves"] == 0 and s["checkpoint"]["last"] is None
+    paused_at = time.monotonic()
+    for at in (0.2, 5.0):  # answered while the write is paused half-way
+        time.sleep(max(0.0, paused_at + at - time.monotonic()))
+        t0 = time.monotonic()
+        s = status(p.url)
+        took = time.monotonic() - t0
+        assert took < 0.75, f"/v1/status took {took:.2f} s {at} s into the save: the save holds the HTTP thread"
+        assert s["checkpoint"]["saves"] == 0 and s["checkpoint"]["last"] is None
     t.join(timeout=60)
+    assert time.monotonic() - paused_at > SAVE_PAUSE_S - 0.3  # (paused_at is seen late)
     st, _, body = out["reply"]
     assert st == 200, body
     r = json.loads(body)
     assert r["global_step"] == 0 and r["file"] == "model.ckpt-0.safetensors"
     assert os.path.basename(r["path"]) == r["file"]
-    ckpt_check.read(r["path"])
+    assert np.array_equal(ckpt_check.read(r["path"])[1]["w"], w)
     assert status(p.url)["checkpoint"]["saves"] == 1
 
-    # SIGTERM while a requested save is half-way: the save finishes, its
-    # request is answered, and psd exits 0 (libmicrohttpd aborts the process
-    # when it stops with a connection still suspended)
+    # SIGTERM while a requested save is half-way: psd waits for the save
+    # however long it takes (not only its 5 s for requests in flight),
+    # answers the request, refuses a checkpoint request that comes during the
+    # stop (503), and exits 0 (libmicrohttpd aborts the process when it stops
+    # with a connection still suspended)
+    keep = connect(p.port)  # a kept-alive connection: new ones are refused at a stop
+    keep.sendall(request_head("GET", "/v1/status"))
+    assert read_response(keep)[0] == 200
     os.unlink(r["path"])
     t, out = post_in_background(p.url)
     wait_for(lambda: pauses() == 2, "the second save to start")
-    assert p.stop() == 0
+    paused_at = time.monotonic()
+    time.sleep(0.3)
+    os.kill(p.proc.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    keep.sendall(request_head("POST", "/v1/checkpoint"))
+    st, _, body = read_response(keep)
+    keep.close()
+    assert st == 503, body
+    assert "psd is stopping" in json.loads(body)["error"], body
+    assert p.proc.wait(timeout=30) == 0, p.read_stderr()[-3000:]
+    assert time.monotonic() - paused_at > SAVE_PAUSE_S - 0.3  # (paused_at is seen late)
     t.join(timeout=60)
     st, _, body = out["reply"]
     assert st == 200, body
-    ckpt_check.read(json.loads(body)["path"])
-    assert "final checkpoint failed" not in p.read_stderr()
+    r = json.loads(body)
+    assert np.array_equal(ckpt_check.read(r["path"])[1]["w"], w)
+    err = p.read_stderr()
+    assert "final checkpoint failed" not in err and "still in flight" not in err, err[-3000:]
+    assert pauses() == 2, "the refused request saved (or the stop saved again)"
+
+
+@pytest.mark.parametrize("threads", ["2", "0"])
+def test_a_checkpoint_request_during_a_stop_is_refused_with_503(start_psd, tmp_path, threads):
+    """About 1 s each. A request in flight (a PUT whose body is half sent)
+    holds the stop open; meanwhile a checkpoint request on a connection kept
+    alive is refused, saving nothing, and the request in flight still finishes."""
+    p = start_psd(f"--logdir={tmp_path / 'logs'}", "--save_checkpoint_secs=0",
+                  f"--http_threads={threads}")
+    keep = connect(p.port)
+    keep.sendall(request_head("GET", "/v1/status"))
+    assert read_response(keep)[0] == 200
+    body = np.ones(1024, np.float32).tobytes()
+    a = connect(p.port)
+    a.sendall(request_head("PUT", "/v1/vars/w", ["X-Shape: 1024"], len(body)) + body[:1000])
+    time.sleep(0.3)  # psd has the PUT (headers read, body in progress)
+    os.kill(p.proc.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    keep.sendall(request_head("POST", "/v1/checkpoint"))
+    st, _, rb = read_response(keep)
+    keep.close()
+    assert st == 503, rb
+    assert json.loads(rb)["error"] == ("psd is stopping: no checkpoint on request now (the final "
+                                       "checkpoint is written as psd exits)")
+    a.sendall(body[1000:])
+    st, _, rb = read_response(a)
+    a.close()
+    assert st == 201, rb
+    assert p.proc.wait(timeout=10) == 0
+    # only the final checkpoint at the stop, holding the PUT
+    files = sorted(os.listdir(tmp_path / "logs" / "ps-0"))
+    assert files == ["model.ckpt-0.safetensors"], files
+    assert np.array_equal(ckpt_check.read(str(tmp_path / "logs" / "ps-0" / files[0]))[1]["w"],
+                          np.ones(1024, np.float32))
+    assert p.read_stderr().count("checkpoints: saved") == 1
 
 
 def test_thread_per_connection_saves_on_its_own_thread(start_psd, tmp_path):

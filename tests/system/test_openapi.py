@@ -1433,8 +1433,8 @@ def mutations(exchanges):
     del ex["body"]["path"]
     out.append(("saved checkpoint without its path", ex))
     ex = first(is_("POST", "/v1/checkpoint", 500))
-    ex["status"] = 503
-    out.append(("failed save answered 503", ex))
+    ex["status"] = 502  # (503 is documented: psd is stopping)
+    out.append(("failed save answered 502", ex))
     ex = first(lambda e: is_("GET", "/v1/status", 200)(e) and e["body"]["checkpoint"])
     del ex["body"]["checkpoint"]["saves"]
     out.append(("status checkpoint without saves", ex))
