@@ -57,7 +57,7 @@ enum MHD_Result h_params_get(request *r)
     if (worker >= 0 && clock >= 0 && !r->parked &&
         (!srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization")))) {
         store_clock_done(&srv->store, (int)worker, clock);
-        waiters_level(srv->clock_waiters, store_min_clock(&srv->store));
+        waiters_relevel(srv->clock_waiters);
     }
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
@@ -244,7 +244,7 @@ enum MHD_Result h_grads_post(request *r)
     static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
     int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
     if (clock >= 0) /* a worker finished an iteration: the slowest may have moved */
-        waiters_level(r->srv->clock_waiters, store_min_clock(&r->srv->store));
+        waiters_relevel(r->srv->clock_waiters);
     if (src == STORE_ENOMEM)
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
     else if (src == STORE_EAHEAD)

@@ -35,7 +35,7 @@ static void *tick(void *arg)
         pthread_mutex_unlock(&m->mu);
         store_sync_tick(&m->srv->store);
         /* a lease that ran out may lift the stale-synchronous bound */
-        waiters_level(m->srv->clock_waiters, store_min_clock(&m->srv->store));
+        waiters_relevel(m->srv->clock_waiters);
         pthread_mutex_lock(&m->mu);
     }
     pthread_mutex_unlock(&m->mu);

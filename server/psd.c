@@ -108,6 +108,9 @@ static void random_instance(char out[17])
         sprintf(out + 2 * i, "%02x", b[i]);
 }
 
+/* the stale-synchronous level: the fewest iterations a live worker completed */
+static int64_t min_clock_of(void *st) { return store_min_clock(st); }
+
 static void on_step(void *ctx, int64_t step)
 {
     server *srv = ctx;
@@ -335,6 +338,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
+    waiters_level_from(srv->clock_waiters, min_clock_of, &srv->store);
     srv->store.lease_ms = (int64_t)(lease_secs * 1000);
     srv->store.on_step = on_step;
     srv->store.on_step_ctx = srv;

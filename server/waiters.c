@@ -20,6 +20,8 @@ struct waiters {
     pthread_t timer;
     int stopping;
     int64_t step;
+    int64_t (*level_fn)(void *); /* set: the level is read from it, under mu */
+    void *level_arg;
     waiter *list;
     int count;
 };
@@ -47,6 +49,15 @@ static void resume_where(waiters *w, int (*pred)(const waiter *, int64_t), int64
             pp = &x->next;
         }
     }
+}
+
+/* A level set by a function is read afresh under mu each time it is used:
+ * callers that computed it outside the lock could otherwise store an old
+ * value after a newer one. Caller holds mu. */
+static void refresh(waiters *w)
+{
+    if (w->level_fn)
+        w->step = w->level_fn(w->level_arg);
 }
 
 static int step_reached(const waiter *x, int64_t step) { return step >= x->min_step; }
@@ -147,6 +158,7 @@ void waiters_add(waiters *w, struct MHD_Connection *conn, int64_t min_step, int6
                  int *flag)
 {
     pthread_mutex_lock(&w->mu);
+    refresh(w);
     if (w->step >= min_step || w->stopping) {
         *flag = 1;
         MHD_resume_connection(conn);
@@ -196,10 +208,19 @@ void waiters_step(waiters *w, int64_t step)
     pthread_mutex_unlock(&w->mu);
 }
 
-void waiters_level(waiters *w, int64_t level)
+void waiters_level_from(waiters *w, int64_t (*fn)(void *), void *arg)
 {
     pthread_mutex_lock(&w->mu);
-    w->step = level;
+    w->level_fn = fn;
+    w->level_arg = arg;
+    refresh(w);
+    pthread_mutex_unlock(&w->mu);
+}
+
+void waiters_relevel(waiters *w)
+{
+    pthread_mutex_lock(&w->mu);
+    refresh(w);
     resume_where(w, step_reached, w->step);
     pthread_cond_broadcast(&w->step_cv);
     pthread_mutex_unlock(&w->mu);
@@ -227,18 +248,24 @@ void waiters_block(waiters *w, struct MHD_Connection *conn, int64_t min_step, in
 {
     pthread_mutex_lock(&w->mu);
     w->count++;
+    /* see at least once a second whether the client hung up (this thread is
+     * its connection's only reader: a departed client would otherwise hold
+     * it, and count in waiting_pulls, until the deadline), however often the
+     * level moves meanwhile */
+    int64_t next_check = waiters_now_ms() + 1000;
     for (;;) {
+        refresh(w);
         int64_t now = waiters_now_ms();
         if (w->step >= min_step || w->stopping || now >= deadline_ms)
             break;
-        /* wake at least once a second to see whether the client hung up:
-         * this thread is its connection's only reader, and a departed client
-         * would otherwise hold it (and count in waiting_pulls) until the
-         * deadline */
-        int64_t until = deadline_ms < now + 1000 ? deadline_ms : now + 1000;
+        if (now >= next_check) {
+            if (conn && conn_gone(conn))
+                break;
+            next_check = now + 1000;
+        }
+        int64_t until = deadline_ms < next_check ? deadline_ms : next_check;
         struct timespec ts = {until / 1000, (until % 1000) * 1000000L};
-        if (pthread_cond_timedwait(&w->step_cv, &w->mu, &ts) != 0 && conn && conn_gone(conn))
-            break;
+        pthread_cond_timedwait(&w->step_cv, &w->mu, &ts);
     }
     w->count--;
     pthread_mutex_unlock(&w->mu);

@@ -31,9 +31,15 @@ void waiters_remove(waiters *w, struct MHD_Connection *conn);
 
 /* The step moved to `step`: resume whoever it satisfies. */
 void waiters_step(waiters *w, int64_t step);
-/* As waiters_step for a level that may also go down (the slowest worker's
- * clock: a worker that rejoins lowers it). */
-void waiters_level(waiters *w, int64_t level);
+/* A level that may also go down (the slowest worker's clock: a worker that
+ * rejoins lowers it) comes from fn(arg), read under the waiters' lock each
+ * time it is used: at every new wait and every waiters_relevel. (A level
+ * computed by callers outside the lock could be stored after a newer, lower
+ * one, and release a wait the bound still holds.) fn must not call back into
+ * these waiters. */
+void waiters_level_from(waiters *w, int64_t (*fn)(void *), void *arg);
+/* The level may have moved: read it and resume whoever it satisfies. */
+void waiters_relevel(waiters *w);
 /* Resume everyone and park nobody from now on (shutdown). */
 void waiters_wake_all(waiters *w);
 

@@ -784,6 +784,32 @@ def test_ssp_pulls_after_a_ps_restart_are_not_held_to_their_deadline(start_psd, 
     assert gstep == 13 and at - t1 < 2 and done_clocks(q) == [7, 6]
 
 
+@pytest.mark.parametrize("threads", [0, 2])
+def test_a_departed_ssp_long_poll_stops_waiting(start_psd, threads):
+    """A pull held by the stale-synchronous bound whose client hung up is
+    noticed within about a second, also while the level is re-read every
+    100 ms (the lease tick) and pushes move it: with a thread per connection
+    (0) that re-reading once restarted the one-second check each time, so the
+    departed poll held its thread until its deadline (60 s here)."""
+    p = start_psd(f"--http_threads={threads}")
+    put_var(p.url, "w", np.zeros(2, F32))
+    configure(p, optimizer="sgd", learning_rate=0.5, sync=False, workers=2, staleness=1)
+    ssp_push(p, 0, 0)  # worker 0 is live with 1 iteration: worker 1's pull waits
+    req = (b"GET /v1/params?worker=1&clock=3&min_clock=2&timeout_ms=60000 HTTP/1.1\r\n"
+           b"Host: x\r\n\r\n")
+    leave = socket.create_connection(("127.0.0.1", p.port))
+    leave.sendall(req)
+    wait_status(p, "waiting_pulls", 1)
+    leave.close()
+    t0 = time.monotonic()
+    for clock in range(3, 6):  # pushes re-level the waiters while it waits
+        ssp_push(p, 1, clock)
+        time.sleep(0.2)
+    wait_status(p, "waiting_pulls", 0, secs=4)
+    assert time.monotonic() - t0 < 4
+    assert pull(p)[1] >= 0  # and psd goes on serving
+
+
 def test_only_a_caller_with_the_token_proves_ssp_clocks(start_psd, tmp_path):
     """With --auth_token_file the pull's clock counts as completed iterations
     only when the pull carries the token, as a push must: a reader (reads are
