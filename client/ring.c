@@ -492,13 +492,15 @@ static void set_tls(const ring *r, CURL *h)
         curl_easy_setopt(h, CURLOPT_CAINFO, r->ca_file);
 }
 
-/* 1 when peer i answers GET /healthz over `scheme` (HTTPS: unverified, with
- * curl's TLS versions sslversion). One request, 3 s at most. */
-static int probe(const ring *r, int i, const char *scheme, long sslversion)
+/* GET /healthz on peer i over `scheme` (HTTPS: unverified, with curl's TLS
+ * versions sslversion): CURLE_OK when it answers 200, CURLE_HTTP_RETURNED_ERROR
+ * when it answers something else, else the failure's code. One request, 3 s
+ * at most. */
+static CURLcode probe(const ring *r, int i, const char *scheme, long sslversion)
 {
     CURL *h = curl_easy_init();
     if (!h)
-        return 0;
+        return CURLE_OUT_OF_MEMORY;
     char url[PEER_MAX + 32];
     snprintf(url, sizeof(url), "%s://%s/healthz", scheme, r->peer[i]);
     curl_easy_setopt(h, CURLOPT_URL, url);
@@ -516,30 +518,45 @@ static int probe(const ring *r, int i, const char *scheme, long sslversion)
     if (cc == CURLE_OK)
         curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
     curl_easy_cleanup(h);
-    return cc == CURLE_OK && status == 200;
+    return cc != CURLE_OK ? cc : status == 200 ? CURLE_OK : CURLE_HTTP_RETURNED_ERROR;
 }
 
 /* 1 when peer i speaks the other protocol than this task (HTTP when this
  * task speaks HTTPS, HTTPS when it speaks HTTP): it was started with other
- * TLS flags. */
+ * TLS flags. (An answer is proof; no answer proves nothing.) */
 static int speaks_other(const ring *r, int i)
 {
-    return probe(r, i, r->tls ? "http" : "https", CURL_SSLVERSION_DEFAULT);
+    return probe(r, i, r->tls ? "http" : "https", CURL_SSLVERSION_DEFAULT) == CURLE_OK;
 }
 
-/* 1 when peer i, on HTTPS as this task, answers a TLS handshake with curl's
- * versions but not with those this task offers: its priority string shares
- * no TLS version with this task's. */
-static int takes_other_versions(const ring *r, int i)
+/* 1 when peer i, on HTTPS as this task, refuses a TLS handshake offering
+ * only this task's versions (CURLE_SSL_CONNECT_ERROR: GnuTLS behind
+ * libmicrohttpd hangs up, no alert, and OpenSSL says SSL_ERROR_SYSCALL) and
+ * right after answers one offering curl's: its priority string shares no TLS
+ * version with this task's, or none of the cipher suites libcurl offers for
+ * them. The restricted probe goes first, so a peer that stops meanwhile fails
+ * the second; the pair runs twice, so one hang-up (an overloaded peer) is not
+ * taken for a refusal; any other outcome (a timeout, a refused connection, a
+ * 503) proves nothing and is left to the retries. */
+static int refuses_these_versions(const ring *r, int i)
 {
-    return r->tls && probe(r, i, "https", CURL_SSLVERSION_DEFAULT) && !probe(r, i, "https", r->sslversion);
+    if (!r->tls)
+        return 0;
+    for (int k = 0; k < 2; k++) {
+        if (k)
+            sleep_ms(50);
+        if (probe(r, i, "https", r->sslversion) != CURLE_SSL_CONNECT_ERROR ||
+            probe(r, i, "https", CURL_SSLVERSION_DEFAULT) != CURLE_OK)
+            return 0;
+    }
+    return 1;
 }
 
 /* After a request to peer i (`who`: "worker 1 (h:p), the right neighbour")
  * failed with cc: -1 with err when no retry can help (its certificate does
  * not verify, the CA file is unusable, it speaks the other protocol, or it
- * takes none of the TLS versions this task offers), else 0. curl_err: the
- * handle's error buffer. */
+ * refuses the TLS versions this task offers: refuses_these_versions), else 0.
+ * curl_err: the handle's error buffer. */
 static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const char *who, char *err,
                        size_t errlen)
 {
@@ -577,12 +594,14 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
                        who, r->names.cert, r->names.cert, r->names.key);
             return -1;
         }
-        if (takes_other_versions(r, i)) {
+        /* a refused handshake fails with this code alone */
+        if (cc == CURLE_SSL_CONNECT_ERROR && refuses_these_versions(r, i)) {
             atomic_store(&r->mismatch, 1);
             seterr(err, errlen,
-                   "%s, takes none of the TLS versions this task offers (%s, from its %s): "
-                   "give every task %s that share a TLS version",
-                   who, r->tls_desc, r->names.prio, r->names.prio);
+                   "%s, could not agree on TLS with this task's %s (%s): it takes other TLS versions, "
+                   "not these (or not with the cipher suites libcurl offers): give every task %s that "
+                   "share a TLS version",
+                   who, r->names.prio, r->tls_desc, r->names.prio);
             return -1;
         }
         return 0;
@@ -874,6 +893,26 @@ const char *ring_tls(const ring *r) { return r->tls ? r->tls_desc : NULL; }
 
 /* ---- life ---- */
 
+int ring_tls_priorities_check(const char *prio, char *err, size_t errlen)
+{
+    int lo, hi;
+    if (tls_priorities_check(prio, err, errlen) != 0)
+        return -1;
+    if (tls_priorities_versions(prio, &lo, &hi) != 0) {
+        snprintf(err, errlen, "it enables no TLS version");
+        return -1;
+    }
+    if (hi < 2) {
+        const curl_version_info_data *v = curl_version_info(CURLVERSION_NOW);
+        snprintf(err, errlen,
+                 "it enables TLS 1.%d at most, and this task's requests to the others (libcurl on %s, at its "
+                 "default security level) take TLS 1.2 or later: enable +VERS-TLS1.2 or +VERS-TLS1.3",
+                 hi, v && v->ssl_version ? v->ssl_version : "its TLS library");
+        return -1;
+    }
+    return 0;
+}
+
 /* pem_read with the setting named: "--ring_tls_cert=PATH: why". */
 static char *read_pem(const char *flag, const char *path, char *err, size_t errlen)
 {
@@ -935,9 +974,9 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     if (o->tls_cert) {
         r->tls = 1;
         const char *prio = o->tls_priorities ? o->tls_priorities : TLS_PRIORITIES_DEFAULT;
-        char why[400] = "it enables no TLS version";
+        char why[400];
         int lo, hi;
-        if (tls_priorities_check(prio, why, sizeof(why)) != 0 || tls_priorities_versions(prio, &lo, &hi) != 0) {
+        if (ring_tls_priorities_check(prio, why, sizeof(why)) != 0 || tls_priorities_versions(prio, &lo, &hi) != 0) {
             seterr(err, errlen, "%s=%s: %s", r->names.prio, prio, why);
             ring_free(r);
             return NULL;

@@ -37,10 +37,11 @@
  * TLS versions that string enables, the peer's certificate verified against
  * tls_ca (or the system's CAs), its host name included. Every task must then
  * have one: a peer that speaks the other protocol (found by one probe of its
- * /healthz after a failed request), that takes none of the TLS versions this
- * task offers (a probe with any version answers, one with this task's does
- * not) or whose certificate does not verify stops this task at once with an
- * error naming the peer, no retry. /v1/status says the scheme ("ring":
+ * /healthz after a failed request), that refuses the TLS versions this task
+ * offers (after a handshake failure, a probe offering this task's versions is
+ * refused and one offering any version answers, twice in a row) or whose
+ * certificate does not verify stops this task at once with an error naming
+ * the peer, no retry. /v1/status says the scheme ("ring":
  * {"url": "https://...", "tls": "TLS 1.3", ...}). */
 #ifndef RESTPS_RING_H
 #define RESTPS_RING_H
@@ -73,9 +74,18 @@ typedef struct ring_options {
     const char *tls_ca;        /* with tls_cert: PEM CA(s) the peers' certificates must chain to;
                                 * NULL: the system's */
     const char *tls_priorities; /* with tls_cert: the GnuTLS priority string served (checked by
-                                 * ring_new); NULL: TLS_PRIORITIES_DEFAULT */
+                                 * ring_new: ring_tls_priorities_check); NULL:
+                                 * TLS_PRIORITIES_DEFAULT */
     ring_tls_names tls_names;  /* what the messages call these settings (copied) */
 } ring_options;
+
+/* 0 when prio can be the ring's GnuTLS priority string (tls_priorities): GnuTLS
+ * takes it (tls_priorities_check) and it enables TLS 1.2 or 1.3, which the
+ * pushes need (libcurl on OpenSSL 3 refuses TLS 1.0 and 1.1 at its default
+ * security level, so a string of those alone served GnuTLS clients but no
+ * task); -1 with err ("it enables TLS 1.1 at most, and ...") otherwise.
+ * ring_new checks tls_priorities so; a caller may first, when reading flags. */
+int ring_tls_priorities_check(const char *prio, char *err, size_t errlen);
 
 /* Start this worker's endpoint on peers[rank]'s port (loopback when its host
  * is localhost, 127.x (that address) or ::1, else every address). NULL with err. */

@@ -12,6 +12,7 @@
 #include "idx.h"
 #include "libps.h"
 #include "mlp.h"
+#include "ring.h"
 #include "tls_priorities.h"
 #include "token.h"
 #include "train.h"
@@ -138,7 +139,7 @@ int main(int argc, char **argv)
         {"ring_timeout_secs", FLAG_FLOAT, &ring_timeout, "ring: a neighbour silent this long has died; the job stops (default 30; the first step waits at least 120 for every task to start)", 0},
         {"ring_tls_cert", FLAG_STRING, &ring_tls_cert, "ring: serve this task's ring endpoint over HTTPS only, with this PEM certificate (chain), which must name its --worker_hosts (or --chief_hosts) host, and send to the neighbours over HTTPS, verifying theirs against --tls_ca (default: the system's CAs), host name included; needs --ring_tls_key; every task needs one (a neighbour that speaks the other protocol, or whose certificate does not verify, stops this task at once, naming it)", 0},
         {"ring_tls_key", FLAG_STRING, &ring_tls_key, "ring: the PEM private key of --ring_tls_cert", 0},
-        {"ring_tls_priorities", FLAG_STRING, &ring_tls_prio, "ring, with --ring_tls_cert: the GnuTLS priority string of the ring endpoint this task serves, which picks its TLS versions and cipher suites; this task's own requests (its pushes, the chief's state) offer those TLS versions alone (default psd's, " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order); one GnuTLS rejects exits 2 naming the part; a task whose right neighbour or chief takes none of its TLS versions stops at once, naming it", 0},
+        {"ring_tls_priorities", FLAG_STRING, &ring_tls_prio, "ring, with --ring_tls_cert: the GnuTLS priority string of the ring endpoint this task serves, which picks its TLS versions and cipher suites; this task's own requests (its pushes, the chief's state) offer those TLS versions alone (default psd's, " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order); one GnuTLS rejects exits 2 naming the part, as does one that enables no TLS 1.2 or 1.3 (libcurl on OpenSSL 3 takes neither 1.0 nor 1.1); a task whose right neighbour or chief refuses a handshake offering its TLS versions but takes one offering any (twice in a row) stops at once, naming it", 0},
         {"ring_piece_bytes", FLAG_U64, &ring_piece, "ring: chunks travel in pieces of at most this many bytes, so sending and receiving overlap (default 1048576)", 0},
         {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors; the newest valid one is restored at start (default logs/ring); empty = no checkpoints", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
@@ -272,7 +273,7 @@ int main(int argc, char **argv)
             free((char *)c.token);
             return 2;
         }
-        if (ring_tls_prio && tls_priorities_check(ring_tls_prio, err, sizeof(err)) != 0) {
+        if (ring_tls_prio && ring_tls_priorities_check(ring_tls_prio, err, sizeof(err)) != 0) {
             fprintf(stderr, "workerd: --ring_tls_priorities=%s: %s\n", ring_tls_prio, err);
             free((char *)c.token);
             return 2;

@@ -18,8 +18,10 @@
 - over HTTPS (--ring_tls_cert) the sums and the training are bit-identical to
   HTTP, a neighbour on the other protocol, with a certificate that does not
   verify, or that shares no TLS version (--ring_tls_priorities) stops a task
-  at once naming it, in its caller's flag names; a bad priority string exits
-  2 with GnuTLS's complaint; the first lines and /v1/status say https.
+  at once naming it, in its caller's flag names, and one that hangs up on
+  some handshakes (overloaded, stopping) does not pass for one; a bad
+  priority string (or one without TLS 1.2/1.3) exits 2 with the reason; the
+  first lines and /v1/status say https.
 """
 import json
 import os
@@ -819,15 +821,20 @@ def test_bad_ring_tls_flags_are_one_line_and_exit_2(ring_pki):
 
 TLS13_ONLY = "NORMAL:-VERS-ALL:+VERS-TLS1.3"
 TLS12_ONLY = "NORMAL:-VERS-ALL:+VERS-TLS1.2"
+TLS_OLD_ONLY = "NORMAL:-VERS-ALL:+VERS-TLS1.1:+VERS-TLS1.0"
 
 
-def test_a_bad_ring_tls_priorities_exits_2_naming_what_gnutls_rejects(ring_pki):
+def test_a_bad_ring_tls_priorities_exits_2_naming_what_gnutls_rejects(ring_pki, start_psd):
     tls = tls_args(ring_pki, prefix="--ring_")
     for args, words in [(["--allreduce=ring"] + tls + ["--ring_tls_priorities=NORMAL:+NO-SUCH-THING"],
                          "workerd: --ring_tls_priorities=NORMAL:+NO-SUCH-THING: GnuTLS rejects it at "
                          "'+NO-SUCH-THING': The request is invalid."),
                         (["--allreduce=ring"] + tls + ["--ring_tls_priorities=NORMAL:-VERS-ALL:+VERS-DTLS1.2"],
                          "--ring_tls_priorities=NORMAL:-VERS-ALL:+VERS-DTLS1.2: it enables no TLS version"),
+                        # GnuTLS serves it, but no task's libcurl (OpenSSL 3) could push to it
+                        (["--allreduce=ring"] + tls + [f"--ring_tls_priorities={TLS_OLD_ONLY}"],
+                         f"--ring_tls_priorities={TLS_OLD_ONLY}: it enables TLS 1.1 at most, and this task's "
+                         "requests to the others (libcurl on OpenSSL/"),
                         (["--allreduce=ring", "--ring_tls_priorities=NORMAL"], "--ring_tls_priorities needs them"),
                         (["--ring_tls_priorities=NORMAL"], "need --allreduce=ring")]:
         p = subprocess.run([binary("workerd"), f"--data_dir={DATA}", "--worker_hosts=127.0.0.1:1"] + args,
@@ -838,12 +845,26 @@ def test_a_bad_ring_tls_priorities_exits_2_naming_what_gnutls_rejects(ring_pki):
     p = subprocess.run([binary("psd"), "--port=0", f"--tls_cert={ring_pki}/srv.pem", f"--tls_key={ring_pki}/srv.key",
                         "--tls_priorities=NORMAL:-VERS-ALL:+VERS-DTLS1.2"], capture_output=True, timeout=30)
     assert p.returncode == 2 and "it enables no TLS version" in p.stderr.decode(), p.stderr
-    # the library (client/ring.h) checks it too, naming its caller's flags
-    p = subprocess.run([binary("ring_allreduce"), "--worker_hosts=127.0.0.1:1,127.0.0.1:2", "--task_index=0",
-                        "--floats=10", "--tls_priorities=NORMAL:+NO-SUCH-THING"] + tls_args(ring_pki),
-                       capture_output=True, timeout=30)
-    assert p.returncode == 1 and "ring_allreduce: --tls_priorities=NORMAL:+NO-SUCH-THING: GnuTLS rejects it at " \
-                                 "'+NO-SUCH-THING'" in p.stderr.decode(), p.stderr
+    # ring_allreduce checks its flag so too (ring_tls_priorities_check, which
+    # ring_new calls again), in its own flag's name
+    for prio, words in [("NORMAL:+NO-SUCH-THING", "GnuTLS rejects it at '+NO-SUCH-THING'"),
+                        (TLS_OLD_ONLY, "it enables TLS 1.1 at most, and this task's requests to the others "
+                                       "(libcurl on OpenSSL/")]:
+        p = subprocess.run([binary("ring_allreduce"), "--worker_hosts=127.0.0.1:1,127.0.0.1:2", "--task_index=0",
+                            "--floats=10", f"--tls_priorities={prio}"] + tls_args(ring_pki),
+                           capture_output=True, timeout=30)
+        err = p.stderr.decode()
+        assert p.returncode == 2 and err.count("\n") == 1 and \
+            f"ring_allreduce: --tls_priorities={prio}: {words}" in err, err
+    assert "enable +VERS-TLS1.2 or +VERS-TLS1.3" in err, err
+    # psd keeps taking it (GnuTLS serves it; a client at OpenSSL's security
+    # level 0 talks to it), but curl (libcurl on OpenSSL, as the pushes) cannot
+    from test_tls import OLD, handshake
+    ps = start_psd(f"--tls_cert={ring_pki}/srv.pem", f"--tls_key={ring_pki}/srv.key",
+                   f"--tls_priorities={TLS_OLD_ONLY}")
+    assert handshake(ps.host_port, ring_pki, "-tls1_1", "-cipher", OLD)[0] == "TLSv1.1"
+    r = curl("--cacert", f"{ring_pki}/ca.pem", "--tlsv1.0", f"https://{ps.host_port}/healthz")
+    assert r.returncode == 35, r  # an SSL connect error: the handshake fails
     # --help: the flag, and psd's default
     default = re.compile(r"\(default (?:psd's, )?(\S+): TLS 1\.3/1\.2")
     out = subprocess.run([binary("workerd"), "--help"], capture_output=True, timeout=10).stdout.decode()
@@ -893,10 +914,11 @@ def test_neighbours_that_share_no_tls_version_stop_at_once_naming_each_other(rin
     secs = time.time() - t0
     p0, p1 = h.split(",")
     assert res[0][0] == 1 and res[1][0] == 1, res
-    assert f"worker 1 ({p1}), the right neighbour, takes none of the TLS versions this task offers (TLS 1.3, " \
-           "from its --tls_priorities): give every task --tls_priorities that share a TLS version" in res[0][1], res
-    assert f"worker 0 ({p0}), the right neighbour, takes none of the TLS versions this task offers (TLS 1.2, " \
-           "from its --tls_priorities)" in res[1][1], res
+    assert f"worker 1 ({p1}), the right neighbour, could not agree on TLS with this task's --tls_priorities " \
+           "(TLS 1.3): it takes other TLS versions, not these (or not with the cipher suites libcurl offers): " \
+           "give every task --tls_priorities that share a TLS version" in res[0][1], res
+    assert f"worker 0 ({p0}), the right neighbour, could not agree on TLS with this task's --tls_priorities " \
+           "(TLS 1.2)" in res[1][1], res
     print(f"TLS 1.3 against TLS 1.2: both stopped after {secs:.1f} s (timeout 20 s)")
     assert secs < 12, secs  # not the 20 s timeout, nor the 60 s first wait
 
@@ -914,11 +936,122 @@ def test_a_task_that_shares_no_tls_version_with_its_chief_stops_at_once_naming_i
     rc, out = finish(procs.start(argv + ["--task_index=1", f"--ring_tls_priorities={TLS12_ONLY}"]), timeout=60)
     secs = time.time() - t0
     assert rc == 1, out
-    assert f"workerd: ring: the chief, worker 0 ({h.split(',')[0]}), takes none of the TLS versions this task " \
-           "offers (TLS 1.2, from its --ring_tls_priorities): give every task --ring_tls_priorities that share " \
-           "a TLS version" in out, out
+    assert f"workerd: ring: the chief, worker 0 ({h.split(',')[0]}), could not agree on TLS with this task's " \
+           "--ring_tls_priorities (TLS 1.2): it takes other TLS versions, not these (or not with the cipher " \
+           "suites libcurl offers): give every task --ring_tls_priorities that share a TLS version" in out, out
     rc, out = finish(c, timeout=60)
-    assert rc == 1 and "the right neighbour, takes none of the TLS versions this task offers (TLS 1.3, from its " \
-                       "--ring_tls_priorities)" in out, out
+    assert rc == 1 and "the right neighbour, could not agree on TLS with this task's --ring_tls_priorities " \
+                       "(TLS 1.3)" in out, out
     print(f"a worker on TLS 1.2 against a chief on TLS 1.3: both stopped after {time.time() - t0:.1f} s")
     assert secs < 30, secs
+
+
+class FlakyNeighbour:
+    """A right neighbour on HTTPS that acts out `script`, one action per
+    connection, then hangs up on every one: "hangup" reads the client's first
+    message (a TLS hello, or an HTTP request) and closes the connection, as
+    GnuTLS behind libmicrohttpd refuses a handshake (curl: an SSL connect
+    error; closing with the hello unread would reset the connection, a
+    receive error); "answer" completes the handshake and answers 200 to
+    /healthz, 503 to the rest. log: (action, the TLS version agreed or None)
+    per connection."""
+
+    def __init__(self, pki, host_port, script):
+        import ssl
+        import threading
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(f"{pki}/srv.pem", f"{pki}/srv.key")
+        host, port = host_port.rsplit(":", 1)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, int(port)))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.script, self.log, self.done = list(script), [], False
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        while not self.done:
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            act = self.script[len(self.log)] if len(self.log) < len(self.script) else "hangup"
+            version = None
+            try:
+                if act == "hangup":
+                    conn.settimeout(1)
+                    got = conn.recv(65536)
+                    # a TLS record: 5 bytes of header, the 4th and 5th its length
+                    while got[:1] == b"\x16" and len(got) < 5 + int.from_bytes(got[3:5], "big"):
+                        more = conn.recv(65536)
+                        if not more:
+                            break
+                        got += more
+                elif act == "answer":
+                    conn.settimeout(3)
+                    conn = self.ctx.wrap_socket(conn, server_side=True)
+                    version = conn.version()
+                    req = b""
+                    while b"\r\n\r\n" not in req:
+                        chunk = conn.recv(4096)
+                        if not chunk:
+                            break
+                        req += chunk
+                    ok = req.startswith(b"GET /healthz ")
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n" if ok
+                                 else b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError as e:
+                version = f"error: {e}"
+            finally:
+                conn.close()
+            self.log.append((act, version))
+
+    def stop(self):
+        self.done = True
+        self.thread.join()
+        self.sock.close()
+
+
+def test_a_neighbour_that_hangs_up_on_some_handshakes_is_retried_not_taken_for_a_tls_mismatch(ring_pki, procs):
+    # A task on TLS 1.2 alone whose push was hung up on probes its neighbour:
+    # /healthz over HTTP (connection 2), then a handshake with its own versions,
+    # then one with any (curl's: TLS 1.3 here), twice; only "refused, answered"
+    # both times is a mismatch (as in the test before the previous).
+    #  A: the neighbour answers the 3rd connection and then hangs up on all
+    #     (it was stopping, or overloaded): the probe with this task's versions
+    #     goes first and gets an answer (over TLS 1.2), so no verdict; the probe
+    #     pair the other way round (any version answered, then this task's
+    #     hung up on) stopped the task "sharing no TLS version".
+    #  B: one hang-up on the probe with this task's versions, then answers to
+    #     both of the pair: the second pair clears it.
+    scripts = {"A": ["hangup", "hangup", "answer"], "B": ["hangup", "hangup", "hangup", "answer", "answer"]}
+    fakes, ps = {}, {}
+    try:
+        for name, script in scripts.items():
+            h = hosts(2)
+            fakes[name] = FlakyNeighbour(ring_pki, h.split(",")[1], script)
+            ps[name] = procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0",
+                                    "--floats=1000", "--timeout_secs=20", f"--tls_priorities={TLS12_ONLY}"]
+                                   + tls_args(ring_pki))
+        # it keeps retrying: 8 more connections after each script
+        deadline = time.time() + 20
+        while time.time() < deadline and any(len(f.log) < len(scripts[n]) + 8 for n, f in fakes.items()) \
+                and all(p.poll() is None for p in ps.values()):
+            time.sleep(0.05)
+        running = {n: p.poll() is None for n, p in ps.items()}
+    finally:
+        for f in fakes.values():
+            f.stop()
+    for p in ps.values():
+        if p.poll() is None:
+            p.kill()
+    outs = {n: finish(p)[1] for n, p in ps.items()}
+    for name, f in fakes.items():
+        assert running[name], (name, outs[name], f.log)
+        assert len(f.log) >= len(scripts[name]) + 8, (name, f.log, outs[name])
+        assert "could not agree" not in outs[name], outs[name]
+    # which probe came when: the TLS version each answer agreed
+    assert fakes["A"].log[2] == ("answer", "TLSv1.2"), fakes["A"].log
+    assert fakes["B"].log[3:5] == [("answer", "TLSv1.3"), ("answer", "TLSv1.2")], fakes["B"].log
