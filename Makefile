@@ -122,7 +122,7 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 # Unit tests (cmocka), one binary per module.
-UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_flags test_idx test_mlp
+UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp
 IDX_OBJ = $(BUILD)/client/idx.o
 MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o
 

@@ -77,18 +77,22 @@ enum MHD_Result h_checkpoint_post(request *r)
          * stop, psd waits for that before it stops its HTTP server) */
         r->parked = 1;
         MHD_suspend_connection(r->conn);
-        if (saver_save_async(sv, r->conn, resume_conn) != 0)
+        r->saver_job = 1; /* routes_completed forgets it if not collected */
+        if (saver_save_async(sv, r->conn, resume_conn) != 0) {
+            r->saver_job = 0;
             MHD_resume_connection(r->conn); /* not queued (out of memory): saved below */
+        }
         return MHD_YES;
     }
-    if (r->parked)
+    if (r->parked) {
         rc = saver_result(sv, r->conn, path, sizeof(path), &step, err, sizeof(err));
+        if (rc != -2)
+            r->saver_job = 0; /* collected */
+    }
+    if (rc == -2) /* thread per connection, or not queued: on this thread (a stop waits for it) */
+        rc = saver_save_requested(sv, path, sizeof(path), &step, err, sizeof(err));
     if (rc == SAVER_STOPPING)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", err);
-    if (rc == -2 && saver_draining(sv)) /* stopping, as in saver_save_async */
-        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", SAVER_STOPPING_MSG);
-    if (rc == -2) /* thread per connection, or not queued */
-        rc = saver_save(sv, 1, path, sizeof(path), &step, err, sizeof(err));
     if (rc < 0)
         return http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR,
                                 "checkpoint failed: %s (the previous checkpoint is intact)", err);

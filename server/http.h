@@ -33,6 +33,7 @@ typedef struct request {
     int parked;                     /* suspended in a long poll */
     int resumed;                    /* set by the waiters when it is resumed */
     struct waiters *parked_on;      /* which waiters hold it (long polls on step or clock) */
+    int saver_job;                  /* a requested save queued under conn, not collected yet */
     unsigned long json_fail_mark;   /* json_failed_allocs() when the handler was called */
 } request;
 

@@ -11,6 +11,7 @@
 #include "jsonmem.h"
 #include "log.h"
 #include "metrics.h"
+#include "saver.h"
 
 #include <time.h>
 
@@ -322,6 +323,8 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
         return;
     if (r->parked && !r->resumed && r->parked_on)
         waiters_remove(r->parked_on, r->conn);
+    if (r->saver_job && srv->saver) /* POST /v1/checkpoint whose client left */
+        saver_forget(srv->saver, r->conn);
     metrics_observe(srv->metrics, r, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
     blob_unref(r->body);
     free(r);

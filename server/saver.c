@@ -42,7 +42,8 @@ struct saver {
     int draining;   /* psd is stopping: no more requested saves (saver_drain) */
     job *jobs;      /* queued and done-but-not-collected requested saves */
     int n_queued;   /* of them not done yet */
-    pthread_cond_t done_cv; /* a requested save finished */
+    int n_sync;     /* saver_save_requested in progress (on HTTP threads) */
+    pthread_cond_t done_cv; /* a requested save finished (or was forgotten) */
 
     pthread_mutex_t save_mu; /* one save at a time */
     uint64_t saved_changes;  /* the store's change counter in the newest checkpoint */
@@ -376,7 +377,8 @@ int saver_save_async(saver *sv, void *key, void (*resume)(void *key))
         return -1;
     }
     /* a done job for the same key is from a connection that went away
-     * before it collected it (its key may be reused now) */
+     * before it collected it (its key may be reused now); saver_forget
+     * normally dropped it when that request ended */
     for (job **pp = &sv->jobs; *pp;) {
         job *x = *pp;
         if (x->key == key && x->done) {
@@ -456,26 +458,65 @@ void saver_free(saver *sv)
     free(sv);
 }
 
+void saver_forget(saver *sv, void *key)
+{
+    pthread_mutex_lock(&sv->mu);
+    for (job **pp = &sv->jobs; *pp; pp = &(*pp)->next) {
+        job *x = *pp;
+        if (x->key != key)
+            continue;
+        *pp = x->next;
+        if (!x->done) {
+            /* not resumed yet (the saver's thread looks only at the jobs
+             * still listed when its save is over) */
+            sv->n_queued--;
+            log_info("psd: checkpoints: a checkpoint request ended before its save: dropped");
+            pthread_cond_broadcast(&sv->done_cv);
+        } else if (x->rc == 0) {
+            log_info("psd: checkpoints: the client of the checkpoint request answered by %s "
+                     "(global step %lld) left before reading it",
+                     x->path, (long long)x->step);
+        }
+        free(x);
+        break;
+    }
+    pthread_mutex_unlock(&sv->mu);
+}
+
+int saver_save_requested(saver *sv, char *path, size_t cap, int64_t *step, char *err,
+                         size_t errlen)
+{
+    pthread_mutex_lock(&sv->mu);
+    if (sv->draining) {
+        /* as in saver_save_async */
+        pthread_mutex_unlock(&sv->mu);
+        snprintf(err, errlen, "%s", SAVER_STOPPING_MSG);
+        return SAVER_STOPPING;
+    }
+    sv->n_sync++;
+    pthread_mutex_unlock(&sv->mu);
+    int rc = saver_save(sv, 1, path, cap, step, err, errlen);
+    pthread_mutex_lock(&sv->mu);
+    sv->n_sync--;
+    pthread_cond_broadcast(&sv->done_cv);
+    pthread_mutex_unlock(&sv->mu);
+    return rc;
+}
+
 int saver_drain(saver *sv)
 {
     pthread_mutex_lock(&sv->mu);
     sv->draining = 1;
-    int n = sv->n_queued;
+    int n = sv->n_queued + sv->n_sync;
     if (n)
         log_info("psd: checkpoints: stopping once the %d checkpoint request%s waiting %s answered",
                  n, n == 1 ? "" : "s", n == 1 ? "is" : "are");
-    while (sv->n_queued > 0 && sv->running)
+    /* a save on a requester's own thread finishes whatever the saver's
+     * thread does */
+    while ((sv->n_queued > 0 && sv->running) || sv->n_sync > 0)
         pthread_cond_wait(&sv->done_cv, &sv->mu);
     pthread_mutex_unlock(&sv->mu);
     return n;
-}
-
-int saver_draining(saver *sv)
-{
-    pthread_mutex_lock(&sv->mu);
-    int d = sv->draining;
-    pthread_mutex_unlock(&sv->mu);
-    return d;
 }
 
 int saver_latest(saver *sv, char *path, size_t cap, int64_t *step)

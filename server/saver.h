@@ -12,8 +12,10 @@
  * Saves run on the saver's own thread: the periodic ones, and the requested
  * ones handed to it with saver_save_async (POST /v1/checkpoint suspends its
  * connection until its save is done, so no HTTP thread waits for the disk,
- * however long the save takes). At a stop, saver_drain lets the requested
- * saves finish and answers them before psd stops its HTTP server.
+ * however long the save takes). With a thread per connection (where
+ * nothing is suspended) the request saves on its own thread instead, with
+ * saver_save_requested. At a stop, saver_drain lets the requested saves of
+ * both kinds finish and answers them before psd stops its HTTP server.
  *
  * Test hook: RESTPS_TEST_SAVE_PAUSE_MS=N pauses each write for N ms half-way
  * through its data (the crash tests kill psd inside a write). */
@@ -54,7 +56,7 @@ void saver_stop(saver *sv);
  * stopping) nothing is queued: the request is refused at once (resume(key)
  * is called before this returns, and saver_result says SAVER_STOPPING).
  * 0 queued or refused; -1 not queued (out of memory, or the thread does not
- * run): save with saver_save. */
+ * run): save with saver_save_requested. */
 int saver_save_async(saver *sv, void *key, void (*resume)(void *key));
 /* The outcome of key's queued save, as saver_save's (0 or -1, with path,
  * step, err), or SAVER_STOPPING (refused: psd is stopping; err says so); the
@@ -64,15 +66,26 @@ int saver_save_async(saver *sv, void *key, void (*resume)(void *key));
     "psd is stopping: no checkpoint on request now (the final checkpoint is written as psd exits)"
 int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, char *err,
                  size_t errlen);
+/* key's request is over without collecting its outcome (its client hung up
+ * while it waited: libmicrohttpd may then close the connection after the
+ * resume without calling the handler again): forget its job, so that it
+ * neither stays until saver_free nor answers a later requester that happens
+ * to get the same key. A job not saved yet is dropped from the queue and
+ * not resumed. Nothing happens when key has no job. */
+void saver_forget(saver *sv, void *key);
+/* A requested save on the caller's own thread (thread per connection, or
+ * not queued): saver_save(force=1), counted so that saver_drain waits for
+ * it too; SAVER_STOPPING (err says so) once saver_drain began. */
+int saver_save_requested(saver *sv, char *path, size_t cap, int64_t *step, char *err,
+                         size_t errlen);
 /* At a stop, before the HTTP server stops (libmicrohttpd aborts when it
- * stops with a connection still suspended): queue no more requested saves,
- * and wait until every queued one is saved and its requester resumed with
- * the outcome (the save in progress finishes; the ones queued during it
- * share one more). Returns how many requests it waited for. */
+ * stops with a connection still suspended, and closes the connections whose
+ * request still runs): take no more requested saves, and wait until every
+ * queued one is saved and its requester resumed with the outcome (the save
+ * in progress finishes; the ones queued during it share one more), and
+ * until every saver_save_requested in progress returned. Returns how many
+ * requests it waited for. */
 int saver_drain(saver *sv);
-/* saver_drain began: requested saves are refused (thread per connection,
- * where a request saves on its own thread, asks this). */
-int saver_draining(saver *sv);
 
 /* Save now. force: even when nothing changed since the last checkpoint.
  * 0 saved (path and step of the file), 1 skipped (nothing changed: path and

@@ -1,0 +1,244 @@
+/* test_saver.c - server/saver.c's requested saves at a stop, and a request
+ * that ends without collecting its outcome: saver_drain waits for a save on
+ * a requester's own thread (saver_save_requested: thread per connection),
+ * refuses one that starts once it began, and saver_forget drops a job, done
+ * or still queued, so that a later requester with the same key gets a save
+ * of its own and a forgotten one is never resumed. Each write pauses 300 ms
+ * (RESTPS_TEST_SAVE_PAUSE_MS) so the saves overlap what the test does. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bufpool.h"
+#include "saver.h"
+#include "store.h"
+
+#define PAUSE_MS 300
+
+typedef struct fixture {
+    bufpool *pool;
+    store st;
+    saver *sv;
+    char dir[64];
+} fixture;
+
+static int setup(void **state)
+{
+    fixture *fx = calloc(1, sizeof(*fx));
+    if (!fx)
+        return -1;
+    snprintf(fx->dir, sizeof(fx->dir), "/tmp/test_saver.XXXXXX");
+    if (!mkdtemp(fx->dir))
+        return -1;
+    setenv("RESTPS_TEST_SAVE_PAUSE_MS", "300", 1);
+    fx->pool = bufpool_new((size_t)1 << 20);
+    if (!fx->pool || store_init(&fx->st, 0.5f, fx->pool) != STORE_OK)
+        return -1;
+    /* a variable: the test hook pauses a write half-way through its data */
+    tensor_shape sh = {.ndim = 1, .dims = {4}};
+    blob *b = blob_new(fx->pool, 16);
+    if (!b)
+        return -1;
+    memset(b->data, 0, 16);
+    int created;
+    uint64_t version;
+    if (store_put(&fx->st, "w", &sh, b, 0, &created, &version) != STORE_OK)
+        return -1;
+    ckpt_info ci = {0, 1};
+    fx->sv = saver_new(&fx->st, fx->pool, fx->dir, 0, 0, &ci);
+    if (!fx->sv || saver_start(fx->sv) != 0)
+        return -1;
+    *state = fx;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *fx = *state;
+    saver_free(fx->sv);
+    store_destroy(&fx->st);
+    bufpool_free(fx->pool);
+    DIR *d = opendir(fx->dir); /* the checkpoints (no subfolders) */
+    for (struct dirent *e; d && (e = readdir(d));) {
+        char p[PATH_MAX];
+        if (e->d_name[0] != '.' && snprintf(p, sizeof(p), "%s/%s", fx->dir, e->d_name) > 0)
+            unlink(p);
+    }
+    if (d)
+        closedir(d);
+    if (rmdir(fx->dir) != 0)
+        fprintf(stderr, "cannot remove %s\n", fx->dir);
+    free(fx);
+    return 0;
+}
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+/* A write is under way (paused half-way): its temp file is in the folder. */
+static void wait_for_a_write(const char *dir)
+{
+    for (int i = 0; i < 1000; i++) {
+        DIR *d = opendir(dir);
+        assert_non_null(d);
+        int n = 0;
+        for (struct dirent *e; (e = readdir(d));)
+            n += e->d_name[0] != '.';
+        closedir(d);
+        if (n)
+            return;
+        sleep_ms(5);
+    }
+    fail_msg("no write began in %s", dir);
+}
+
+static uint64_t saves(saver *sv)
+{
+    saver_stats s;
+    saver_get_stats(sv, &s);
+    return s.saves;
+}
+
+typedef struct sync_req {
+    saver *sv;
+    int rc;
+    char path[PATH_MAX], err[512];
+    int64_t step;
+} sync_req;
+
+static void *save_on_own_thread(void *arg)
+{
+    sync_req *q = arg;
+    q->rc = saver_save_requested(q->sv, q->path, sizeof(q->path), &q->step, q->err,
+                                 sizeof(q->err));
+    return NULL;
+}
+
+/* Thread per connection: a stop waits for the save on the requester's own
+ * thread (it used to stop with it half-way, past psd's 5 s grace closing the
+ * connection), and a request once the stop began is refused. */
+static void test_drain_waits_for_a_save_on_the_requesters_thread(void **state)
+{
+    fixture *fx = *state;
+    sync_req q = {.sv = fx->sv, .rc = 99};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, save_on_own_thread, &q), 0);
+    wait_for_a_write(fx->dir); /* the save is in its pause */
+    assert_int_equal(saver_drain(fx->sv), 1);
+    /* the save was written before drain returned */
+    assert_int_equal(saves(fx->sv), 1);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_int_equal(q.rc, 0);
+    assert_non_null(strstr(q.path, "model.ckpt-0.safetensors"));
+
+    sync_req late = {.sv = fx->sv, .rc = 99};
+    save_on_own_thread(&late);
+    assert_int_equal(late.rc, SAVER_STOPPING);
+    assert_string_equal(late.err, SAVER_STOPPING_MSG);
+    assert_int_equal(saves(fx->sv), 1);
+}
+
+static atomic_int resumed_a, resumed_b;
+static void resume_a(void *key)
+{
+    (void)key;
+    atomic_fetch_add(&resumed_a, 1);
+}
+static void resume_b(void *key)
+{
+    (void)key;
+    atomic_fetch_add(&resumed_b, 1);
+}
+
+static void wait_resumed(atomic_int *n, int want)
+{
+    for (int i = 0; i < 1000 && atomic_load(n) < want; i++)
+        sleep_ms(10);
+    assert_int_equal(atomic_load(n), want);
+}
+
+/* A done job whose requester left is dropped: the key gets nothing back, and
+ * a later request under the same key gets its own, later save. */
+static void test_forget_a_done_job(void **state)
+{
+    fixture *fx = *state;
+    int conn; /* stands for a connection's address */
+    char path[PATH_MAX], err[512];
+    int64_t step;
+    atomic_store(&resumed_a, 0);
+    assert_int_equal(saver_save_async(fx->sv, &conn, resume_a), 0);
+    wait_resumed(&resumed_a, 1);
+    saver_forget(fx->sv, &conn);
+    assert_int_equal(saver_result(fx->sv, &conn, path, sizeof(path), &step, err, sizeof(err)),
+                     -2);
+    saver_forget(fx->sv, &conn); /* nothing: fine */
+
+    /* the store moves on; the same key asks again: a save of now */
+    float g[4] = {1, 1, 1, 1};
+    int64_t gs = -1;
+    uint64_t version;
+    assert_int_equal(store_apply_grad(&fx->st, "w", g, 4, &gs, &version), STORE_OK);
+    assert_int_equal(gs, 1);
+    assert_int_equal(saver_save_async(fx->sv, &conn, resume_a), 0);
+    wait_resumed(&resumed_a, 2);
+    assert_int_equal(saver_result(fx->sv, &conn, path, sizeof(path), &step, err, sizeof(err)), 0);
+    assert_int_equal(step, 1);
+    assert_non_null(strstr(path, "model.ckpt-1.safetensors"));
+    assert_int_equal(saves(fx->sv), 2);
+}
+
+/* Jobs forgotten before their save is done (one taken by the save in
+ * progress, one queued behind it) are never resumed, and a stop does not
+ * wait for them. */
+static void test_forget_queued_jobs(void **state)
+{
+    fixture *fx = *state;
+    int a, b;
+    atomic_store(&resumed_a, 0);
+    atomic_store(&resumed_b, 0);
+    assert_int_equal(saver_save_async(fx->sv, &a, resume_a), 0);
+    wait_for_a_write(fx->dir); /* a's save is in its pause */
+    assert_int_equal(saver_save_async(fx->sv, &b, resume_b), 0);
+    saver_forget(fx->sv, &b);
+    saver_forget(fx->sv, &a);
+    double t0 = now_s();
+    assert_int_equal(saver_drain(fx->sv), 0);
+    assert_true(now_s() - t0 < 0.2); /* a's save is still paused */
+    sleep_ms(PAUSE_MS + 200); /* a's save is over */
+    assert_int_equal(atomic_load(&resumed_a), 0);
+    assert_int_equal(atomic_load(&resumed_b), 0);
+    assert_int_equal(saves(fx->sv), 1); /* a's only: b's was not run */
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_drain_waits_for_a_save_on_the_requesters_thread,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(test_forget_a_done_job, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_forget_queued_jobs, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
