@@ -27,6 +27,7 @@ int store_init(store *s, float learning_rate, bufpool *pool)
     optim_defaults(&s->config.optim, OPTIM_SGD, learning_rate);
     s->config.replicas_to_aggregate = 1;
     s->config.workers = 1;
+    atomic_store(&s->n_workers, 1);
     s->config.max_staleness = -1;
     s->config.staleness = -1;
     s->lease_ms = 10000;
@@ -664,6 +665,7 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
             atomic_store(&s->left[w], 0);
         }
         s->config = *c;
+        atomic_store(&s->n_workers, c->workers);
         s->learning_rate = c->optim.learning_rate;
         s->configured = 1;
     }
@@ -793,6 +795,7 @@ int store_restore(store *s, store_saved *sv)
     s->global_step = sv->global_step;
     if (sv->configured) { /* else the flags' configuration stays, as at start */
         s->config = sv->config;
+        atomic_store(&s->n_workers, sv->config.workers);
         s->learning_rate = sv->config.optim.learning_rate;
     }
     s->configured = sv->configured;
@@ -857,15 +860,16 @@ void store_clock_done(store *s, int worker, int64_t done)
 
 int64_t store_min_clock(store *s)
 {
+    /* lock-free (atomics only): the clock waiters call it under their mutex,
+     * which must not wait behind a writer applying a large gradient */
     int64_t now = store_now_ms(), m = INT64_MAX;
-    pthread_rwlock_rdlock(&s->lock);
-    for (int w = 0; w < s->config.workers; w++)
+    int n = atomic_load(&s->n_workers);
+    for (int w = 0; w < n && w < STORE_MAX_WORKERS; w++)
         if (!atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now) {
             int64_t d = atomic_load(&s->clock_done[w]);
             if (d < m)
                 m = d;
         }
-    pthread_rwlock_unlock(&s->lock);
     return m;
 }
 

@@ -126,6 +126,9 @@ typedef struct store {
      * started (announced by its pull) and the ones it completed (pushed) */
     _Atomic int64_t clock_started[STORE_MAX_WORKERS];
     _Atomic int64_t clock_done[STORE_MAX_WORKERS];
+    /* config.workers, set with it (under lock), for store_min_clock, which
+     * reads without the lock: the waiters read it under their own mutex */
+    _Atomic int n_workers;
     char *placement;          /* the chief's placement map (JSON text), or NULL */
 } store;
 
