@@ -470,7 +470,8 @@ void saver_forget(saver *sv, void *key)
             /* not resumed yet (the saver's thread looks only at the jobs
              * still listed when its save is over) */
             sv->n_queued--;
-            log_info("psd: checkpoints: a checkpoint request ended before its save: dropped");
+            log_info("psd: checkpoints: a checkpoint request ended before its save was done: "
+                     "not answered (a save already under way still completes)");
             pthread_cond_broadcast(&sv->done_cv);
         } else if (x->rc == 0) {
             log_info("psd: checkpoints: the client of the checkpoint request answered by %s "
