@@ -112,15 +112,40 @@ static int unpack(shards *sh, int i, size_t len, float *params)
     return rc;
 }
 
-/* Pull every shard at once; want[i] < 0: no wait. min_clock/clock > 0: the
- * stale-synchronous wait and announcement, on ps 0. */
-static int pull_all_clock(shards *sh, float *params, const int64_t *want, long timeout_ms,
-                          int worker, int64_t min_clock, int64_t clock, int64_t *step);
+/* Pull shards [from, to) at once (shard 0 always, the others when they hold
+ * part of the model); want[i] < 0: no wait. min_clock/clock > 0: the
+ * stale-synchronous wait and announcement, on ps 0. *step: ps 0's, when
+ * it is in the range. */
+static int pull_range(shards *sh, float *params, const int64_t *want, long timeout_ms, int worker,
+                      int64_t min_clock, int64_t clock, int from, int to, int64_t *step)
+{
+    ps_pull_req r[sh->n];
+    int n = 0;
+    for (int i = from; i < to; i++)
+        if (i == 0 || sh->s[i].n_p > 0) /* a ps that holds nothing of the model is left alone */
+            r[n++] = (ps_pull_req){.shard = i, .min_step = want[i], .timeout_ms = timeout_ms,
+                                   .worker = worker, .min_clock = i == 0 ? min_clock : 0,
+                                   .clock = i == 0 ? clock : 0, .buf = sh->s[i].rx,
+                                   .cap = sh->s[i].rx_cap};
+    if (n == 0)
+        return PS_OK;
+    int rc = ps_pull_params_many(sh->c, r, n);
+    if (rc != PS_OK)
+        return rc;
+    for (int k = 0; k < n; k++) {
+        if ((rc = unpack(sh, r[k].shard, r[k].len, params)) != PS_OK)
+            return rc;
+        sh->s[r[k].shard].step = r[k].global_step;
+        if (r[k].shard == 0)
+            *step = r[k].global_step;
+    }
+    return PS_OK;
+}
 
 static int pull_all(shards *sh, float *params, const int64_t *want, long timeout_ms, int worker,
                     int64_t *step)
 {
-    return pull_all_clock(sh, params, want, timeout_ms, worker, 0, 0, step);
+    return pull_range(sh, params, want, timeout_ms, worker, 0, 0, 0, sh->n, step);
 }
 
 int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_t min_clock,
@@ -129,30 +154,16 @@ int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_
     int64_t want[sh->n];
     for (int i = 0; i < sh->n; i++)
         want[i] = i == 0 ? 0 : -1;
-    return pull_all_clock(sh, params, want, timeout_ms, worker, min_clock, clock, step);
-}
-
-static int pull_all_clock(shards *sh, float *params, const int64_t *want, long timeout_ms,
-                          int worker, int64_t min_clock, int64_t clock, int64_t *step)
-{
-    ps_pull_req r[sh->n];
-    int n = 0;
-    for (int i = 0; i < sh->n; i++)
-        if (i == 0 || sh->s[i].n_p > 0) /* a ps that holds nothing of the model is left alone */
-            r[n++] = (ps_pull_req){.shard = i, .min_step = want[i], .timeout_ms = timeout_ms,
-                                   .worker = worker, .min_clock = i == 0 ? min_clock : 0,
-                                   .clock = i == 0 ? clock : 0, .buf = sh->s[i].rx,
-                                   .cap = sh->s[i].rx_cap};
-    int rc = ps_pull_params_many(sh->c, r, n);
+    if (min_clock <= 0)
+        return pull_range(sh, params, want, timeout_ms, worker, min_clock, clock, 0, sh->n, step);
+    /* the bound is waited for on ps 0; the other shards are read once it
+     * holds, so that they too have the slow workers' updates it waited for
+     * (read at the same time, they were as they stood before the wait) */
+    int rc = pull_range(sh, params, want, timeout_ms, worker, min_clock, clock, 0, 1, step);
     if (rc != PS_OK)
         return rc;
-    for (int k = 0; k < n; k++) {
-        if ((rc = unpack(sh, r[k].shard, r[k].len, params)) != PS_OK)
-            return rc;
-        sh->s[r[k].shard].step = r[k].global_step;
-    }
-    *step = r[0].global_step;
-    return PS_OK;
+    int64_t ignored;
+    return pull_range(sh, params, want, timeout_ms, worker, 0, 0, 1, sh->n, &ignored);
 }
 
 int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, int64_t *step)

@@ -58,7 +58,9 @@ int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int
 
 /* Async with a staleness bound: pull, first waiting (ps 0) until the slowest
  * live worker completed min_clock iterations, and announcing that this worker
- * starts iteration `clock`. */
+ * starts iteration `clock`; the other shards are read after ps 0 answered
+ * (one round trip more with several ps), so they hold what the wait waited
+ * for. */
 int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_t min_clock,
                     long timeout_ms, int64_t *step);
 
