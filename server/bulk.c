@@ -53,12 +53,12 @@ enum MHD_Result h_params_get(request *r)
      * wait for each other until the long poll's deadline. Taken once (not
      * again when a parked request resumes), and only from a caller that may
      * push (with --auth_token_file: the token), so a mere reader cannot lift
-     * the bound. */
+     * the bound. (Its push raised the count already, but for after a
+     * restart: only a raise re-levels the waiters.) */
     if (worker >= 0 && clock >= 0 && !r->parked &&
-        (!srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization")))) {
-        store_clock_done(&srv->store, (int)worker, clock);
+        (!srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization"))) &&
+        store_clock_done(&srv->store, (int)worker, clock))
         waiters_relevel(srv->clock_waiters);
-    }
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock) {

@@ -376,18 +376,6 @@ int saver_save_async(saver *sv, void *key, void (*resume)(void *key))
         pthread_mutex_unlock(&sv->mu);
         return -1;
     }
-    /* a done job for the same key is from a connection that went away
-     * before it collected it (its key may be reused now); saver_forget
-     * normally dropped it when that request ended */
-    for (job **pp = &sv->jobs; *pp;) {
-        job *x = *pp;
-        if (x->key == key && x->done) {
-            *pp = x->next;
-            free(x);
-        } else {
-            pp = &x->next;
-        }
-    }
     job *j = calloc(1, sizeof(*j));
     if (!j) {
         pthread_mutex_unlock(&sv->mu);

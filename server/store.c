@@ -848,14 +848,16 @@ void store_clock_start(store *s, int worker, int64_t clock)
         atomic_store(&s->clock_started[worker], clock);
 }
 
-void store_clock_done(store *s, int worker, int64_t done)
+int store_clock_done(store *s, int worker, int64_t done)
 {
     if (worker < 0 || worker >= STORE_MAX_WORKERS)
-        return;
+        return 0;
     /* max-only: a late or repeated report never lowers it */
     int64_t was = atomic_load(&s->clock_done[worker]);
-    while (done > was && !atomic_compare_exchange_weak(&s->clock_done[worker], &was, done)) {
-    }
+    while (done > was)
+        if (atomic_compare_exchange_weak(&s->clock_done[worker], &was, done))
+            return 1;
+    return 0;
 }
 
 int64_t store_min_clock(store *s)

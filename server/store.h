@@ -251,8 +251,9 @@ char *store_get_placement(store *s);
 /* Stale-synchronous clocks: worker announces it starts iteration `clock`. */
 void store_clock_start(store *s, int worker, int64_t clock);
 /* The worker has completed `done` iterations (a push of iteration done - 1,
- * or a pull announcing iteration done): raises its count, never lowers it. */
-void store_clock_done(store *s, int worker, int64_t done);
+ * or a pull announcing iteration done): raises its count, never lowers it.
+ * 1 when it raised it. */
+int store_clock_done(store *s, int worker, int64_t done);
 /* The fewest iterations completed by a live worker of the run (INT64_MAX
  * when none is live): a worker may start iteration k once this is >= k - S. */
 int64_t store_min_clock(store *s);

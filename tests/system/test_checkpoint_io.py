@@ -89,6 +89,19 @@ def post_in_background(url):
     return t, out
 
 
+def stop_then_checkpoint_is_refused(p, keep):
+    """SIGTERM to psd, then a checkpoint request on the connection kept alive
+    (new connections are refused once it stops): 503, nothing saved."""
+    os.kill(p.proc.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    keep.sendall(request_head("POST", "/v1/checkpoint"))
+    st, _, body = read_response(keep)
+    keep.close()
+    assert st == 503, body
+    assert json.loads(body)["error"] == ("psd is stopping: no checkpoint on request now (the final "
+                                         "checkpoint is written as psd exits)")
+
+
 SAVE_PAUSE_S = 6.5  # each write pauses this long (RESTPS_TEST_SAVE_PAUSE_MS)
 
 
@@ -138,13 +151,7 @@ def test_a_long_save_keeps_its_request_suspended_and_a_stop_waits_for_it(start_p
     wait_for(lambda: pauses() == 2, "the second save to start")
     paused_at = time.monotonic()
     time.sleep(0.3)
-    os.kill(p.proc.pid, signal.SIGTERM)
-    time.sleep(0.3)
-    keep.sendall(request_head("POST", "/v1/checkpoint"))
-    st, _, body = read_response(keep)
-    keep.close()
-    assert st == 503, body
-    assert "psd is stopping" in json.loads(body)["error"], body
+    stop_then_checkpoint_is_refused(p, keep)
     assert p.proc.wait(timeout=30) == 0, p.read_stderr()[-3000:]
     assert time.monotonic() - paused_at > SAVE_PAUSE_S - 0.3  # (paused_at is seen late)
     t.join(timeout=60)
@@ -171,14 +178,7 @@ def test_a_checkpoint_request_during_a_stop_is_refused_with_503(start_psd, tmp_p
     a = connect(p.port)
     a.sendall(request_head("PUT", "/v1/vars/w", ["X-Shape: 1024"], len(body)) + body[:1000])
     time.sleep(0.3)  # psd has the PUT (headers read, body in progress)
-    os.kill(p.proc.pid, signal.SIGTERM)
-    time.sleep(0.3)
-    keep.sendall(request_head("POST", "/v1/checkpoint"))
-    st, _, rb = read_response(keep)
-    keep.close()
-    assert st == 503, rb
-    assert json.loads(rb)["error"] == ("psd is stopping: no checkpoint on request now (the final "
-                                       "checkpoint is written as psd exits)")
+    stop_then_checkpoint_is_refused(p, keep)
     a.sendall(body[1000:])
     st, _, rb = read_response(a)
     a.close()

@@ -27,6 +27,19 @@ def rate(job, secs):
     return (job.step() - a) / (time.time() - t0)
 
 
+def ssp_leads(job, secs):
+    """For secs, every 10 ms: how far fast worker 0's started iteration is
+    ahead of slow worker 1's completed ones (from /v1/status)."""
+    leads = []
+    t0 = time.time()
+    while time.time() - t0 < secs:
+        _, _, body = http("GET", job.url + "/v1/status")
+        c = json.loads(body)["staleness"]["clocks"]
+        leads.append(c["0"]["started"] - c["1"]["done"])
+        time.sleep(0.01)
+    return leads
+
+
 def test_a_killed_sync_worker_stops_holding_up_the_steps_and_rejoins(jobs):
     steps = 1500 if ASAN else 6000
     args = ["--sync=1", "--hidden_units=32", "--batch_size=50", f"--train_steps={steps}",
@@ -148,13 +161,7 @@ def test_stale_synchronous_bound_holds_the_fast_worker_back(jobs):
     job.start_psd()
     procs = [job.worker(1, "--step_delay_ms=20"), job.worker(0, "--keep_ps")]
     job.wait_step(20)
-    leads = []
-    t0 = time.time()
-    while time.time() - t0 < 3:
-        st, _, body = http("GET", job.url + "/v1/status")
-        c = json.loads(body)["staleness"]["clocks"]
-        leads.append(c["0"]["started"] - c["1"]["done"])
-        time.sleep(0.01)
+    leads = ssp_leads(job, 3)
     steps = job.step()
     for p in procs:
         p.kill()
@@ -232,13 +239,7 @@ def test_stale_synchronous_workers_go_on_at_once_after_a_ps_restart(jobs):
     restored = job.step()
     moved = job.wait_step(restored + 20, timeout=60)
     secs = time.time() - t_restart
-    leads = []
-    t0 = time.time()
-    while time.time() - t0 < 1:
-        st, _, body = http("GET", job.url + "/v1/status")
-        c = json.loads(body)["staleness"]["clocks"]
-        leads.append(c["0"]["started"] - c["1"]["done"])
-        time.sleep(0.01)
+    leads = ssp_leads(job, 1)
     for p in procs:
         assert p.poll() is None, job.output(p)[-3000:]
         p.kill()
