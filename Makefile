@@ -3,7 +3,7 @@
 #   make asan       the same with AddressSanitizer + UBSan, into build/asan/
 #   make test       install what is missing, build both, run every test
 #   make bench      benchmarks against nginx, printing ratios
-#   make deps       apt-get what is missing (quiet, idempotent)
+#   make deps       apt-get (Debian) and pip (PyPI, into build/venv) what is missing (quiet, idempotent)
 #   make demo       train on Fashion-MNIST and show where to look
 #   make fuzz       run each libFuzzer harness FUZZ_SECS (60) s; tests/fuzz/
 
@@ -174,7 +174,7 @@ gpu-check:
 
 deps:
 	@sh scripts/deps.sh
-	@sh scripts/npm-deps.sh
+	@sh scripts/pydeps.sh
 	@sh scripts/promtool.sh
 
 test: deps

@@ -11,14 +11,12 @@
 set -eu
 PKGS="gcc make pkg-config ca-certificates curl openssl \
 libmicrohttpd-dev libgnutls28-dev libcurl4-openssl-dev libjansson-dev libopenblas-dev zlib1g-dev \
-libcmocka-dev python3 python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox \
+libcmocka-dev python3 python3-venv python3-pytest python3-numpy python3-yaml python3-crcmod gnuplot-nox \
 dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \
 clang-14 libclang-rt-14-dev \
 wrk valgrind"
 missing=""
-# Node.js and npm (for the OpenAPI validator): any install will do; Debian's when none
-command -v npm >/dev/null 2>&1 || missing="nodejs npm"
 for p in $PKGS; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing="$missing $p"

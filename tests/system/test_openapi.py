@@ -1,11 +1,12 @@
 """openapi/openapi.yaml against the real psd.
 
-- the spec is valid OpenAPI (swagger-parser, plus Ajv strict compilation of
-  every schema), and a broken copy is refused;
+- the spec is valid OpenAPI (openapi-spec-validator, plus every schema checked
+  against the JSON Schema meta-schema and for unknown keywords), and a broken
+  copy is refused;
 - every route, in every outcome that can be produced on demand (successes and
   each kind of error, with and without a bearer token), is recorded against
   live psd processes and every exchange is checked against the spec by
-  tests/contract/openapi_check.mjs; every documented (operation, status) pair
+  tests/contract/openapi_check.py (jsonschema); every documented (operation, status) pair
   must have been seen, and deliberately wrong copies of the exchanges must be
   caught;
 - `psd --routes` and the spec list the same paths and methods, and the write
@@ -14,14 +15,14 @@
 Checkpoints downloaded from GET /v1/checkpoint are read back with
 tests/system/ckpt_check.py (an independent reader of the format).
 
-Needs the Node packages of tests/contract (`make deps`); skips without them.
+Needs the test suite's PyPI environment, build/venv (`make deps`:
+tests/python/requirements.txt); skips without it.
 """
 import copy
 import http.client
 import json
 import math
 import os
-import shutil
 import struct
 import subprocess
 import threading
@@ -36,7 +37,8 @@ from conftest import ROOT, binary
 
 SPEC = os.path.join(ROOT, "openapi", "openapi.yaml")
 CONTRACT = os.path.join(ROOT, "tests", "contract")
-CHECKER = os.path.join(CONTRACT, "openapi_check.mjs")
+CHECKER = os.path.join(CONTRACT, "openapi_check.py")
+VENV_PYTHON = os.path.join(ROOT, "build", "venv", "bin", "python")
 TOKEN = "s3cret-Token_42"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # Statuses the spec documents that no request can produce on demand (out of
@@ -44,19 +46,15 @@ HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "tra
 NOT_PRODUCIBLE = {"500", "503"}
 
 
-def node_checker():
-    node = shutil.which("node")
-    if not node:
-        pytest.skip("node is not installed: run make deps")
-    if not os.path.isdir(os.path.join(CONTRACT, "node_modules")):
-        pytest.skip("tests/contract/node_modules is missing: run make deps")
-    return node
+def venv_python():
+    if not os.access(VENV_PYTHON, os.X_OK):
+        pytest.skip(f"{VENV_PYTHON} is missing (the PyPI packages of the tests): run make deps")
+    return VENV_PYTHON
 
 
 def run_checker(*args):
-    node = node_checker()
-    return subprocess.run([node, CHECKER] + list(args), cwd=CONTRACT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([venv_python(), CHECKER] + list(args), cwd=CONTRACT,
+                          capture_output=True, text=True, timeout=120)
 
 
 def load_spec():
@@ -1592,7 +1590,7 @@ def test_spec_is_valid_openapi(tmp_path):
 
 
 def test_live_responses_match_spec(start_psd, tmp_path):
-    node_checker()
+    venv_python()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     rec = Recorder()
