@@ -19,13 +19,13 @@ LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c server/conntrack.c
+             server/membership.c server/conntrack.c server/summaries.c
 CLIENT_SRC = client/libps.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
@@ -122,7 +122,7 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 # Unit tests (cmocka), one binary per module.
-UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp
+UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp test_tfevents
 IDX_OBJ = $(BUILD)/client/idx.o
 MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o
 

@@ -9,7 +9,10 @@
  * serves /v1/status and the monitoring page, writes a checkpoint every
  * --save_checkpoint_secs, at the end, on a stop and when the ring breaks, and
  * exports the model at the end. With --auth_token_file the ring endpoints
- * want the token on the pieces and the state fetch, and send it. */
+ * want the token on the pieces and the state fetch, and send it. The chief
+ * also writes TensorBoard event files in <logdir>/train/ (common/tfevents.h):
+ * "loss" (the mean over the tasks) every step, "global_step/sec",
+ * "examples/sec" (all tasks) and "learning_rate" once a second. */
 #include "train.h"
 
 #include <errno.h>
@@ -23,9 +26,11 @@
 #include "progress.h"
 #include "ring.h"
 #include "ring_ckpt.h"
+#include "tfevents.h"
 
 #define RING_START_SECS 120.0 /* the first exchange waits this long for everyone to start */
 #define RING_KEEP_CKPTS 5
+#define RING_EVENTS_FLUSH_MS 1000
 
 static double now_secs(void)
 {
@@ -34,10 +39,27 @@ static double now_secs(void)
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
+static double unix_secs(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
 static void sleep_ms(int ms)
 {
     struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
     nanosleep(&t, NULL);
+}
+
+/* The chief's rates at step: steps global steps in secs seconds, n tasks. */
+static void write_rates(tfevents *tb, const train_config *c, int n, int64_t step, int64_t steps,
+                        double secs)
+{
+    double wall = unix_secs(), sps = secs > 0 ? (double)steps / secs : 0.0;
+    tfevents_scalar(tb, "global_step/sec", step, wall, sps);
+    tfevents_scalar(tb, "examples/sec", step, wall, sps * n * c->batch_size);
+    tfevents_scalar(tb, "learning_rate", step, wall, c->optim.learning_rate);
 }
 
 /* Write a checkpoint of st (the chief); 0 or -1 after a message. */
@@ -77,6 +99,7 @@ int train_ring(const train_config *c)
     int cur = 0, ready = 0; /* ready: bp.x[cur], bp.y[cur] hold this step's batch */
     batcher b = {0};
     ring *r = NULL;
+    tfevents *tb = NULL; /* the chief's TensorBoard events, or NULL */
     rc = 1;
     if (!m || !params || !grads || !s0 || !s1 || !bp_ok ||
         batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
@@ -174,6 +197,14 @@ int train_ring(const train_config *c)
     }
     int64_t step = st.step;
     ring_set_progress(r, step, NAN);
+    if (chief && c->logdir && *c->logdir) {
+        char tbdir[4200];
+        snprintf(tbdir, sizeof(tbdir), "%s/train", c->logdir);
+        if (tfevents_open(&tb, "workerd", tbdir, RING_EVENTS_FLUSH_MS, NULL, NULL) == 0)
+            printf("%s: tensorboard event files go in %s\n", c->name, tbdir);
+        else
+            fprintf(stderr, "workerd: cannot start the tensorboard event writer: none written\n");
+    }
     printf("%s: training ring all-reduce, %s, %d tasks, batch %d, from global step %lld until %lld; "
            "left %s, right %s; %s\n",
            c->name, optim_name(c->optim.kind), n, c->batch_size, (long long)step,
@@ -184,6 +215,8 @@ int train_ring(const train_config *c)
     double t_start = now_secs(), t_log = t_start, t_saved = t_start, t_comm = 0;
     int64_t local = 0, ex_since = 0, saved_step = chief && st.step > 0 ? st.step : -1;
     int stopped = 0, broken = 0;
+    double t_rates = t_start;
+    int64_t rates_step = step;
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
     while (step < c->train_steps) {
@@ -241,6 +274,15 @@ int train_ring(const train_config *c)
         local++;
         ex_since += c->batch_size;
         ring_set_progress(r, step, mean_loss);
+        if (tb) {
+            double t = now_secs(), wall = unix_secs();
+            tfevents_scalar(tb, "loss", step, wall, mean_loss);
+            if (t - t_rates >= 1.0) {
+                write_rates(tb, c, n, step, step - rates_step, t - t_rates);
+                t_rates = t;
+                rates_step = step;
+            }
+        }
         if (c->log_param_hash) {
             printf("%s: global step %lld params crc32c %08x\n", c->name, (long long)step,
                    crc32c(params, np * 4));
@@ -265,6 +307,8 @@ int train_ring(const train_config *c)
         }
     }
     progress_clear(&bar);
+    if (tb && step > rates_step) /* the rates since the last point, at the last step */
+        write_rates(tb, c, n, step, step - rates_step, now_secs() - t_rates);
     st.step = step;
     if (chief && c->logdir && *c->logdir && step != saved_step && step > 0)
         save(c, r, &st);
@@ -296,6 +340,7 @@ int train_ring(const train_config *c)
     }
 out:
     fflush(stdout);
+    tfevents_close(tb); /* writes what is queued */
     ring_free(r);
     free(b.order);
     mlp_host_free(m, params); /* before mlp_free */

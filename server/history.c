@@ -15,6 +15,7 @@
 
 #include "log.h"
 #include "routes.h"
+#include "tfevents.h"
 
 /* ------------------------------------------------------------ one series */
 
@@ -45,13 +46,14 @@ static const hpoint *series_last(const series *s)
     return &s->ring[(s->ring_head + s->ring_n - 1) % HISTORY_RECENT];
 }
 
-static void series_push(series *s, const hpoint *p)
+/* 1 when p was kept (added, or replacing the last point of its step). */
+static int series_push(series *s, const hpoint *p)
 {
     hpoint *last = s->ring_n ? &s->ring[(s->ring_head + s->ring_n - 1) % HISTORY_RECENT] : NULL;
     if (last && p->step <= last->step) {
         if (p->step == last->step)
             *last = *p; /* the same step again: the newer values win */
-        return;
+        return p->step == last->step;
     }
     if (s->ring_n == HISTORY_RECENT) {
         const hpoint *old = &s->ring[s->ring_head];
@@ -70,6 +72,7 @@ static void series_push(series *s, const hpoint *p)
     }
     s->ring[(s->ring_head + s->ring_n) % HISTORY_RECENT] = *p;
     s->ring_n++;
+    return 1;
 }
 
 /* Copy the points with step > since, in order, to out (room for
@@ -119,8 +122,9 @@ typedef struct shard {
 struct history {
     int tls;               /* the other shards speak HTTPS */
     char tls_ca[4096];     /* CA file to trust for them ("" = the system's) */
-    pthread_mutex_t mu; /* the series and the rate samples */
+    pthread_mutex_t mu; /* the series, the rate samples, the event writers */
     series train, eval;
+    struct tfevents *ev_train, *ev_eval; /* TensorBoard (summaries.c), or NULL */
     struct {
         int64_t ms, step;
     } rate[RATE_SAMPLES];
@@ -351,7 +355,8 @@ void history_record(struct history *h, int64_t step, int has_loss, double loss)
         rate_sample(h, step, mono_ms());
     if (has_loss && isfinite(loss)) {
         hpoint p = {step, loss, 0, unix_now()};
-        series_push(&h->train, &p);
+        if (series_push(&h->train, &p)) /* under mu: the file keeps the history's order */
+            tfevents_scalar(h->ev_train, "loss", p.step, p.t, p.a);
     }
     pthread_mutex_unlock(&h->mu);
     feed_moved(h);
@@ -364,7 +369,10 @@ void history_record_eval(struct history *h, int64_t step, double loss, double ac
     if (isfinite(loss) && isfinite(accuracy)) {
         pthread_mutex_lock(&h->mu);
         hpoint p = {step, loss, accuracy, unix_now()};
-        series_push(&h->eval, &p);
+        if (series_push(&h->eval, &p)) {
+            tfevents_scalar(h->ev_eval, "loss", p.step, p.t, p.a);
+            tfevents_scalar(h->ev_eval, "accuracy", p.step, p.t, p.b);
+        }
         pthread_mutex_unlock(&h->mu);
     }
     feed_moved(h);
@@ -377,6 +385,22 @@ int64_t history_last_step(struct history *h)
     int64_t s = p ? p->step : 0;
     pthread_mutex_unlock(&h->mu);
     return s;
+}
+
+double history_steps_per_sec(struct history *h)
+{
+    pthread_mutex_lock(&h->mu);
+    double sps = steps_per_sec(h, mono_ms());
+    pthread_mutex_unlock(&h->mu);
+    return sps;
+}
+
+void history_set_events(struct history *h, struct tfevents *train, struct tfevents *eval)
+{
+    pthread_mutex_lock(&h->mu);
+    h->ev_train = train;
+    h->ev_eval = eval;
+    pthread_mutex_unlock(&h->mu);
 }
 
 /* The test hook: n steps of a decaying loss with a little deterministic

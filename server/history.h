@@ -49,6 +49,15 @@ void history_record(struct history *h, int64_t step, int has_loss, double loss);
 void history_record_eval(struct history *h, int64_t step, double loss, double accuracy);
 /* The highest step kept (0 when none). */
 int64_t history_last_step(struct history *h);
+/* /v1/status's steps_per_sec. */
+double history_steps_per_sec(struct history *h);
+
+/* TensorBoard (summaries.c): every training point kept from now on goes to
+ * train as "loss", every evaluator report kept to eval as "loss" and
+ * "accuracy", with the point's own step and time, so the event files hold
+ * what /v1/history answers. NULL, NULL detaches (before closing them). */
+struct tfevents;
+void history_set_events(struct history *h, struct tfevents *train, struct tfevents *eval);
 
 /* Add to the /v1/status object: "steps_per_sec" and "shards" (on ps 0 of a
  * cluster with several ps tasks: every ps task's summary, itself included

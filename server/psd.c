@@ -25,6 +25,7 @@
 #include "log.h"
 #include "routes.h"
 #include "saver.h"
+#include "summaries.h"
 #include "membership.h"
 #include "conntrack.h"
 #include "tls_priorities.h"
@@ -188,7 +189,7 @@ int main(int argc, char **argv)
         {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
         {"tls_priorities", FLAG_STRING, &tls_prio, "with --tls_cert: the GnuTLS priority string that picks the TLS versions and cipher suites (default " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order)", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) to trust for the other ps tasks' certificates (ps 0 polls their status; default: the system's)", 0},
-        {"logdir", FLAG_STRING, &logdir, "folder for checkpoints, as tf.train.Supervisor's logdir; this task's go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start (default ./logs); empty = no checkpoints", 0},
+        {"logdir", FLAG_STRING, &logdir, "folder for checkpoints and TensorBoard event files, as tf.train.Supervisor's logdir; this task's checkpoints go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start; ps 0 also writes TensorBoard's events.out.tfevents.* files: loss, global_step/sec, examples/sec, learning_rate, staleness in <logdir>/train/, the evaluator's loss and accuracy in <logdir>/eval/ (default ./logs); empty = no checkpoints, no event files", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
         {"keep_checkpoints", FLAG_INT, &keep_ckpts, "keep the newest this many checkpoints (default 5)", 0},
         {"worker_lease_secs", FLAG_FLOAT, &lease_secs, "sync: a worker not heard from for this long no longer holds up a step (it counts again from its next request; default 10)", 0},
@@ -363,6 +364,7 @@ int main(int argc, char **argv)
     } else {
         log_info("psd: --logdir is empty: no checkpoints");
     }
+    summaries_start(srv, logdir); /* ps 0: TensorBoard event files, from the restored step on */
     waiters_step(srv->waiters, srv->store.global_step);
     random_instance(srv->instance);
     clock_gettime(CLOCK_MONOTONIC, &srv->started);
@@ -472,6 +474,7 @@ int main(int argc, char **argv)
     fd = -1;
     conntrack_stop(srv->conntrack);
     membership_stop(srv->membership);
+    summaries_stop(srv); /* nothing records any more: write the rest of the events */
     int status = 0;
     if (srv->saver) {
         /* nothing changes any more: the last checkpoint holds everything */
