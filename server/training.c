@@ -187,34 +187,17 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
                  "optimizer must be \"sgd\", \"momentum\", \"adam\", \"adagrad\" or \"rmsprop\"");
         return -1;
     }
-    double lr = 0.01;
-    if (num_field(j, "learning_rate", &lr) < 0 || !(lr > 0) || !isfinite(lr)) {
-        snprintf(err, errlen, "learning_rate must be a positive number");
+    /* each value is checked as the float it is stored as: 1e-50 is not a
+     * positive learning rate once it is 0.0f, nor 0.99999999999 a beta below 1 */
+    float lr = 0.01f;
+    if (float_field(j, "learning_rate", positive, "a positive number", &lr, err, errlen) < 0)
         return -1;
-    }
-    optim_defaults(&c->optim, kind, (float)lr);
-    double x;
-    int k;
-    if ((k = num_field(j, "momentum", &x)) < 0 || (k && !(x >= 0 && x < 1))) {
-        snprintf(err, errlen, "momentum must be in [0, 1)");
+    optim_defaults(&c->optim, kind, lr);
+    if (float_field(j, "momentum", fraction, "in [0, 1)", &c->optim.momentum, err, errlen) < 0 ||
+        float_field(j, "beta1", fraction, "in [0, 1)", &c->optim.beta1, err, errlen) < 0 ||
+        float_field(j, "beta2", fraction, "in [0, 1)", &c->optim.beta2, err, errlen) < 0 ||
+        float_field(j, "epsilon", positive, "a positive number", &c->optim.epsilon, err, errlen) < 0)
         return -1;
-    } else if (k)
-        c->optim.momentum = (float)x;
-    if ((k = num_field(j, "beta1", &x)) < 0 || (k && !(x >= 0 && x < 1))) {
-        snprintf(err, errlen, "beta1 must be in [0, 1)");
-        return -1;
-    } else if (k)
-        c->optim.beta1 = (float)x;
-    if ((k = num_field(j, "beta2", &x)) < 0 || (k && !(x >= 0 && x < 1))) {
-        snprintf(err, errlen, "beta2 must be in [0, 1)");
-        return -1;
-    } else if (k)
-        c->optim.beta2 = (float)x;
-    if ((k = num_field(j, "epsilon", &x)) < 0 || (k && !(x > 0 && isfinite(x)))) {
-        snprintf(err, errlen, "epsilon must be a positive number");
-        return -1;
-    } else if (k)
-        c->optim.epsilon = (float)x;
     if (parse_optim_extras(j, &c->optim, err, errlen) != 0)
         return -1;
     json_t *sync = json_object_get(j, "sync");

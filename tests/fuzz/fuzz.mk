@@ -5,10 +5,14 @@
 #                      corpus; fails on any crash, leak or sanitizer report
 #   make fuzz-replay   build them and run each once over tests/fuzz/corpus/<harness>/
 #                      (part of make test; JUnit XML into FUZZ_XML_DIR)
+#   make fuzz-api      schemathesis (build/venv, make deps) against openapi.yaml and
+#                      a live psd with FUZZ_API_EXAMPLES (200) examples per operation,
+#                      the checks of tests/system/test_schemathesis.py (part of make fuzz)
 # clang with -fsanitize=fuzzer,address,undefined; the project's sources are
 # compiled again for it into $(FUZZ_BUILD) (the gcc build is not reused).
 
-.PHONY: fuzz fuzz-replay fuzz-bins
+.PHONY: fuzz fuzz-replay fuzz-bins fuzz-api
+FUZZ_API_EXAMPLES ?= 200
 FUZZ_CC    ?= $(firstword $(shell command -v clang-14 clang 2>/dev/null) clang)
 FUZZ_BUILD ?= $(BUILD)/fuzz
 FUZZ_SECS  ?= 60
@@ -60,7 +64,7 @@ fuzz-bins: $(FUZZ_HARNESSES:%=$(FUZZ_BUILD)/bin/%)
 # ASan's leak check and UBSan stop the run at the first report.
 FUZZ_ENV = ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
-fuzz: fuzz-bins
+fuzz: fuzz-bins fuzz-api
 	@for h in $(FUZZ_HARNESSES); do \
 	  mkdir -p $(FUZZ_WORK)/$$h $(FUZZ_WORK)/crashes; \
 	  echo "fuzz: $$h for $(FUZZ_SECS) s (new inputs in $(FUZZ_WORK)/$$h)"; \
@@ -71,6 +75,12 @@ fuzz: fuzz-bins
 	    || { tail -40 $(FUZZ_WORK)/$$h.log; echo "fuzz: $$h FAILED (log $(FUZZ_WORK)/$$h.log)"; exit 1; }; \
 	  grep -E '^stat::number_of_executed_units' $(FUZZ_WORK)/$$h.log; \
 	done
+
+# The HTTP contract: the bounded run of make test, with many more examples
+# (a few minutes at 200); fails on any finding. Skipped (and says so) without build/venv.
+fuzz-api: $(BIN)/psd
+	RESTPS_BIN_DIR=$(BIN) RESTPS_ST_EXAMPLES=$(FUZZ_API_EXAMPLES) RESTPS_ST_TIMEOUT=3600 \
+	  pytest-3 -q -rs -p no:cacheprovider tests/system/test_schemathesis.py -k every_
 
 # Each harness replays its corpus once (no mutation): one JUnit test case per
 # harness; without clang every case is skipped with the reason.
