@@ -66,7 +66,7 @@ $(info restps: CPU-only build (no CUDA backend: CUDA=0 or no nvcc))
 endif
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
-SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(BUILD)/web_assets.o
+SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
@@ -74,12 +74,17 @@ LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_C
 # COMMON_OBJ, whose users (libps.a, the unit tests) do not link GnuTLS
 TLS_OBJ = $(BUILD)/common/tls_priorities.o
 
+# The monitoring page (common/web_assets.h): the lookup and the generated table
+WEB_OBJ = $(BUILD)/common/web_assets.o $(BUILD)/common/web_assets_table.o
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
 .PHONY: gpu-check all asan test test-unit test-system deps bench demo clean help
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress $(BIN)/ring_allreduce
 
 # sqrtf in the optimizers' loops vectorizes only when it need not set errno
+# client/ never includes server/ (common/ holds what both use)
+$(BUILD)/client/%.o: CFLAGS := $(filter-out -Iserver,$(CFLAGS))
+
 $(BUILD)/common/optim.o: CFLAGS += -fno-math-errno
 
 $(BUILD)/%.o: %.c
@@ -90,12 +95,12 @@ $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -Icommon -Iclient -MMD -MP -c -o $@ $<
 
-# The monitoring page, compiled in: one binary deploys.
-$(BUILD)/web_assets.c: web/index.html web/app.js web/style.css scripts/embed_web.sh
+# The monitoring page, compiled in: one binary deploys (psd, and workerd for a ring's chief).
+$(BUILD)/common/web_assets_table.c: web/index.html web/app.js web/style.css scripts/embed_web.sh
 	@mkdir -p $(dir $@)
 	sh scripts/embed_web.sh web > $@.tmp && mv $@.tmp $@
 
-$(BUILD)/web_assets.o: $(BUILD)/web_assets.c
+$(BUILD)/common/web_assets_table.o: $(BUILD)/common/web_assets_table.c
 	$(CC) $(CFLAGS) -c -o $@ $<
 
 $(BUILD)/libps.a: $(CLIENT_OBJ) $(COMMON_OBJ)
@@ -107,12 +112,12 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(BUILD)/web_assets.o $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
 # One member of a ring all-reduce, no model (tests/system/test_ring.py, bench/ring.py).
-$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(TLS_OBJ) $(BUILD)/web_assets.o $(COMMON_OBJ)
+$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(TLS_OBJ) $(WEB_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lgnutls $(LDLIBS_CLIENT)
 

@@ -22,7 +22,7 @@
 #include "pem.h"
 #include "tls_priorities.h"
 #include "token.h"
-#include "web.h"
+#include "web_assets.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "ring.c sends the host's floats as little-endian float32"
@@ -344,10 +344,8 @@ static enum MHD_Result on_get(ring *r, struct MHD_Connection *c, const char *url
     }
     if (strcmp(url, "/v1/ring/chunk") == 0)
         return reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
-    for (size_t i = 0; i < n_web_assets; i++) {
-        const struct web_asset *a = &web_assets[i];
-        if (strcmp(a->path, url) != 0)
-            continue;
+    const struct web_asset *a = web_asset_find(url);
+    if (a) {
         struct MHD_Response *resp =
             MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
         if (!resp)
