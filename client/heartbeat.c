@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "clock.h"
+
 struct heartbeat {
     ps_client *pc;
     int worker;
@@ -26,14 +28,7 @@ static void *beat(void *arg)
         for (int i = 0; i < ps_shards(h->pc); i++)
             ps_json(h->pc, i, "POST", "/v1/heartbeat", body, 1, NULL);
         pthread_mutex_lock(&h->mu);
-        struct timespec at;
-        clock_gettime(CLOCK_MONOTONIC, &at);
-        at.tv_sec += h->interval_ms / 1000;
-        at.tv_nsec += (h->interval_ms % 1000) * 1000000L;
-        if (at.tv_nsec >= 1000000000L) {
-            at.tv_sec++;
-            at.tv_nsec -= 1000000000L;
-        }
+        struct timespec at = clk_mono_after_ms(h->interval_ms);
         while (!h->stop && pthread_cond_timedwait(&h->cv, &h->mu, &at) != ETIMEDOUT) {
         }
     }

@@ -5,18 +5,14 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
+#include "clock.h"
+
 
 void progress_init(progress *p, const char *name, int64_t total_steps, int on)
 {
     p->on = on < 0 ? isatty(STDOUT_FILENO) : on;
     p->total = total_steps;
-    p->t0 = now();
+    p->t0 = clk_mono_secs();
     p->last_draw = 0;
     p->step0 = -1;
     p->name = name;
@@ -36,7 +32,7 @@ void progress_update(progress *p, int64_t step, double loss, double examples_per
 {
     if (!p->on)
         return;
-    double t = now();
+    double t = clk_mono_secs();
     if (p->step0 < 0) {
         p->step0 = step;
         p->t0 = t;

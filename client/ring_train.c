@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "crc32c.h"
 #include "progress.h"
 #include "ring.h"
@@ -31,20 +32,6 @@
 #define RING_START_SECS 120.0 /* the first exchange waits this long for everyone to start */
 #define RING_KEEP_CKPTS 5
 #define RING_EVENTS_FLUSH_MS 1000
-
-static double now_secs(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
-static double unix_secs(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
 
 static void sleep_ms(int ms)
 {
@@ -56,7 +43,7 @@ static void sleep_ms(int ms)
 static void write_rates(tfevents *tb, const train_config *c, int n, int64_t step, int64_t steps,
                         double secs)
 {
-    double wall = unix_secs(), sps = secs > 0 ? (double)steps / secs : 0.0;
+    double wall = clk_unix_secs(), sps = secs > 0 ? (double)steps / secs : 0.0;
     tfevents_scalar(tb, "global_step/sec", step, wall, sps);
     tfevents_scalar(tb, "examples/sec", step, wall, sps * n * c->batch_size);
     tfevents_scalar(tb, "learning_rate", step, wall, c->optim.learning_rate);
@@ -212,7 +199,7 @@ int train_ring(const train_config *c)
            ring_peer(r, (c->trainer + 1) % n), mlp_device_describe(c->threads));
     fflush(stdout);
 
-    double t_start = now_secs(), t_log = t_start, t_saved = t_start, t_comm = 0;
+    double t_start = clk_mono_secs(), t_log = t_start, t_saved = t_start, t_comm = 0;
     int64_t local = 0, ex_since = 0, saved_step = chief && st.step > 0 ? st.step : -1;
     int stopped = 0, broken = 0;
     double t_rates = t_start;
@@ -239,9 +226,9 @@ int train_ring(const train_config *c)
         grads[np] = (float)loss;
         if (c->step_delay_ms > 0) /* test hook: a slow worker */
             sleep_ms(c->step_delay_ms);
-        double t0 = now_secs();
+        double t0 = clk_mono_secs();
         int arc = ring_allreduce(r, step, grads, local == 0 ? RING_START_SECS : 0, err, sizeof(err));
-        t_comm += now_secs() - t0;
+        t_comm += clk_mono_secs() - t0;
         if (arc == -2) {
             stopped = 1;
             break;
@@ -275,7 +262,7 @@ int train_ring(const train_config *c)
         ex_since += c->batch_size;
         ring_set_progress(r, step, mean_loss);
         if (tb) {
-            double t = now_secs(), wall = unix_secs();
+            double t = clk_mono_secs(), wall = clk_unix_secs();
             tfevents_scalar(tb, "loss", step, wall, mean_loss);
             if (t - t_rates >= 1.0) {
                 write_rates(tb, c, n, step, step - rates_step, t - t_rates);
@@ -289,9 +276,9 @@ int train_ring(const train_config *c)
             fflush(stdout);
         }
         progress_update(&bar, step, mean_loss,
-                        (double)(local * c->batch_size) / (now_secs() - t_start));
+                        (double)(local * c->batch_size) / (clk_mono_secs() - t_start));
         if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
-            double t = now_secs();
+            double t = clk_mono_secs();
             printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
                    (long long)local, (long long)step, mean_loss, (double)ex_since / (t - t_log));
             fflush(stdout);
@@ -299,20 +286,20 @@ int train_ring(const train_config *c)
             ex_since = 0;
         }
         if (chief && c->logdir && *c->logdir && c->save_checkpoint_secs > 0 &&
-            now_secs() - t_saved >= c->save_checkpoint_secs) {
+            clk_mono_secs() - t_saved >= c->save_checkpoint_secs) {
             st.step = step;
             if (save(c, r, &st) == 0)
                 saved_step = step;
-            t_saved = now_secs();
+            t_saved = clk_mono_secs();
         }
     }
     progress_clear(&bar);
     if (tb && step > rates_step) /* the rates since the last point, at the last step */
-        write_rates(tb, c, n, step, step - rates_step, now_secs() - t_rates);
+        write_rates(tb, c, n, step, step - rates_step, clk_mono_secs() - t_rates);
     st.step = step;
     if (chief && c->logdir && *c->logdir && step != saved_step && step > 0)
         save(c, r, &st);
-    double secs = now_secs() - t_start;
+    double secs = clk_mono_secs() - t_start;
     uint64_t sent = ring_bytes_sent(r);
     int64_t ars = ring_allreduces(r);
     printf("%s: ring: %lld all-reduces, %llu bytes sent (%.0f per step; 2(N-1)/N x %zu bytes = %.0f), "

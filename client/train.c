@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 #include "heartbeat.h"
 #include "progress.h"
@@ -47,13 +48,6 @@ void train_handle_signals(void)
 }
 
 int train_stop_requested(void) { return stop_flag != 0; }
-
-static double now_secs(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
 
 static void sleep_secs(double s)
 {
@@ -239,10 +233,10 @@ static void wait_for_all(const train_config *c, ps_client *pc, const char *path,
                 printf("%s: stopped by a signal while waiting for %s\n", c->name, what);
                 exit(0);
             }
-            if (now_secs() - last_said > 5) {
+            if (clk_mono_secs() - last_said > 5) {
                 printf("%s: waiting for %s: %s\n", c->name, what, ps_error(pc));
                 fflush(stdout);
-                last_said = now_secs();
+                last_said = clk_mono_secs();
             }
             sleep_secs(c->recovery_wait_secs);
         }
@@ -350,7 +344,7 @@ static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *
 /* After the chief's last step: wait (bounded) for the others to finish. */
 static void chief_wait_others(const train_config *c, ps_client *pc)
 {
-    double start = now_secs(), said = start;
+    double start = clk_mono_secs(), said = start;
     for (;;) {
         json_t *st;
         if (ps_status(pc, 0, &st) != PS_OK)
@@ -361,14 +355,14 @@ static void chief_wait_others(const train_config *c, ps_client *pc)
         done = done > 0 ? done - 1 : 0;
         if (done >= c->n_trainers - 1)
             return;
-        if (now_secs() - start > 60 || stop_flag) {
+        if (clk_mono_secs() - start > 60 || stop_flag) {
             printf("%s: %d of %d other tasks said they finished; not waiting longer\n", c->name,
                    done, c->n_trainers - 1);
             return;
         }
-        if (now_secs() - said > 5) {
+        if (clk_mono_secs() - said > 5) {
             printf("%s: waiting for %d other tasks to finish\n", c->name, c->n_trainers - 1 - done);
-            said = now_secs();
+            said = clk_mono_secs();
         }
         sleep_secs(0.1);
     }
@@ -467,7 +461,7 @@ int train_worker(const train_config *c)
     if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
         nonce = (unsigned)getpid();
     int64_t step = 0, local = 0, last_step = 0, ex_since = 0, k = -1, pushes = 0;
-    double t_log = now_secs(), t_start = t_log;
+    double t_log = clk_mono_secs(), t_start = t_log;
     int stopped = 0, near_end = 0, ran_out = 0;
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
@@ -568,9 +562,9 @@ int train_worker(const train_config *c)
         if (!sync)
             last_step = after;
         progress_update(&bar, sync ? step + 1 : after, loss,
-                        (double)(local * c->batch_size) / (now_secs() - t_start));
+                        (double)(local * c->batch_size) / (clk_mono_secs() - t_start));
         if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
-            double t = now_secs();
+            double t = clk_mono_secs();
             printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
                    (long long)local, (long long)(sync ? step : after), loss,
                    (double)ex_since / (t - t_log));
@@ -617,7 +611,7 @@ int train_worker(const train_config *c)
     for (int i = 0; i < ps_shards(pc); i++)
         ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
     json_decref(done);
-    double secs = now_secs() - t_start;
+    double secs = clk_mono_secs() - t_start;
     printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
            (long long)local, secs, (double)local / secs);
     fflush(stdout);
@@ -760,7 +754,7 @@ int train_local(const train_config *c)
     printf("%s: training locally (no ps), %s, batch %d, %lld steps; %s\n",
            c->name, optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps,
            mlp_device_describe(c->threads));
-    double t_log = now_secs(), t0 = t_log;
+    double t_log = clk_mono_secs(), t0 = t_log;
     int64_t ex_since = 0;
     progress bar;
     progress_init(&bar, c->name, c->train_steps, -1);
@@ -791,9 +785,9 @@ int train_local(const train_config *c)
         }
         ex_since += c->batch_size;
         progress_update(&bar, step + 1, loss,
-                        (double)((step + 1) * c->batch_size) / (now_secs() - t0));
+                        (double)((step + 1) * c->batch_size) / (clk_mono_secs() - t0));
         if (!bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
-            double t = now_secs();
+            double t = clk_mono_secs();
             printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1),
                    loss, (double)ex_since / (t - t_log));
             fflush(stdout);
@@ -802,7 +796,7 @@ int train_local(const train_config *c)
         }
     }
     progress_clear(&bar);
-    double secs = now_secs() - t0;
+    double secs = clk_mono_secs() - t0;
     printf("%s: %lld steps in %.2f s: %.1f steps/s\n", c->name, (long long)c->train_steps, secs,
            (double)c->train_steps / secs);
     rc = final_report(c, m, params, &ds, c->train_steps) != 0;

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "crc32c.h"
 #include "log.h"
 
@@ -152,13 +153,6 @@ struct tfevents {
     pthread_t thread;
 };
 
-static double unix_now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
 void tfevents_scalar(tfevents *w, const char *tag, int64_t step, double wall_time, double value)
 {
     if (!w)
@@ -269,7 +263,7 @@ static int create_file(tfevents *w)
         return rc;
     }
     unsigned char ev[64], rec[64 + TFEVENTS_FRAME_BYTES];
-    int n = tfevents_encode_version(ev, sizeof(ev), unix_now());
+    int n = tfevents_encode_version(ev, sizeof(ev), clk_unix_secs());
     size_t len = tfevents_frame(rec, ev, (size_t)n);
     if ((rc = write_all(w->fd, rec, len)) < 0) {
         io_failed(w, "write", rc);
@@ -325,14 +319,7 @@ static void *flush_main(void *arg)
 {
     tfevents *w = arg;
     for (;;) {
-        struct timespec at;
-        clock_gettime(CLOCK_MONOTONIC, &at);
-        at.tv_sec += w->flush_ms / 1000;
-        at.tv_nsec += (long)(w->flush_ms % 1000) * 1000000L;
-        if (at.tv_nsec >= 1000000000L) {
-            at.tv_sec++;
-            at.tv_nsec -= 1000000000L;
-        }
+        struct timespec at = clk_mono_after_ms(w->flush_ms);
         pthread_mutex_lock(&w->mu);
         while (!w->stop && pthread_cond_timedwait(&w->cv, &w->mu, &at) != ETIMEDOUT) {
         }

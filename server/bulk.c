@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "routes.h"
 #include "workers.h"
 
@@ -63,12 +64,12 @@ enum MHD_Result h_params_get(request *r)
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock) {
         if (srv->cfg.http_threads == 0) {
-            waiters_block(srv->clock_waiters, r->conn, min_clock, waiters_now_ms() + timeout_ms);
+            waiters_block(srv->clock_waiters, r->conn, min_clock, clk_mono_ms() + timeout_ms);
         } else {
             r->parked = 1;
             r->parked_on = srv->clock_waiters;
             MHD_suspend_connection(r->conn);
-            waiters_add(srv->clock_waiters, r->conn, min_clock, waiters_now_ms() + timeout_ms,
+            waiters_add(srv->clock_waiters, r->conn, min_clock, clk_mono_ms() + timeout_ms,
                         &r->resumed);
             return MHD_YES;
         }
@@ -98,14 +99,14 @@ enum MHD_Result h_params_get(request *r)
         store_snaps_release(v, n);
         if (srv->cfg.http_threads == 0) {
             /* this connection has its own thread: wait in it */
-            waiters_block(srv->waiters, r->conn, min_step, waiters_now_ms() + timeout_ms);
+            waiters_block(srv->waiters, r->conn, min_step, clk_mono_ms() + timeout_ms);
             if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
                 return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
         } else {
             r->parked = 1;
             r->parked_on = srv->waiters;
             MHD_suspend_connection(r->conn);
-            waiters_add(srv->waiters, r->conn, min_step, waiters_now_ms() + timeout_ms,
+            waiters_add(srv->waiters, r->conn, min_step, clk_mono_ms() + timeout_ms,
                         &r->resumed);
             return MHD_YES;
         }

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "clock.h"
 #include "log.h"
 
 typedef struct entry {
@@ -30,13 +31,6 @@ struct conntrack {
     long long timeout_ms;
 };
 
-static long long now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 void conntrack_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
                       enum MHD_ConnectionNotificationCode toe)
 {
@@ -51,7 +45,7 @@ void conntrack_notify(void *cls, struct MHD_Connection *conn, void **socket_cont
         e->peer_len = sizeof(e->peer);
         if (getpeername(e->fd, (struct sockaddr *)&e->peer, &e->peer_len) != 0)
             e->peer_len = 0;
-        atomic_store(&e->since_ms, now_ms());
+        atomic_store(&e->since_ms, clk_mono_ms());
         pthread_mutex_lock(&t->mu);
         e->next = t->head;
         if (t->head)
@@ -92,7 +86,7 @@ void conntrack_request_ends(struct MHD_Connection *conn)
 {
     entry *e = entry_of(conn);
     if (e) {
-        atomic_store(&e->since_ms, now_ms());
+        atomic_store(&e->since_ms, clk_mono_ms());
         atomic_store(&e->in_request, 0);
     }
 }
@@ -111,18 +105,12 @@ static void *reap(void *arg)
     struct conntrack *t = arg;
     pthread_mutex_lock(&t->mu);
     while (!t->stop) {
-        struct timespec at;
-        clock_gettime(CLOCK_MONOTONIC, &at);
-        at.tv_nsec += 250 * 1000000L;
-        if (at.tv_nsec >= 1000000000L) {
-            at.tv_sec++;
-            at.tv_nsec -= 1000000000L;
-        }
+        struct timespec at = clk_mono_after_ms(250);
         while (!t->stop && pthread_cond_timedwait(&t->cv, &t->mu, &at) != ETIMEDOUT) {
         }
         if (t->stop)
             break;
-        long long now = now_ms();
+        long long now = clk_mono_ms();
         int n = 0;
         for (entry *e = t->head; e; e = e->next)
             if (!e->cut && !atomic_load(&e->in_request) &&

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "jsonmem.h"
 #include "history.h"
 #include "routes.h"
@@ -87,7 +88,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
         }
         if (history_stopped(h))
             return MHD_CONTENT_READER_END_OF_STREAM;
-        int64_t now = waiters_now_ms();
+        int64_t now = clk_mono_ms();
         uint64_t version = history_version(h);
         int due = c->need_first || version != c->seen;
         if (due && now - c->last_event_ms >= EVENTS_MIN_GAP_MS) {
@@ -158,7 +159,7 @@ enum MHD_Result h_events(request *r)
         if (!*end && !errno && id == step)
             c->need_first = 0; /* seen already: wait for the next change */
     }
-    int64_t now = waiters_now_ms();
+    int64_t now = clk_mono_ms();
     c->last_event_ms = now - EVENTS_MIN_GAP_MS;
     c->last_write_ms = now;
     c->out = strdup("retry: 1000\n\n");

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "log.h"
 #include "routes.h"
 #include "tfevents.h"
@@ -152,26 +153,6 @@ struct history {
     int curl_inited;
 };
 
-static int64_t mono_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
-static double unix_now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
-static struct timespec abs_mono(int64_t ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    return ts;
-}
-
 /* ---------------------------------------------------------- the feed */
 
 /* Resume and unlink the parked entries pred selects. Caller holds feed_mu. */
@@ -209,7 +190,7 @@ static void *timer_main(void *arg)
     struct history *h = arg;
     pthread_mutex_lock(&h->feed_mu);
     while (!h->stopping) {
-        int64_t now = mono_ms();
+        int64_t now = clk_mono_ms();
         resume_where(h, deadline_passed, now);
         if (!h->parked) {
             pthread_cond_wait(&h->timer_cv, &h->feed_mu); /* idle: no wakeups at all */
@@ -219,7 +200,7 @@ static void *timer_main(void *arg)
         for (parked *x = h->parked; x; x = x->next)
             if (x->deadline_ms < next)
                 next = x->deadline_ms;
-        struct timespec ts = abs_mono(next);
+        struct timespec ts = clk_ts_of_ms(next);
         pthread_cond_timedwait(&h->timer_cv, &h->feed_mu, &ts);
     }
     pthread_mutex_unlock(&h->feed_mu);
@@ -251,7 +232,7 @@ int history_park(struct history *h, struct MHD_Connection *conn, uint64_t seen,
     parked *x = malloc(sizeof(*x));
     pthread_mutex_lock(&h->feed_mu);
     if (!x || h->stopping || (seen != HISTORY_NO_WAKE && seen != h->version) ||
-        mono_ms() >= deadline_ms) {
+        clk_mono_ms() >= deadline_ms) {
         pthread_mutex_unlock(&h->feed_mu);
         free(x);
         if (!x) { /* out of memory: a short nap rather than a busy loop */
@@ -272,11 +253,11 @@ int history_park(struct history *h, struct MHD_Connection *conn, uint64_t seen,
 
 void history_wait(struct history *h, uint64_t seen, int64_t deadline_ms)
 {
-    struct timespec ts = abs_mono(deadline_ms);
+    struct timespec ts = clk_ts_of_ms(deadline_ms);
     pthread_mutex_lock(&h->feed_mu);
     h->n_blocked++;
     while (!h->stopping && (seen == HISTORY_NO_WAKE || seen == h->version) &&
-           mono_ms() < deadline_ms)
+           clk_mono_ms() < deadline_ms)
         if (pthread_cond_timedwait(&h->feed_cv, &h->feed_mu, &ts) == ETIMEDOUT)
             break;
     h->n_blocked--;
@@ -352,9 +333,9 @@ void history_record(struct history *h, int64_t step, int has_loss, double loss)
         return;
     pthread_mutex_lock(&h->mu);
     if (step > h->cur_step)
-        rate_sample(h, step, mono_ms());
+        rate_sample(h, step, clk_mono_ms());
     if (has_loss && isfinite(loss)) {
-        hpoint p = {step, loss, 0, unix_now()};
+        hpoint p = {step, loss, 0, clk_unix_secs()};
         if (series_push(&h->train, &p)) /* under mu: the file keeps the history's order */
             tfevents_scalar(h->ev_train, "loss", p.step, p.t, p.a);
     }
@@ -368,7 +349,7 @@ void history_record_eval(struct history *h, int64_t step, double loss, double ac
         return;
     if (isfinite(loss) && isfinite(accuracy)) {
         pthread_mutex_lock(&h->mu);
-        hpoint p = {step, loss, accuracy, unix_now()};
+        hpoint p = {step, loss, accuracy, clk_unix_secs()};
         if (series_push(&h->eval, &p)) {
             tfevents_scalar(h->ev_eval, "loss", p.step, p.t, p.a);
             tfevents_scalar(h->ev_eval, "accuracy", p.step, p.t, p.b);
@@ -390,7 +371,7 @@ int64_t history_last_step(struct history *h)
 double history_steps_per_sec(struct history *h)
 {
     pthread_mutex_lock(&h->mu);
-    double sps = steps_per_sec(h, mono_ms());
+    double sps = steps_per_sec(h, clk_mono_ms());
     pthread_mutex_unlock(&h->mu);
     return sps;
 }
@@ -407,7 +388,7 @@ void history_set_events(struct history *h, struct tfevents *train, struct tfeven
  * noise, one step per millisecond ending now; an eval every n/50 steps. */
 static void prefill(struct history *h, int64_t n)
 {
-    double now = unix_now(), tau = (double)n * 0.15;
+    double now = clk_unix_secs(), tau = (double)n * 0.15;
     int64_t every = n / 50 > 0 ? n / 50 : 1;
     uint64_t x = 0x9e3779b97f4a7c15ull;
     for (int64_t i = 1; i <= n; i++) {
@@ -604,7 +585,7 @@ static void *shards_main(void *arg)
 {
     struct history *h = arg;
     for (;;) {
-        int64_t t0 = mono_ms();
+        int64_t t0 = clk_mono_ms();
         pthread_mutex_lock(&h->shards_mu);
         int stop = h->shards_stop;
         pthread_mutex_unlock(&h->shards_mu);
@@ -645,9 +626,9 @@ static void *shards_main(void *arg)
                 curl_multi_remove_handle(h->multi, h->shards[i].easy);
         if (stop)
             break;
-        struct timespec ts = abs_mono(t0 + SHARD_PERIOD_MS);
+        struct timespec ts = clk_ts_of_ms(t0 + SHARD_PERIOD_MS);
         pthread_mutex_lock(&h->shards_mu);
-        while (!h->shards_stop && mono_ms() < t0 + SHARD_PERIOD_MS)
+        while (!h->shards_stop && clk_mono_ms() < t0 + SHARD_PERIOD_MS)
             if (pthread_cond_timedwait(&h->shards_cv, &h->shards_mu, &ts) == ETIMEDOUT)
                 break;
         pthread_mutex_unlock(&h->shards_mu);
@@ -767,7 +748,7 @@ void history_status(struct history *h, json_t *status)
     if (!h)
         return;
     pthread_mutex_lock(&h->mu);
-    double sps = steps_per_sec(h, mono_ms());
+    double sps = steps_per_sec(h, clk_mono_ms());
     pthread_mutex_unlock(&h->mu);
     json_object_set_new(status, "steps_per_sec", json_real(sps));
 

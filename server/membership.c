@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "clock.h"
 #include "routes.h"
 
 struct membership {
@@ -21,13 +22,7 @@ static void *tick(void *arg)
     struct membership *m = arg;
     pthread_mutex_lock(&m->mu);
     while (!m->stop) {
-        struct timespec at;
-        clock_gettime(CLOCK_MONOTONIC, &at);
-        at.tv_nsec += 100 * 1000000L;
-        if (at.tv_nsec >= 1000000000L) {
-            at.tv_sec++;
-            at.tv_nsec -= 1000000000L;
-        }
+        struct timespec at = clk_mono_after_ms(100);
         while (!m->stop && pthread_cond_timedwait(&m->cv, &m->mu, &at) != ETIMEDOUT) {
         }
         if (m->stop)
@@ -80,7 +75,7 @@ void membership_stop(struct membership *m)
 json_t *membership_json(server *srv)
 {
     store *s = &srv->store;
-    int64_t now = store_now_ms();
+    int64_t now = clk_mono_ms();
     pthread_rwlock_rdlock(&s->lock);
     int sync = s->configured && s->config.sync;
     json_t *have = json_array(), *waiting = json_array(), *dead = json_array(),

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "routes.h"
 #include "workers.h"
 
@@ -144,13 +145,6 @@ static void count_status(struct metrics *m, slot *s, unsigned status)
     atomic_fetch_add(&m->unrecorded, 1);
 }
 
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 void metrics_observe(struct metrics *m, const request *r, int completed)
 {
     if (!m || !r)
@@ -161,7 +155,7 @@ void metrics_observe(struct metrics *m, const request *r, int completed)
         atomic_fetch_add(&m->unrecorded, 1);
         return;
     }
-    uint64_t now = mono_ns();
+    uint64_t now = clk_mono_ns();
     uint64_t took = r->t_start_ns && now > r->t_start_ns ? now - r->t_start_ns : 0;
     int b = 0;
     while (b < N_BUCKETS && took > bucket_ns[b])
@@ -307,10 +301,7 @@ enum MHD_Result h_metrics(request *r)
     int64_t stale = srv->store.stale_dropped;
     int pending = srv->store.n_pending, ready = srv->store.configured;
     pthread_rwlock_unlock(&srv->store.lock);
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    double up = (double)(now.tv_sec - srv->started.tv_sec) +
-                (double)(now.tv_nsec - srv->started.tv_nsec) / 1e9;
+    double up = clk_mono_since(&srv->started);
 
     gauge(&o, "restps_global_step", "The shard's global step.", (double)step);
     if (has_loss)

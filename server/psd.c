@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "pem.h"
 #include "token.h"
 #include "flags.h"
@@ -367,7 +368,7 @@ int main(int argc, char **argv)
     summaries_start(srv, logdir); /* ps 0: TensorBoard event files, from the restored step on */
     waiters_step(srv->waiters, srv->store.global_step);
     random_instance(srv->instance);
-    clock_gettime(CLOCK_MONOTONIC, &srv->started);
+    srv->started = clk_mono_ts();
 
     int bound = 0;
     if (sndbuf_kib < 0)

@@ -7,6 +7,7 @@
 #include <strings.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "conntrack.h"
 #include "jsonmem.h"
 #include "log.h"
@@ -261,9 +262,7 @@ static enum MHD_Result on_upload(request *r, const char *data, size_t size)
 #define BODY_MIN_RATE 1024
 static int body_too_slow(const request *r)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+    uint64_t now = clk_mono_ns();
     uint64_t secs = now > r->t_start_ns ? (now - r->t_start_ns) / 1000000000u : 0;
     return secs >= (uint64_t)r->srv->cfg.conn_timeout_secs && r->bytes_in < secs * BODY_MIN_RATE;
 }
@@ -282,9 +281,7 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
         r->conn = conn;
         r->method = method;
         r->url = url;
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        r->t_start_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+        r->t_start_ns = clk_mono_ns();
         *req_cls = r;
         atomic_fetch_add(&r->srv->in_flight, 1);
         conntrack_request_begins(conn);

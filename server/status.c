@@ -1,6 +1,7 @@
 /* status.c - /healthz and /v1/status. */
 #include <time.h>
 
+#include "clock.h"
 #include "history.h"
 #include "membership.h"
 #include "saver.h"
@@ -20,10 +21,7 @@ json_t *status_json(server *srv)
     int has_loss;
     double loss;
     store_totals(&srv->store, &n, &bytes, &step, &has_loss, &loss);
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    double up = (double)(now.tv_sec - srv->started.tv_sec) +
-                (double)(now.tv_nsec - srv->started.tv_nsec) / 1e9;
+    double up = clk_mono_since(&srv->started);
     json_t *o = json_pack("{s:{s:s,s:i},s:I,s:o,s:i,s:I,s:f,s:I,s:f}", "task", "type",
                           cluster_job_name(srv->cfg.cluster.job), "index",
                           srv->cfg.cluster.task_index, "global_step", (json_int_t)step,

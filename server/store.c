@@ -8,6 +8,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
+
 static void pending_clear(store *s);
 static int replicas_needed(const store *s);
 
@@ -31,22 +33,15 @@ int store_init(store *s, float learning_rate, bufpool *pool)
     s->config.max_staleness = -1;
     s->config.staleness = -1;
     s->lease_ms = 10000;
-    s->step_started_ms = store_now_ms();
+    s->step_started_ms = clk_mono_ms();
     return STORE_OK;
-}
-
-int64_t store_now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
 void store_touch(store *s, int worker)
 {
     if (worker < 0 || worker >= STORE_MAX_WORKERS)
         return;
-    atomic_store(&s->lease_until[worker], store_now_ms() + s->lease_ms);
+    atomic_store(&s->lease_until[worker], clk_mono_ms() + s->lease_ms);
     atomic_store(&s->left[worker], 0);
 }
 
@@ -457,7 +452,7 @@ static int aggregate(store *s)
     s->global_step++;
     s->pushes_applied++;
     pending_clear(s);
-    s->step_started_ms = store_now_ms();
+    s->step_started_ms = clk_mono_ms();
     s->first_pending_ms = 0;
 out:
     free(idx);
@@ -482,7 +477,7 @@ int store_sync_tick(store *s)
 static int replicas_needed(const store *s)
 {
     int r = s->config.replicas_to_aggregate;
-    int live = live_workers(s, store_now_ms());
+    int live = live_workers(s, clk_mono_ms());
     if (live < r)
         r = live;
     return r > 0 ? r : 1;
@@ -573,7 +568,7 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
         p->has_loss = meta->has_loss;
         p->loss = meta->loss;
         if (s->n_pending++ == 0)
-            s->first_pending_ms = store_now_ms();
+            s->first_pending_ms = clk_mono_ms();
         push_remember(s, meta->push_id, s->global_step);
         *outcome = STORE_PUSH_PENDING;
         if (s->n_pending >= replicas_needed(s)) {
@@ -658,7 +653,7 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
         if (!s->configured || memcmp(&s->config, c, sizeof(*c)) != 0)
             s->changes++;
         /* every worker of the run starts with a lease, and a step begins */
-        s->step_started_ms = store_now_ms();
+        s->step_started_ms = clk_mono_ms();
         int64_t until = s->step_started_ms + s->lease_ms;
         for (int w = 0; w < c->workers; w++) {
             atomic_store(&s->lease_until[w], until);
@@ -808,7 +803,7 @@ int store_restore(store *s, store_saved *sv)
     s->placement = sv->placement;
     sv->placement = NULL;
     /* the workers get a lease from now, as at configuration */
-    int64_t now = store_now_ms();
+    int64_t now = clk_mono_ms();
     for (int w = 0; w < s->config.workers && w < STORE_MAX_WORKERS; w++) {
         atomic_store(&s->lease_until[w], now + s->lease_ms);
         atomic_store(&s->left[w], 0);
@@ -864,7 +859,7 @@ int64_t store_min_clock(store *s)
 {
     /* lock-free (atomics only): the clock waiters call it under their mutex,
      * which must not wait behind a writer applying a large gradient */
-    int64_t now = store_now_ms(), m = INT64_MAX;
+    int64_t now = clk_mono_ms(), m = INT64_MAX;
     int n = atomic_load(&s->n_workers);
     for (int w = 0; w < n && w < STORE_MAX_WORKERS; w++)
         if (!atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now) {

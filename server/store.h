@@ -240,8 +240,6 @@ void store_leave(store *s, int worker);
 /* Complete the current sync step if the live workers' gradients are in
  * (called periodically: leases run out between pushes). 1 when it stepped. */
 int store_sync_tick(store *s);
-/* Monotonic milliseconds, the clock of the leases. */
-int64_t store_now_ms(void);
 
 /* The chief's placement map (JSON text; copied). NULL clears it. */
 int store_set_placement(store *s, const char *json_text);

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "history.h"
 #include "log.h"
 #include "tfevents.h"
@@ -21,13 +22,6 @@ struct summaries {
     tfevents *train, *eval;
     int64_t sampled_step; /* the writer thread's own: the step of the last rates */
 };
-
-static double unix_now(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
 
 /* The training writer's thread, once a second: the rates, when the step moved. */
 static void sample(void *ctx, tfevents *w)
@@ -42,7 +36,7 @@ static void sample(void *ctx, tfevents *w)
     if (!s || step <= s->sampled_step)
         return;
     s->sampled_step = step;
-    double now = unix_now();
+    double now = clk_unix_secs();
     tfevents_scalar(w, "global_step/sec", step, now, history_steps_per_sec(srv->history));
     tfevents_scalar(w, "examples/sec", step, now, workers_examples_per_sec(srv->workers));
     store_config c;

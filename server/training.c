@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "jsonmem.h"
 #include "history.h"
 #include "log.h"
@@ -301,7 +302,7 @@ enum MHD_Result h_eval_post(request *r)
     srv->eval.accuracy = acc;
     srv->eval.global_step = step;
     srv->eval.examples = ex;
-    clock_gettime(CLOCK_MONOTONIC, &srv->eval.at);
+    srv->eval.at = clk_mono_ts();
     pthread_mutex_unlock(&srv->info_mu);
     history_record_eval(srv->history, step, loss, acc);
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "recorded"));

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "clock.h"
+
 typedef struct waiter {
     struct MHD_Connection *conn;
     int64_t min_step, deadline_ms;
@@ -25,13 +27,6 @@ struct waiters {
     waiter *list;
     int count;
 };
-
-int64_t waiters_now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
 
 /* Resume and unlink every waiter `pred` selects. Caller holds mu. */
 static void resume_where(waiters *w, int (*pred)(const waiter *, int64_t), int64_t arg)
@@ -95,21 +90,13 @@ static void *timer_main(void *arg)
     waiters *w = arg;
     pthread_mutex_lock(&w->mu);
     while (!w->stopping) {
-        int64_t now = waiters_now_ms(), next = now + 1000;
+        int64_t now = clk_mono_ms(), next = now + 1000;
         resume_where(w, deadline_passed, now);
         resume_where(w, client_gone, 0); /* checked about once a second */
         for (waiter *x = w->list; x; x = x->next)
             if (x->deadline_ms < next)
                 next = x->deadline_ms;
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        int64_t wait = next - now;
-        ts.tv_sec += wait / 1000;
-        ts.tv_nsec += (wait % 1000) * 1000000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
+        struct timespec ts = clk_mono_after_ms(next - now);
         pthread_cond_timedwait(&w->cv, &w->mu, &ts);
     }
     pthread_mutex_unlock(&w->mu);
@@ -252,10 +239,10 @@ void waiters_block(waiters *w, struct MHD_Connection *conn, int64_t min_step, in
      * its connection's only reader: a departed client would otherwise hold
      * it, and count in waiting_pulls, until the deadline), however often the
      * level moves meanwhile */
-    int64_t next_check = waiters_now_ms() + 1000;
+    int64_t next_check = clk_mono_ms() + 1000;
     for (;;) {
         refresh(w);
-        int64_t now = waiters_now_ms();
+        int64_t now = clk_mono_ms();
         if (w->step >= min_step || w->stopping || now >= deadline_ms)
             break;
         if (now >= next_check) {

@@ -43,7 +43,6 @@ void waiters_relevel(waiters *w);
 /* Resume everyone and park nobody from now on (shutdown). */
 void waiters_wake_all(waiters *w);
 
-int64_t waiters_now_ms(void);
 /* How many are parked now. */
 int waiters_count(waiters *w);
 

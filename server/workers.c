@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "store.h"
 
 /* The examples window: a ring of 100 ms slots, each tagged with its slot
@@ -33,13 +34,6 @@ struct workers {
         uint64_t examples;
     } ring[RING_SLOTS];
 };
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 struct workers *workers_new(void)
 {
@@ -113,7 +107,7 @@ void workers_seen(struct workers *w, long long worker, long long step, long long
 {
     if (!w || outcome < 0 || outcome > 3)
         return;
-    uint64_t t = now_ns();
+    uint64_t t = clk_mono_ns();
     pthread_mutex_lock(&w->mu);
     w->outcomes[outcome]++;
     if (worker >= 0) {
@@ -146,7 +140,7 @@ double workers_examples_per_sec(struct workers *w)
 {
     if (!w)
         return 0;
-    uint64_t t = now_ns(), slot = t / SLOT_NS, sum = 0;
+    uint64_t t = clk_mono_ns(), slot = t / SLOT_NS, sum = 0;
     pthread_mutex_lock(&w->mu);
     for (int k = 0; k < RING_SLOTS; k++)
         if (w->ring[k].slot <= slot && w->ring[k].slot + WINDOW_SLOTS > slot)
@@ -168,7 +162,7 @@ int workers_list(struct workers *w, workers_rec **out)
     *out = NULL;
     if (!w)
         return 0;
-    uint64_t t = now_ns();
+    uint64_t t = clk_mono_ns();
     pthread_mutex_lock(&w->mu);
     int n = w->n;
     workers_rec *a = malloc(sizeof(*a) * (size_t)(n ? n : 1));
@@ -215,7 +209,7 @@ int workers_live(struct workers *w, double secs)
 {
     if (!w)
         return 0;
-    uint64_t t = now_ns();
+    uint64_t t = clk_mono_ns();
     double ns = secs * 1e9;
     int live = 0;
     pthread_mutex_lock(&w->mu);
