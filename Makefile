@@ -27,7 +27,7 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c server/conntrack.c server/summaries.c
 CLIENT_SRC = client/libps.c
-WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
+WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/blas_kernel.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
 
 # The CUDA backend (client/mlp_cuda.cu, cuBLAS) is built when nvcc is found
@@ -127,9 +127,9 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 # Unit tests (cmocka), one binary per module.
-UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp test_tfevents
+UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp test_tfevents test_blas_kernel
 IDX_OBJ = $(BUILD)/client/idx.o
-MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o
+MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o $(BUILD)/client/blas_kernel.o
 
 $(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
@@ -137,6 +137,9 @@ $(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
 $(BIN)/test_mlp: $(BUILD)/tests/unit/test_mlp.o $(MLP_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
+$(BIN)/test_blas_kernel: $(BUILD)/tests/unit/test_blas_kernel.o $(BUILD)/client/blas_kernel.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm -lcmocka
 # Loss and gradients of given inputs, for the numpy comparison (tests/system/test_mlp_numpy.py).
 $(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MLP_OBJ) $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)

@@ -10,8 +10,9 @@
  *  - gemm-only: the step's own sgemm calls, same shapes, nothing else
  *    (what the fused bias/ReLU/softmax loops cost is the difference);
  *  - square: one n x n x n sgemm with n^3 * 2 ~ the step's FLOPs.
- * Figures are medians of N runs of S seconds each, interleaved. OPENBLAS_CORETYPE
- * is left as the environment has it; the core OpenBLAS chose is printed. */
+ * Figures are medians of N runs of S seconds each, interleaved. The kernel is
+ * chosen as workerd chooses it (blas_kernel_choose: an OPENBLAS_CORETYPE in
+ * the environment wins); the first lines say which and why. */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "blas_kernel.h"
 #include "mlp.h"
 
 static double now(void)
@@ -67,10 +69,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_mlp: bad --reps or --seconds\n");
         return 2;
     }
+    char kerr[512];
+    if (blas_kernel_choose(argv, kerr, sizeof(kerr)) != 0) {
+        fprintf(stderr, "bench_mlp: %s\n", kerr);
+        return 1;
+    }
     mlp_cpu_set_threads(threads);
     const char *ct = getenv("OPENBLAS_CORETYPE");
-    printf("OpenBLAS %s, core %s, OPENBLAS_CORETYPE=%s, %d thread(s)\n", openblas_get_config(),
-           mlp_cpu_blas_core(), ct ? ct : "(unset)", threads);
+    printf("OpenBLAS %s, core %s, OPENBLAS_CORETYPE=%s, %d thread(s)\n%s\n", openblas_get_config(),
+           mlp_cpu_blas_core(), ct ? ct : "(unset)", threads, blas_kernel_reason());
 
     const bench_case cases[] = {
         {"784-100-10", {100}, 1, 100},

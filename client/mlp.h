@@ -144,7 +144,8 @@ int mlp_device_choose(const char *device, int gpu, int tf32, char *line, size_t 
                       char *err, size_t errlen);
 /* The chosen backend (the CPU one until mlp_device_choose picks another). */
 const mlp_backend *mlp_device_backend(void);
-/* For start-up lines: "cpu backend (OpenBLAS Haswell, 1 thread)" or
+/* For start-up lines: "cpu backend (OpenBLAS Haswell, 1 thread; kernel: ...)"
+ * (blas_kernel_reason: which kernel and why) or
  * "cuda backend (GPU 0 of 1: NVIDIA H200, sm_90, ...)"; a static buffer. */
 const char *mlp_device_describe(int threads);
 
@@ -198,10 +199,11 @@ int mlp_stage_batch(mlp *m, const float *x, const uint8_t *labels, int batch);
  * safe default beside other busy processes, see PERF-NOTES). */
 void mlp_cpu_set_threads(int n);
 
-/* CPU backend only: the kernel set OpenBLAS picked ("SkylakeX", "Haswell", ...),
+/* CPU backend only: the kernel set OpenBLAS uses ("SkylakeX", "Haswell", ...),
  * for the worker's start-up log. OpenBLAS 0.3.21 takes a CPU it does not know
- * for "Prescott" (SSE3, several times slower); OPENBLAS_CORETYPE in the
- * environment overrides its choice. */
+ * for "Prescott" (SSE3, several times slower); blas_kernel_choose
+ * (blas_kernel.h) chooses from the CPU's features instead, and an
+ * OPENBLAS_CORETYPE the user set wins. */
 const char *mlp_cpu_blas_core(void);
 
 #endif

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "blas_kernel.h"
 #include "errmsg.h"
 #include "mlp.h"
 
@@ -50,10 +51,10 @@ const mlp_backend *mlp_device_backend(void)
 
 const char *mlp_device_describe(int threads)
 {
-    static char buf[320];
+    static char buf[1152];
     if (chosen == &mlp_backend_cpu)
-        snprintf(buf, sizeof(buf), "cpu backend (OpenBLAS %s, %d thread%s)", mlp_cpu_blas_core(),
-                 threads, threads == 1 ? "" : "s");
+        snprintf(buf, sizeof(buf), "cpu backend (OpenBLAS %s, %d thread%s; %s)", mlp_cpu_blas_core(),
+                 threads, threads == 1 ? "" : "s", blas_kernel_reason());
     else
         snprintf(buf, sizeof(buf), "%s backend (%s)", chosen->name, cuda_desc);
     return buf;

@@ -754,6 +754,7 @@ int train_local(const train_config *c)
     printf("%s: training locally (no ps), %s, batch %d, %lld steps; %s\n",
            c->name, optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps,
            mlp_device_describe(c->threads));
+    fflush(stdout);
     double t_log = clk_mono_secs(), t0 = t_log;
     int64_t ex_since = 0;
     progress bar;

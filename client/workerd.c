@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "blas_kernel.h"
 #include "cluster.h"
 #include "flags.h"
 #include "idx.h"
@@ -158,7 +159,13 @@ int main(int argc, char **argv)
                    "prints the final accuracy and stops the ps tasks at the end.\n"
                    "With --allreduce=ring there are no ps tasks: the chief and the workers form a\n"
                    "ring, each serving a small HTTP endpoint on its own cluster address; the chief\n"
-                   "also serves /v1/status and the monitoring page there, and writes checkpoints.",
+                   "also serves /v1/status and the monitoring page there, and writes checkpoints.\n"
+                   "On the CPU, OpenBLAS's kernel set is chosen from what the cpu can run (cpuid:\n"
+                   "AVX-512, AVX2+FMA), not its model name, and checked with a small sgemm\n"
+                   "against a plain C product; one that fails is not used. This may re-execute\n"
+                   "workerd once per kernel tried, with OPENBLAS_CORETYPE set (same PID and\n"
+                   "arguments). An OPENBLAS_CORETYPE already in the environment, even an empty\n"
+                   "one, is used as it is. The training line says which kernel and why.",
                    flags, nflags);
         return 0;
     }
@@ -247,6 +254,11 @@ int main(int argc, char **argv)
     c.backoff_ms = backoff_ms;
     c.backoff_max_ms = backoff_max_ms;
     c.threads = threads;
+    /* before anything is printed: it may re-execute workerd (same PID, argv) */
+    if (blas_kernel_choose(argv, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 1;
+    }
     mlp_cpu_set_threads(threads);
     char device_line[512];
     if (mlp_device_choose(device, gpu, tf32, device_line, sizeof(device_line), err, sizeof(err)) != 0) {

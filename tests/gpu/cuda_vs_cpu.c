@@ -48,6 +48,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "blas_kernel.h"
 #include "mlp.h"
 #include "rng.h"
 
@@ -436,8 +437,13 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    setvbuf(stdout, NULL, _IOLBF, 0);
     char why[256] = "", desc[256] = "", err[512];
+    /* the CPU reference on the kernel workerd would use (may re-execute) */
+    if (blas_kernel_choose(argv, err, sizeof(err)) != 0) {
+        fprintf(stderr, "cuda_vs_cpu: %s\n", err);
+        return 1;
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
     if (mlp_cuda_device_count(why, sizeof(why)) < 1) {
         printf("SKIP: %s\n", why);
         return 77;

@@ -9,6 +9,12 @@ element that is a float32 sum of hundreds of terms cancelling to nearly zero
 carries an absolute rounding error of ~1e-7 of the tensor's scale whoever
 computes it (numpy in float32 shows 1.3e-4 against float64 for 784-256-128-10
 with a 1e-3 floor), so the floor is an absolute tolerance of 1e-6 of that scale.
+
+mlp_dump computes with the OpenBLAS kernel workerd would choose (or the one
+OPENBLAS_CORETYPE names), and each case prints it. The tolerance does not
+depend on the kernel: the worst relative error over these cases, measured with
+each forced (AMD EPYC, no AVX-512, so SkylakeX unmeasured): Prescott 1.6e-5,
+Sandybridge 2.6e-5, Haswell and Zen 2.1e-5.
 """
 import os
 import subprocess
@@ -22,6 +28,7 @@ MLP_DUMP = os.path.join(BIN, "mlp_dump")
 
 REL_TOL = 1e-4
 FLOOR = 1e-2  # of the tensor's largest |gradient|
+KERNEL = ""   # "OpenBLAS Zen (kernel: ...)", as mlp_dump reports it on stderr
 
 pytestmark = pytest.mark.skipif(
     not os.access(MLP_DUMP, os.X_OK),
@@ -96,6 +103,9 @@ def run_dump(tmp_path, n_in, hidden, n_out, params, x, labels):
                        env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     assert "runtime error:" not in r.stderr and "Sanitizer" not in r.stderr, r.stderr
+    global KERNEL
+    KERNEL = next((l[len("mlp_dump: "):] for l in r.stderr.splitlines() if l.startswith("mlp_dump: OpenBLAS ")),
+                  "OpenBLAS (kernel not reported)")
     loss = np.fromfile(files["loss"], dtype="<f4")
     grads = np.fromfile(files["grads"], dtype="<f4")
     ev = np.fromfile(files["eval"], dtype="<f4")
@@ -150,7 +160,7 @@ def test_forward_backward_matches_numpy(tmp_path, n_in, hidden, n_out, batch, se
         rel = np.abs(g - r) / np.maximum(np.maximum(np.abs(g), np.abs(r)), floor)
         worst.append((float(rel.max()), name))
         assert rel.max() <= REL_TOL, f"{name}: max rel err {rel.max():.3g} at {np.unravel_index(rel.argmax(), shape)}"
-    print(f"{n_in}-{hidden}-{n_out} batch {batch}: loss {loss:.6f}, worst {max(worst)}")
+    print(f"{n_in}-{hidden}-{n_out} batch {batch}: loss {loss:.6f}, worst {max(worst)}; {KERNEL.split(' (')[0]}")
 
 
 def test_comparison_can_fail(tmp_path):

@@ -11,12 +11,15 @@
  * loss_out:  one float32, the mean loss;  grads_out: n_params float32
  * eval_out:  two float32, mlp_evaluate's loss and accuracy over the same batch
  * stdout: the layout, one line per tensor: "tensor NAME D0[,D1] OFFSET".
+ * stderr: "mlp_dump: OpenBLAS CORE (kernel: ...)", the kernel chosen as workerd
+ * chooses it (blas_kernel_choose).
  * Exit status 0, 1 on bad input (a message on stderr), 2 on usage. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "blas_kernel.h"
 #include "mlp.h"
 
 static void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
@@ -85,6 +88,9 @@ int main(int argc, char **argv)
     fclose(f);
     int n_in = 0, n_out = 0, batch = 0, hidden[MLP_MAX_HIDDEN], n_hidden = 0;
     char err[512];
+    if (blas_kernel_choose(argv, err, sizeof(err)) != 0)
+        die(1, "%s", err);
+    fprintf(stderr, "mlp_dump: OpenBLAS %s (%s)\n", blas_kernel_name(), blas_kernel_reason());
     for (char *tok = strtok(line, " \t\r\n"); tok; tok = strtok(NULL, " \t\r\n")) {
         if (sscanf(tok, "n_in=%d", &n_in) == 1 || sscanf(tok, "n_out=%d", &n_out) == 1 ||
             sscanf(tok, "batch=%d", &batch) == 1)

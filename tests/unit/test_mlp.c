@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blas_kernel.h"
 #include "mlp.h"
 
 /* ---- a test-local generator (not rng.h: the test stays independent) ---- */
@@ -449,7 +450,7 @@ static void test_bad_arguments(void **state)
     const char *core = mlp_cpu_blas_core();
     assert_non_null(core);
     assert_true(core[0] != '\0');
-    print_message("    OpenBLAS core: %s\n", core);
+    print_message("    OpenBLAS core: %s (%s)\n", core, blas_kernel_reason());
 }
 
 /* mlp_host_alloc on the CPU backend (no host_alloc in its table: calloc) and
@@ -643,8 +644,15 @@ static void test_sgd_learns_blobs(void **state)
     free(grads);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    (void)argc;
+    char err[512];
+    /* the kernel workerd would use (may re-execute this test) */
+    if (blas_kernel_choose(argv, err, sizeof(err)) != 0) {
+        fprintf(stderr, "test_mlp: %s\n", err);
+        return 1;
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layout_example_names),
         cmocka_unit_test(test_layout_deep_names),
