@@ -26,7 +26,7 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c server/conntrack.c server/summaries.c
-CLIENT_SRC = client/libps.c
+CLIENT_SRC = client/libps.c client/transfer.c
 WORKER_SRC = client/idx.c client/mlp.c client/mlp_cpu.c client/blas_kernel.c client/mlp_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
 

@@ -6,7 +6,8 @@
  * one-line message naming the shard and, when the server answered, its
  * status and its own error text. A client is used by one thread at a time;
  * use one client per thread. No global state beyond libcurl's own
- * (curl_global_init runs once, thread-safely, in ps_client_new). */
+ * (curl_global_init runs once, thread-safely, in ps_client_new). The calls
+ * live in libps.c, the transfer engine under them in transfer.c. */
 #ifndef RESTPS_LIBPS_H
 #define RESTPS_LIBPS_H
 
@@ -62,9 +63,6 @@ typedef struct ps_var_info {
     uint64_t bytes;
 } ps_var_info;
 
-/* GET /v1/vars. *vars is malloc'd (free it), *n entries. */
-int ps_list(ps_client *c, int shard, ps_var_info **vars, int *n, int64_t *global_step);
-
 /* GET /v1/vars/{name}: the raw float32 tensor into dst (cap floats). The
  * shape and version it had come back in info (may be NULL). */
 int ps_pull(ps_client *c, int shard, const char *name, float *dst, size_t cap,
@@ -90,20 +88,6 @@ int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
 int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
                   size_t data_len, const char *push_id, int64_t *global_step, int *duplicate);
 
-/* GET /v1/params?min_step=N&timeout_ms=T: the long poll of sync training.
- * The answer comes when the shard's global_step reaches min_step, or after
- * timeout_ms with whatever step it is at (check *global_step). */
-int ps_pull_params_wait(ps_client *c, int shard, int64_t min_step, long timeout_ms, void *buf,
-                        size_t cap, size_t *len, int64_t *global_step);
-
-/* ps_pull_params_wait for sync worker `worker`: the shard answers at once
- * (with its current step) when it does not hold this worker's gradient for
- * its current step, e.g. after it restarted from a checkpoint, instead of
- * waiting for a step that cannot come. */
-int ps_pull_params_wait_worker(ps_client *c, int shard, int64_t min_step, long timeout_ms,
-                               int worker, void *buf, size_t cap, size_t *len,
-                               int64_t *global_step);
-
 /* fn (may be NULL) is asked during every wait: nonzero stops the request
  * (PS_ENET) instead of retrying or waiting on, e.g. after SIGTERM. */
 void ps_set_abort(ps_client *c, int (*fn)(void));
@@ -111,20 +95,23 @@ void ps_set_abort(ps_client *c, int (*fn)(void));
 /* Change the retry time budget (ps_options.retry_ms) from now on. */
 void ps_set_retry_ms(ps_client *c, long retry_ms);
 
-/* What became of a bulk push. */
+/* What became of a bulk push (ps_push_req.outcome). */
 enum { PS_PUSH_APPLIED, PS_PUSH_DUPLICATE, PS_PUSH_STALE, PS_PUSH_PENDING };
-/* ps_push_grads, also saying what the server did with the push (PS_PUSH_*). */
-int ps_push_grads_ex(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
-                     size_t data_len, const char *push_id, int64_t *global_step, int *outcome);
 
 /* Every shard at once (libcurl multi), one request per shard; n distinct
  * shards. Each answer lands in its own buffer. On failure: the first failing
  * shard's error (in the order given) in ps_error/ps_http_status. */
 typedef struct ps_pull_req {
     int shard;
-    int64_t min_step;   /* < 0: no wait; else the long poll of ps_pull_params_wait */
+    int64_t min_step;   /* < 0: no wait; else GET /v1/params?min_step=N&timeout_ms=T, the
+                           long poll of sync training: the answer comes when the shard's
+                           global_step reaches min_step, or after timeout_ms with whatever
+                           step it is at (check global_step) */
     long timeout_ms;
-    int worker;         /* >= 0: as ps_pull_params_wait_worker */
+    int worker;         /* >= 0 (with min_step): sync worker `worker`; the shard answers at
+                           once (with its current step) when it does not hold this worker's
+                           gradient for its current step, e.g. after it restarted from a
+                           checkpoint, instead of waiting for a step that cannot come */
     int64_t min_clock;  /* > 0: stale-synchronous: first wait until the slowest live worker
                            completed this many iterations (with worker; 0 = none) */
     int64_t clock;      /* > 0 with worker: this worker starts iteration `clock` (0 = none) */
@@ -137,7 +124,7 @@ int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n);
 
 typedef struct ps_push_req {
     int shard;
-    const void *head;     /* as ps_push_grads_ex */
+    const void *head;     /* as ps_push_grads */
     size_t head_len;
     const void *data;
     size_t data_len;

@@ -12,13 +12,14 @@
 #include <microhttpd.h>
 #include <netinet/in.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "endpoint.h"
+#include "errmsg.h"
 #include "pem.h"
 #include "tls_priorities.h"
 #include "token.h"
@@ -97,16 +98,6 @@ static void sleep_ms(long ms)
     nanosleep(&t, NULL);
 }
 
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void seterr(char *err, size_t errlen, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 static int mod(int a, int n) { return ((a % n) + n) % n; }
 
 /* The chunk rank receives at ring step k: reduce-scatter (k < N-1) the one
@@ -140,48 +131,6 @@ typedef struct req {
     unsigned bad;     /* refused: swallow the body, then answer this status */
     char msg[400];
 } req;
-
-static enum MHD_Result reply_json(struct MHD_Connection *c, unsigned status, json_t *j)
-{
-    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
-    json_decref(j);
-    if (!s)
-        return MHD_NO;
-    size_t n = strlen(s);
-    char *t = realloc(s, n + 2);
-    if (t) {
-        s = t;
-        s[n++] = '\n';
-        s[n] = '\0';
-    }
-    struct MHD_Response *resp = MHD_create_response_from_buffer(n, s, MHD_RESPMEM_MUST_FREE);
-    if (!resp) {
-        free(s);
-        return MHD_NO;
-    }
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
-    if (status == MHD_HTTP_UNAUTHORIZED)
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
-    enum MHD_Result rc = MHD_queue_response(c, status, resp);
-    MHD_destroy_response(resp);
-    return rc;
-}
-
-static enum MHD_Result reply_error(struct MHD_Connection *c, unsigned status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static enum MHD_Result reply_error(struct MHD_Connection *c, unsigned status, const char *fmt, ...)
-{
-    char msg[400];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    for (char *p = msg; *p; p++)
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
-            *p = '?';
-    return reply_json(c, status, json_pack("{s:s}", "error", msg));
-}
 
 /* A query argument as a non-negative integer; -1 when missing or malformed. */
 static long long query_int(struct MHD_Connection *c, const char *name)
@@ -319,45 +268,40 @@ static json_t *status_json(ring *r)
 static enum MHD_Result on_get(ring *r, struct MHD_Connection *c, const char *url)
 {
     if (strcmp(url, "/healthz") == 0)
-        return reply_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+        return endpoint_reply_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
     if (strcmp(url, "/v1/status") == 0)
-        return reply_json(c, MHD_HTTP_OK, status_json(r));
+        return endpoint_reply_json(c, MHD_HTTP_OK, status_json(r));
     if (strcmp(url, "/v1/ring/state") == 0) {
         /* the whole model: a read that needs the token, as a write does */
         if (!token_ok(r, c))
-            return reply_error(c, MHD_HTTP_UNAUTHORIZED, "missing or wrong bearer token for GET /v1/ring/state");
+            return endpoint_reply_error(c, MHD_HTTP_UNAUTHORIZED, "missing or wrong bearer token for GET /v1/ring/state");
         pthread_mutex_lock(&r->mu);
         void *s = r->state;
         size_t len = r->state_len;
         pthread_mutex_unlock(&r->mu);
         if (!s)
-            return reply_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
+            return endpoint_reply_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
                                "%s has not published the parameters (yet): only the chief does", r->name);
         /* published once and kept until ring_free, which stops this server first */
         struct MHD_Response *resp = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_PERSISTENT);
-        if (!resp)
-            return MHD_NO;
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
-        enum MHD_Result rc = MHD_queue_response(c, MHD_HTTP_OK, resp);
-        MHD_destroy_response(resp);
-        return rc;
+        if (resp)
+            MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
+        return endpoint_queue(c, MHD_HTTP_OK, resp);
     }
     if (strcmp(url, "/v1/ring/chunk") == 0)
-        return reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
+        return endpoint_reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
     const struct web_asset *a = web_asset_find(url);
     if (a) {
         struct MHD_Response *resp =
             MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
-        if (!resp)
-            return MHD_NO;
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-        enum MHD_Result rc = MHD_queue_response(c, MHD_HTTP_OK, resp);
-        MHD_destroy_response(resp);
-        return rc;
+        if (resp) {
+            MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
+            MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
+            MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        }
+        return endpoint_queue(c, MHD_HTTP_OK, resp);
     }
-    return reply_error(c, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", url);
+    return endpoint_reply_error(c, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", url);
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
@@ -371,11 +315,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         if (strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0)
             return on_get(r, c, url);
         if (strcmp(url, "/v1/ring/chunk") != 0)
-            return reply_error(c, strcmp(url, "/v1/ring/state") == 0 ? MHD_HTTP_METHOD_NOT_ALLOWED
+            return endpoint_reply_error(c, strcmp(url, "/v1/ring/state") == 0 ? MHD_HTTP_METHOD_NOT_ALLOWED
                                                                      : MHD_HTTP_NOT_FOUND,
                                "no route %s '%.200s' on a ring worker", method, url);
         if (strcmp(method, "POST") != 0)
-            return reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
+            return endpoint_reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
         if (!(q = calloc(1, sizeof(*q))))
             return MHD_NO;
         /* the token first: no one learns anything else without it; the body
@@ -389,7 +333,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE ||
             (q->bad == MHD_HTTP_UNAUTHORIZED && !piece_sized(r, c))) {
             /* answered before the body is read: libmicrohttpd closes the connection */
-            enum MHD_Result rc = reply_error(c, q->bad, "%s", q->msg);
+            enum MHD_Result rc = endpoint_reply_error(c, q->bad, "%s", q->msg);
             free(q);
             return rc;
         }
@@ -402,7 +346,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     if (q->bad)
-        return reply_error(c, q->bad, "%s", q->msg);
+        return endpoint_reply_error(c, q->bad, "%s", q->msg);
     if (*upload_size) {
         size_t n = *upload_size;
         if (n > q->len - q->got) /* cannot happen: Content-Length was checked */
@@ -413,17 +357,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         return MHD_YES;
     }
     if (q->got != q->len)
-        return reply_error(c, MHD_HTTP_BAD_REQUEST, "the body ended after %zu of %zu bytes", q->got, q->len);
+        return endpoint_reply_error(c, MHD_HTTP_BAD_REQUEST, "the body ended after %zu of %zu bytes", q->got, q->len);
     pthread_mutex_lock(&r->mu);
     slot_steps(r, q->step, q->k)[q->piece] = q->step;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
-    struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
-    if (!resp)
-        return MHD_NO;
-    enum MHD_Result rc = MHD_queue_response(c, MHD_HTTP_NO_CONTENT, resp);
-    MHD_destroy_response(resp);
-    return rc;
+    return endpoint_queue(c, MHD_HTTP_NO_CONTENT,
+                          MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT));
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
@@ -561,7 +501,7 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
     const char *why = curl_err && *curl_err ? curl_err : curl_easy_strerror(cc);
     switch (cc) {
     case CURLE_PEER_FAILED_VERIFICATION:
-        seterr(err, errlen,
+        errmsg(err, errlen,
                "%s: its certificate does not verify (%s): every task's %s must be signed by a CA "
                "in %s%s%s and name its host in the cluster",
                who, why, r->names.cert, r->ca_file ? "" : "the system's store (no ", r->names.ca,
@@ -569,7 +509,7 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
         return -1;
     case CURLE_SSL_CACERT_BADFILE:
     case CURLE_SSL_CERTPROBLEM:
-        seterr(err, errlen, "cannot talk HTTPS to %s: %s (%s)", who, why, r->names.ca);
+        errmsg(err, errlen, "cannot talk HTTPS to %s: %s (%s)", who, why, r->names.ca);
         return -1;
     case CURLE_SSL_CONNECT_ERROR:
     case CURLE_GOT_NOTHING:
@@ -581,12 +521,12 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
         if (speaks_other(r, i)) {
             atomic_store(&r->mismatch, 1);
             if (r->tls)
-                seterr(err, errlen,
+                errmsg(err, errlen,
                        "%s, serves the ring over plain HTTP and this task over HTTPS (%s): "
                        "give every task %s and %s, or none",
                        who, r->names.cert, r->names.cert, r->names.key);
             else
-                seterr(err, errlen,
+                errmsg(err, errlen,
                        "%s, serves the ring over HTTPS (%s) and this task over plain HTTP: "
                        "give every task %s and %s, or none",
                        who, r->names.cert, r->names.cert, r->names.key);
@@ -595,7 +535,7 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
         /* a refused handshake fails with this code alone */
         if (cc == CURLE_SSL_CONNECT_ERROR && refuses_these_versions(r, i)) {
             atomic_store(&r->mismatch, 1);
-            seterr(err, errlen,
+            errmsg(err, errlen,
                    "%s, could not agree on TLS with this task's %s (%s): it takes other TLS versions, "
                    "not these (or not with the cipher suites libcurl offers): give every task %s that "
                    "share a TLS version",
@@ -634,12 +574,12 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
             return 0;
         }
         if (cc == CURLE_OK && status == 401) {
-            seterr(err, errlen, "worker %d (%s), the right neighbour, %s", right, r->peer[right],
+            errmsg(err, errlen, "worker %d (%s), the right neighbour, %s", right, r->peer[right],
                    token_refused(r));
             return -1;
         }
         if (cc == CURLE_OK && status >= 400 && status < 500) {
-            seterr(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
+            errmsg(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
                    status, resp_error(r));
             return -1;
         }
@@ -653,10 +593,10 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
             return -2;
         if (now_secs() + (double)wait / 1000 > deadline) {
             if (cc != CURLE_OK)
-                seterr(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
+                errmsg(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
                        right, r->peer[right], r->curl_err[0] ? r->curl_err : curl_easy_strerror(cc));
             else
-                seterr(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
+                errmsg(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
                        r->peer[right], status, resp_error(r));
             return -1;
         }
@@ -680,7 +620,7 @@ static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, d
         }
         if (t >= deadline) {
             int left = mod(r->rank - 1, r->n);
-            seterr(err, errlen,
+            errmsg(err, errlen,
                    "nothing from worker %d (%s), the left neighbour, for %.0f s (step %lld, ring step %d): "
                    "it died or is stuck",
                    left, r->peer[left], patience, (long long)step, k);
@@ -792,7 +732,7 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
 {
     CURL *h = curl_easy_init();
     if (!h) {
-        seterr(err, errlen, "out of memory");
+        errmsg(err, errlen, "out of memory");
         return -1;
     }
     char url[PEER_MAX + 40], curl_err[CURL_ERROR_SIZE];
@@ -824,7 +764,7 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
         }
         free(g.p);
         if (cc == CURLE_OK && status == 401) {
-            seterr(err, errlen, "the chief, worker %d (%s), %s", from, r->peer[from], token_refused(r));
+            errmsg(err, errlen, "the chief, worker %d (%s), %s", from, r->peer[from], token_refused(r));
             break;
         }
         if (cc != CURLE_OK) {
@@ -839,10 +779,10 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
         }
         if (now_secs() > deadline) {
             if (cc != CURLE_OK)
-                seterr(err, errlen, "cannot reach the chief, worker %d (%s), for %.0f s: %s", from,
+                errmsg(err, errlen, "cannot reach the chief, worker %d (%s), for %.0f s: %s", from,
                        r->peer[from], wait_secs, curl_err[0] ? curl_err : curl_easy_strerror(cc));
             else
-                seterr(err, errlen, "the chief, worker %d (%s), answers HTTP %ld to %s", from, r->peer[from],
+                errmsg(err, errlen, "the chief, worker %d (%s), answers HTTP %ld to %s", from, r->peer[from],
                        status, url);
             break;
         }
@@ -917,24 +857,19 @@ static char *read_pem(const char *flag, const char *path, char *err, size_t errl
     char why[512];
     char *pem = pem_read(path, why, sizeof(why));
     if (!pem)
-        seterr(err, errlen, "%s=%s", flag, why);
+        errmsg(err, errlen, "%s=%s", flag, why);
     return pem;
-}
-
-static int is_loopback(const char *host)
-{
-    return strcmp(host, "localhost") == 0 || strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0;
 }
 
 ring *ring_new(const ring_options *o, char *err, size_t errlen)
 {
     if (o->n < 1 || o->rank < 0 || o->rank >= o->n || o->n_floats < (size_t)o->n) {
-        seterr(err, errlen, "a ring of %d workers cannot all-reduce %zu floats", o->n, o->n_floats);
+        errmsg(err, errlen, "a ring of %d workers cannot all-reduce %zu floats", o->n, o->n_floats);
         return NULL;
     }
     ring *r = calloc(1, sizeof(*r));
     if (!r) {
-        seterr(err, errlen, "out of memory");
+        errmsg(err, errlen, "out of memory");
         return NULL;
     }
     pthread_mutex_init(&r->mu, NULL);
@@ -960,12 +895,12 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     snprintf(r->names.ca, sizeof(r->names.ca), "%s", nm->ca ? nm->ca : "tls_ca");
     snprintf(r->names.prio, sizeof(r->names.prio), "%s", nm->priorities ? nm->priorities : "tls_priorities");
     if (!o->tls_cert != !o->tls_key) {
-        seterr(err, errlen, "a certificate and its key go together (%s, %s)", r->names.cert, r->names.key);
+        errmsg(err, errlen, "a certificate and its key go together (%s, %s)", r->names.cert, r->names.key);
         ring_free(r);
         return NULL;
     }
     if (o->tls_priorities && !o->tls_cert) {
-        seterr(err, errlen, "%s needs %s and %s", r->names.prio, r->names.cert, r->names.key);
+        errmsg(err, errlen, "%s needs %s and %s", r->names.prio, r->names.cert, r->names.key);
         ring_free(r);
         return NULL;
     }
@@ -975,7 +910,7 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         char why[400];
         int lo, hi;
         if (ring_tls_priorities_check(prio, why, sizeof(why)) != 0 || tls_priorities_versions(prio, &lo, &hi) != 0) {
-            seterr(err, errlen, "%s=%s: %s", r->names.prio, prio, why);
+            errmsg(err, errlen, "%s=%s: %s", r->names.prio, prio, why);
             ring_free(r);
             return NULL;
         }
@@ -1068,15 +1003,15 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     struct sockaddr_in6 sa6 = {0};
     sa.sin_family = AF_INET;
     sa.sin_port = htons((uint16_t)self->port);
-    sa.sin_addr.s_addr = htonl(is_loopback(self->host) ? INADDR_LOOPBACK : INADDR_ANY);
+    sa.sin_addr.s_addr = htonl(endpoint_host_is_loopback(self->host) ? INADDR_LOOPBACK : INADDR_ANY);
     if (strncmp(self->host, "127.", 4) == 0 && inet_pton(AF_INET, self->host, &sa.sin_addr) != 1)
         sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     sa6.sin6_family = AF_INET6;
     sa6.sin6_port = htons((uint16_t)self->port);
-    sa6.sin6_addr = is_loopback(self->host) ? in6addr_loopback : in6addr_any;
+    sa6.sin6_addr = endpoint_host_is_loopback(self->host) ? in6addr_loopback : in6addr_any;
     unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG;
     if (v6)
-        mflags |= is_loopback(self->host) ? MHD_USE_IPv6 : MHD_USE_DUAL_STACK;
+        mflags |= endpoint_host_is_loopback(self->host) ? MHD_USE_IPv6 : MHD_USE_DUAL_STACK;
     if (r->tls)
         mflags |= MHD_USE_TLS;
     /* HTTPS: psd's certificate options, and its default priorities (TLS
@@ -1102,14 +1037,14 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         char hint[160] = "";
         if (r->tls && e != EADDRINUSE)
             snprintf(hint, sizeof(hint), " over HTTPS (is %s the key of %s?)", r->names.key, r->names.cert);
-        seterr(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
+        errmsg(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
                self->port, hint, e ? strerror(e) : "libmicrohttpd failed to start");
         ring_free(r);
         return NULL;
     }
     return r;
 oom:
-    seterr(err, errlen, "out of memory for a ring of %d workers and %zu floats", o->n, o->n_floats);
+    errmsg(err, errlen, "out of memory for a ring of %d workers and %zu floats", o->n, o->n_floats);
     ring_free(r);
     return NULL;
 }

@@ -1,5 +1,9 @@
-/* http.c - response helpers over libmicrohttpd. */
+/* http.c - psd's response helpers: common/endpoint.h's replies, recorded in
+ * the request's state (status, bytes, answered) for the metrics, and
+ * answers built from blobs without a copy. */
 #include "http.h"
+
+#include "endpoint.h"
 #include "jsonmem.h"
 
 #include <stdarg.h>
@@ -26,10 +30,7 @@ static enum MHD_Result queue(request *r, unsigned status, struct MHD_Response *r
         return MHD_NO;
     }
     r->status = status;
-    if (status == MHD_HTTP_UNAUTHORIZED)
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
-    enum MHD_Result rc = MHD_queue_response(r->conn, status, resp);
-    MHD_destroy_response(resp);
+    enum MHD_Result rc = endpoint_queue(r->conn, status, resp);
     r->answered = 1;
     return rc;
 }
@@ -37,15 +38,9 @@ static enum MHD_Result queue(request *r, unsigned status, struct MHD_Response *r
 enum MHD_Result http_reply_text(request *r, unsigned status, const char *content_type,
                                 char *body, size_t len)
 {
-    struct MHD_Response *resp =
-        MHD_create_response_from_buffer(len, body, MHD_RESPMEM_MUST_FREE);
-    if (!resp) {
-        free(body);
-        return queue(r, status, NULL);
-    }
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store");
-    r->bytes_out = len;
+    struct MHD_Response *resp = endpoint_text_response(body, len, content_type);
+    if (resp)
+        r->bytes_out = len;
     return queue(r, status, resp);
 }
 
@@ -58,18 +53,10 @@ enum MHD_Result http_reply_json(request *r, unsigned status, json_t *body)
         r->json_fail_mark = json_failed_allocs();
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the answer");
     }
-    char *s = body ? json_dumps_checked(body, JSON_COMPACT | JSON_REAL_PRECISION(10)) : NULL;
-    json_decref(body);
+    size_t n;
+    char *s = endpoint_json_text(body, &n);
     if (!s)
         return queue(r, status, NULL);
-    size_t n = strlen(s);
-    /* a trailing newline keeps curl output readable */
-    char *t = realloc(s, n + 2);
-    if (t) {
-        s = t;
-        s[n++] = '\n';
-        s[n] = '\0';
-    }
     return http_reply_text(r, status, "application/json", s, n);
 }
 
@@ -79,15 +66,11 @@ enum MHD_Result http_reply_error(request *r, unsigned status, const char *fmt, .
      * the client's fault */
     if (status >= 400 && status < 500 && json_failed_allocs() != r->json_fail_mark)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
-    char msg[512];
+    char msg[ENDPOINT_ERROR_MAX];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
+    endpoint_error_message(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    /* messages quote client input: keep them printable ASCII so the JSON is valid */
-    for (char *p = msg; *p; p++)
-        if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
-            *p = '?';
     return http_reply_json(r, status, json_pack("{s:s}", "error", msg));
 }
 
