@@ -66,16 +66,18 @@ $(info restps: CPU-only build (no CUDA backend: CUDA=0 or no nvcc))
 endif
 
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
-SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ)
+SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ) $(ENDPOINT_OBJ)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
 # GnuTLS priority strings (psd's --tls_priorities, the ring's): kept out of
 # COMMON_OBJ, whose users (libps.a, the unit tests) do not link GnuTLS
 TLS_OBJ = $(BUILD)/common/tls_priorities.o
-
 # The monitoring page (common/web_assets.h): the lookup and the generated table
 WEB_OBJ = $(BUILD)/common/web_assets.o $(BUILD)/common/web_assets_table.o
+# What psd and the ring's endpoint answer with (libmicrohttpd: also kept out of COMMON_OBJ)
+ENDPOINT_OBJ = $(BUILD)/common/endpoint.o
+
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
 .PHONY: gpu-check all asan test test-unit test-system deps bench demo clean help
@@ -112,12 +114,12 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
 # One member of a ring all-reduce, no model (tests/system/test_ring.py, bench/ring.py).
-$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(TLS_OBJ) $(WEB_OBJ) $(COMMON_OBJ)
+$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lgnutls $(LDLIBS_CLIENT)
 
