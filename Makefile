@@ -80,8 +80,8 @@ ENDPOINT_OBJ = $(BUILD)/common/endpoint.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: gpu-check all asan test test-unit test-system deps bench demo clean help
-all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a $(BIN)/ps_stress $(BIN)/ring_allreduce
+.PHONY: all asan test unit-bins bench bench-bins deps demo gpu-check clean
+all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # sqrtf in the optimizers' loops vectorizes only when it need not set errno
 # client/ never includes server/ (common/ holds what both use)
@@ -150,7 +150,7 @@ $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
 
-bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp $(BIN)/bench_pushpull
+bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp $(BIN)/bench_pushpull $(BIN)/ring_allreduce
 
 $(BIN)/bench_pushpull: $(BUILD)/bench/bench_pushpull.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
@@ -167,7 +167,9 @@ $(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
 asan:
 	$(MAKE) BUILD=build/asan BIN=build/asan/bin OPT="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
 
-unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump $(GPU_BINS)
+# Every test binary: the unit tests, the tools the system tests run (mlp_dump,
+# ps_stress, ring_allreduce) and, with CUDA, the GPU checks.
+unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump $(BIN)/ps_stress $(BIN)/ring_allreduce $(GPU_BINS)
 
 # The GPU checks (tests/gpu/): CUDA against the CPU on random inputs, and the
 # step and sgemm benchmarks. gpu-check builds, then runs them where there is a device.
