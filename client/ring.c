@@ -265,43 +265,134 @@ static json_t *status_json(ring *r)
     return o;
 }
 
-static enum MHD_Result on_get(ring *r, struct MHD_Connection *c, const char *url)
+static enum MHD_Result h_healthz(ring *r, struct MHD_Connection *c, const char *url)
 {
-    if (strcmp(url, "/healthz") == 0)
-        return endpoint_reply_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
-    if (strcmp(url, "/v1/status") == 0)
-        return endpoint_reply_json(c, MHD_HTTP_OK, status_json(r));
-    if (strcmp(url, "/v1/ring/state") == 0) {
-        /* the whole model: a read that needs the token, as a write does */
-        if (!token_ok(r, c))
-            return endpoint_reply_error(c, MHD_HTTP_UNAUTHORIZED, "missing or wrong bearer token for GET /v1/ring/state");
-        pthread_mutex_lock(&r->mu);
-        void *s = r->state;
-        size_t len = r->state_len;
-        pthread_mutex_unlock(&r->mu);
-        if (!s)
-            return endpoint_reply_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
-                               "%s has not published the parameters (yet): only the chief does", r->name);
-        /* published once and kept until ring_free, which stops this server first */
-        struct MHD_Response *resp = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_PERSISTENT);
-        if (resp)
-            MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
-        return endpoint_queue(c, MHD_HTTP_OK, resp);
-    }
-    if (strcmp(url, "/v1/ring/chunk") == 0)
-        return endpoint_reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
+    (void)r;
+    (void)url;
+    return endpoint_reply_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+}
+
+static enum MHD_Result h_status(ring *r, struct MHD_Connection *c, const char *url)
+{
+    (void)url;
+    return endpoint_reply_json(c, MHD_HTTP_OK, status_json(r));
+}
+
+/* The whole model (the chief's): a read that needs the token, as a write does. */
+static enum MHD_Result h_state(ring *r, struct MHD_Connection *c, const char *url)
+{
+    (void)url;
+    pthread_mutex_lock(&r->mu);
+    void *s = r->state;
+    size_t len = r->state_len;
+    pthread_mutex_unlock(&r->mu);
+    if (!s)
+        return endpoint_reply_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
+                                    "%s has not published the parameters (yet): only the chief does", r->name);
+    /* published once and kept until ring_free, which stops this server first */
+    struct MHD_Response *resp = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_PERSISTENT);
+    if (resp)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
+    return endpoint_queue(c, MHD_HTTP_OK, resp);
+}
+
+/* The monitoring page (the chief's is the job's). */
+static enum MHD_Result h_web(ring *r, struct MHD_Connection *c, const char *url)
+{
+    (void)r;
     const struct web_asset *a = web_asset_find(url);
-    if (a) {
-        struct MHD_Response *resp =
-            MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
-        if (resp) {
-            MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
-            MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
-            MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-        }
-        return endpoint_queue(c, MHD_HTTP_OK, resp);
+    if (!a)
+        return endpoint_reply_error(c, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", url);
+    struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+    if (resp) {
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     }
-    return endpoint_reply_error(c, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", url);
+    return endpoint_queue(c, MHD_HTTP_OK, resp);
+}
+
+/* The endpoint's routes: on_request checks a request against this table
+ * before any handler runs (unknown path 404, wrong method 404 or 405, the
+ * token 401). GET routes also answer HEAD. */
+enum {
+    RR_TOKEN = 1,      /* needs the bearer token, when the ring has one */
+    RR_BODY_PIECE = 2, /* takes a body of one piece at most: begin, then the upload */
+    RR_OTHERS_405 = 4, /* another method: 405 "no route M 'path'" (else the 404 of an unknown path) */
+    RR_OTHERS_TAKES = 8, /* another method: 405 "path takes METHOD" */
+};
+typedef struct ring_route {
+    const char *method;
+    const char *path;
+    int flags;
+    /* without a body: answers */
+    enum MHD_Result (*answer)(ring *r, struct MHD_Connection *c, const char *url);
+    /* with a body (RR_BODY_PIECE): 0 when the upload may come into q, else
+     * an HTTP status with q->msg */
+    unsigned (*begin)(ring *r, struct MHD_Connection *c, req *q, char *msg, size_t cap);
+} ring_route;
+
+static const ring_route ring_routes[] = {
+    {"GET", "/healthz", 0, h_healthz, NULL},
+    {"GET", "/v1/status", 0, h_status, NULL},
+    {"GET", "/v1/ring/state", RR_TOKEN | RR_OTHERS_405, h_state, NULL},
+    {"POST", "/v1/ring/chunk", RR_TOKEN | RR_BODY_PIECE | RR_OTHERS_TAKES, NULL, chunk_begin},
+    {"GET", "/", 0, h_web, NULL},
+    {"GET", "/app.js", 0, h_web, NULL},
+    {"GET", "/style.css", 0, h_web, NULL},
+};
+#define N_RING_ROUTES (sizeof(ring_routes) / sizeof(ring_routes[0]))
+
+/* The first call for a request: the checks every route gets, then its
+ * answer, or (a body route) the request state its upload goes into. */
+static enum MHD_Result on_headers(ring *r, struct MHD_Connection *c, const char *url, const char *method,
+                                  void **req_cls)
+{
+    const char *m = strcmp(method, "HEAD") == 0 ? "GET" : method;
+    const ring_route *rt = NULL, *on_path = NULL;
+    for (size_t i = 0; i < N_RING_ROUTES; i++) {
+        if (strcmp(ring_routes[i].path, url) != 0)
+            continue;
+        on_path = &ring_routes[i];
+        if (strcmp(ring_routes[i].method, m) == 0)
+            rt = &ring_routes[i];
+    }
+    if (!rt) {
+        if (on_path && (on_path->flags & RR_OTHERS_TAKES))
+            return endpoint_reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "%s takes %s", on_path->path,
+                                        on_path->method);
+        return endpoint_reply_error(c,
+                                    on_path && (on_path->flags & RR_OTHERS_405) ? MHD_HTTP_METHOD_NOT_ALLOWED
+                                                                              : MHD_HTTP_NOT_FOUND,
+                                    "no route %s '%.200s' on a ring worker", m, url);
+    }
+    int token_refused = (rt->flags & RR_TOKEN) && !token_ok(r, c);
+    if (!(rt->flags & RR_BODY_PIECE)) {
+        if (token_refused)
+            return endpoint_reply_error(c, MHD_HTTP_UNAUTHORIZED, "missing or wrong bearer token for %s %s",
+                                        rt->method, rt->path);
+        return rt->answer(r, c, url);
+    }
+    req *q = calloc(1, sizeof(*q));
+    if (!q)
+        return MHD_NO;
+    /* the token first: no one learns anything else without it; the body
+     * is swallowed, unread, so the sender reads the 401 (not a reset) */
+    if (token_refused) {
+        q->bad = MHD_HTTP_UNAUTHORIZED;
+        snprintf(q->msg, sizeof(q->msg), "missing or wrong bearer token for %s %s", rt->method, rt->path);
+    } else {
+        q->bad = rt->begin(r, c, q, q->msg, sizeof(q->msg));
+    }
+    if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE || (q->bad == MHD_HTTP_UNAUTHORIZED && !piece_sized(r, c))) {
+        /* answered before the body is read: libmicrohttpd closes the connection */
+        enum MHD_Result rc = endpoint_reply_error(c, q->bad, "%s", q->msg);
+        free(q);
+        return rc;
+    }
+    *req_cls = q;
+    atomic_fetch_add(&r->uploads, 1);
+    return MHD_YES;
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
@@ -311,36 +402,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     (void)version;
     ring *r = cls;
     req *q = *req_cls;
-    if (!q) {
-        if (strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0)
-            return on_get(r, c, url);
-        if (strcmp(url, "/v1/ring/chunk") != 0)
-            return endpoint_reply_error(c, strcmp(url, "/v1/ring/state") == 0 ? MHD_HTTP_METHOD_NOT_ALLOWED
-                                                                     : MHD_HTTP_NOT_FOUND,
-                               "no route %s '%.200s' on a ring worker", method, url);
-        if (strcmp(method, "POST") != 0)
-            return endpoint_reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "/v1/ring/chunk takes POST");
-        if (!(q = calloc(1, sizeof(*q))))
-            return MHD_NO;
-        /* the token first: no one learns anything else without it; the body
-         * is swallowed, unread, so the sender reads the 401 (not a reset) */
-        if (!token_ok(r, c)) {
-            q->bad = MHD_HTTP_UNAUTHORIZED;
-            snprintf(q->msg, sizeof(q->msg), "missing or wrong bearer token for POST /v1/ring/chunk");
-        } else {
-            q->bad = chunk_begin(r, c, q, q->msg, sizeof(q->msg));
-        }
-        if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE ||
-            (q->bad == MHD_HTTP_UNAUTHORIZED && !piece_sized(r, c))) {
-            /* answered before the body is read: libmicrohttpd closes the connection */
-            enum MHD_Result rc = endpoint_reply_error(c, q->bad, "%s", q->msg);
-            free(q);
-            return rc;
-        }
-        *req_cls = q;
-        atomic_fetch_add(&r->uploads, 1);
-        return MHD_YES;
-    }
+    if (!q)
+        return on_headers(r, c, url, method, req_cls);
     if (*upload_size && q->bad) {
         *upload_size = 0; /* swallowed, so the client reads the answer */
         return MHD_YES;
