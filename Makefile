@@ -20,6 +20,7 @@ BUILD ?= build
 BIN   ?= bin
 
 COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
+COMMON_SRC += common/ckptdir.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c \
@@ -130,6 +131,7 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 
 # Unit tests (cmocka), one binary per module.
 UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp test_tfevents test_blas_kernel
+UNIT_TESTS += test_ckptdir
 IDX_OBJ = $(BUILD)/client/idx.o
 MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o $(BUILD)/client/blas_kernel.o
 

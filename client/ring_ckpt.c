@@ -2,20 +2,15 @@
  * chief broadcasts at start and the checkpoints it writes. See ring_ckpt.h. */
 #include "ring_ckpt.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <time.h>
 
+#include "ckptdir.h"
 #include "crc32c.h"
 #include "safetensors.h"
-
-#define PREFIX "model.ckpt-"
-#define SUFFIX ".safetensors"
 
 static const char *const slot_names[OPTIM_KINDS][2] = {
     {NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}, {"adagrad", NULL},
@@ -121,10 +116,10 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
     char e2[300];
     if (st_parse(buf, len, &f, e2, sizeof(e2)) != 0) {
         snprintf(err, errlen, "%s", e2);
-        return -1;
+        return CKPT_EINVALID;
     }
     const mlp_layout *L = s->layout;
-    int rc = -1, ns = optim_slots(s->optimizer);
+    int rc = CKPT_EINVALID, ns = optim_slots(s->optimizer);
     const char *fmt = st_meta_get(&f, "format"), *opt = st_meta_get(&f, "optimizer"),
                *layers = st_meta_get(&f, "layers"), *step_s = st_meta_get(&f, "global_step"),
                *crc_s = st_meta_get(&f, "crc32c"), *workers_s = st_meta_get(&f, "workers");
@@ -138,7 +133,7 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
     if (strcmp(layers, mine) != 0 || strcmp(opt, optim_name(s->optimizer)) != 0) {
         snprintf(err, errlen, "it holds a %s model trained with %s; this job: %s with %s", layers, opt, mine,
                  optim_name(s->optimizer));
-        rc = -3;
+        rc = CKPT_EOTHER;
         goto out;
     }
     const uint8_t *data = (const uint8_t *)buf + f.data_start;
@@ -190,81 +185,13 @@ out:
     return rc;
 }
 
-static int mkdirs(const char *dir)
-{
-    char p[4096];
-    snprintf(p, sizeof(p), "%s", dir);
-    for (char *q = p + 1; *q; q++)
-        if (*q == '/') {
-            *q = '\0';
-            if (mkdir(p, 0755) != 0 && errno != EEXIST)
-                return -1;
-            *q = '/';
-        }
-    return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
-/* The step in "model.ckpt-<step>.safetensors", or -1. */
-static int64_t step_of(const char *name)
-{
-    size_t n = strlen(name), lp = strlen(PREFIX), ls = strlen(SUFFIX);
-    if (n <= lp + ls || strncmp(name, PREFIX, lp) != 0 || strcmp(name + n - ls, SUFFIX) != 0)
-        return -1;
-    int64_t v = 0;
-    for (size_t i = lp; i < n - ls; i++) {
-        if (name[i] < '0' || name[i] > '9' || v > INT64_MAX / 10 - 9)
-            return -1;
-        v = v * 10 + (name[i] - '0');
-    }
-    return v;
-}
-
-static int cmp_desc(const void *a, const void *b)
-{
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-/* The steps of the checkpoints in dir, newest first; -1 when unreadable
- * (a missing folder has none). */
-static int list_steps(const char *dir, int64_t **out, int *n)
-{
-    *out = NULL;
-    *n = 0;
-    DIR *d = opendir(dir);
-    if (!d)
-        return errno == ENOENT ? 0 : -1;
-    int cap = 0;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        int64_t s = step_of(e->d_name);
-        if (s < 0)
-            continue;
-        if (*n == cap) {
-            cap = cap ? cap * 2 : 16;
-            int64_t *v = realloc(*out, sizeof(int64_t) * (size_t)cap);
-            if (!v) {
-                closedir(d);
-                free(*out);
-                *out = NULL;
-                errno = ENOMEM;
-                return -1;
-            }
-            *out = v;
-        }
-        (*out)[(*n)++] = s;
-    }
-    closedir(d);
-    if (*n > 1)
-        qsort(*out, (size_t)*n, sizeof(int64_t), cmp_desc);
-    return 0;
-}
-
 int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, size_t cap,
                     char *err, size_t errlen)
 {
-    if (mkdirs(dir) != 0) {
-        snprintf(err, errlen, "cannot create '%s': %s", dir, strerror(errno));
+    if (ckptdir_make(dir, err, errlen) != 0)
+        return -1;
+    if (ckptdir_path(dir, s->step, path, cap) != 0) {
+        snprintf(err, errlen, "'%s': path too long", dir);
         return -1;
     }
     plan *p = malloc(sizeof(*p));
@@ -279,25 +206,13 @@ int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, 
     meta[13] = p->when;
     meta[14] = "crc32c";
     meta[15] = p->crc_s;
-    snprintf(path, cap, "%s/" PREFIX "%lld" SUFFIX, dir, (long long)s->step);
     int rc = st_write_file_parts(path, p->d, p->n, meta, 8, p->parts, p->n_parts, NULL, NULL, err, errlen);
     free(p);
     if (rc != 0)
         return -1;
-    int64_t *steps;
-    int n;
-    if (keep > 0 && list_steps(dir, &steps, &n) == 0) {
-        /* the newest `keep` up to this one; newer ones are not this run's
-         * (broken ones restore passed over) and must not push this one out */
-        for (int i = 0, kept = 0; i < n; i++) {
-            if (steps[i] > s->step || ++kept <= keep)
-                continue;
-            char old[4200];
-            snprintf(old, sizeof(old), "%s/" PREFIX "%lld" SUFFIX, dir, (long long)steps[i]);
-            unlink(old);
-        }
-        free(steps);
-    }
+    /* the newest `keep` up to this one; newer ones are not this run's
+     * (broken ones restore passed over) and must not push this one out */
+    ckptdir_prune(dir, keep, s->step);
     return 0;
 }
 
@@ -340,15 +255,13 @@ static int read_all(const char *path, void **out, size_t *len)
 int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, char *err,
                       size_t errlen)
 {
-    int64_t *steps;
+    ckptdir_entry *e;
     int n;
-    if (list_steps(dir, &steps, &n) != 0) {
-        snprintf(err, errlen, "cannot read '%s': %s", dir, strerror(errno));
+    if (ckptdir_list(dir, &e, &n, err, errlen) != 0)
         return -1;
-    }
     int rc = 0;
     for (int i = 0; i < n; i++) {
-        snprintf(path, cap, "%s/" PREFIX "%lld" SUFFIX, dir, (long long)steps[i]);
+        snprintf(path, cap, "%s", e[i].path);
         void *b;
         size_t len;
         if (read_all(path, &b, &len) != 0) {
@@ -362,7 +275,7 @@ int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, ch
             rc = 1;
             break;
         }
-        if (d == -3) {
+        if (d == CKPT_EOTHER) {
             snprintf(err, errlen, "checkpoint '%s': %s: start with the same flags, or another --logdir",
                      path, e2);
             rc = -1;
@@ -370,6 +283,6 @@ int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, ch
         }
         fprintf(stderr, "workerd: skipping checkpoint '%s': %s\n", path, e2);
     }
-    free(steps);
+    ckptdir_list_free(e, n);
     return rc;
 }

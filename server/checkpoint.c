@@ -2,7 +2,6 @@
 #include "checkpoint.h"
 #include "jsonmem.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -20,12 +19,6 @@
 static const char *const slot_names[OPTIM_KINDS][2] = {
     {NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}, {"adagrad", NULL},
     {"rmsprop_ms", "rmsprop_mom"}};
-
-int ckpt_path(const char *dir, int64_t step, char *out, size_t cap)
-{
-    int k = snprintf(out, cap, "%s/" CKPT_PREFIX "%lld" CKPT_SUFFIX, dir, (long long)step);
-    return k < 0 || (size_t)k >= cap ? -1 : 0;
-}
 
 /* CRC-32C over the metadata except meta_crc32c: keys in byte order, each
  * entry as key NUL value NUL. */
@@ -332,7 +325,7 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
     memset(&f, 0, sizeof(f));
     json_t *config = NULL, *vars = NULL, *crcs = NULL, *state = NULL, *place = NULL;
     unsigned char *head = NULL;
-    int rc = -1;
+    int rc = CKPT_EINVALID;
     /* only the header is read whole; each tensor goes straight from the file
      * into its blob, checked as it lands (peak memory: the model, once) */
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -495,7 +488,7 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
         out->n++;
         if ((rc = read_tensor(fd, &f, ti, crcs, v->data->data, err, errlen)) != 0)
             goto out;
-        rc = -1;
+        rc = CKPT_EINVALID;
         used++;
         int ns = (int)json_array_size(slots);
         int need = out->configured ? optim_slots(out->config.optim.kind) : 0;
@@ -524,7 +517,7 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
             if ((rc = read_tensor(fd, &f, &f.tensors[st], crcs, v->slots + (size_t)j * (size_t)v->numel,
                                   err, errlen)) != 0)
                 goto out;
-            rc = -1;
+            rc = CKPT_EINVALID;
             used++;
         }
     }
@@ -559,110 +552,4 @@ out:
     free(head);
     close(fd);
     return rc;
-}
-
-/* The step in a checkpoint's file name, or -1 when it is not one. */
-static int64_t step_of(const char *name)
-{
-    size_t pl = strlen(CKPT_PREFIX), sl = strlen(CKPT_SUFFIX), n = strlen(name);
-    if (n <= pl + sl || strncmp(name, CKPT_PREFIX, pl) != 0 || strcmp(name + n - sl, CKPT_SUFFIX) != 0)
-        return -1;
-    int64_t v = 0;
-    for (size_t i = pl; i < n - sl; i++) {
-        if (name[i] < '0' || name[i] > '9' || v > (INT64_MAX - 9) / 10)
-            return -1;
-        v = v * 10 + (name[i] - '0');
-    }
-    return v;
-}
-
-static int entry_cmp(const void *a, const void *b)
-{
-    int64_t x = ((const ckpt_entry *)a)->step, y = ((const ckpt_entry *)b)->step;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
-
-int ckpt_list(const char *dir, ckpt_entry **out, int *n, char *err, size_t errlen)
-{
-    *out = NULL;
-    *n = 0;
-    DIR *d = opendir(dir);
-    if (!d) {
-        if (errno == ENOENT)
-            return 0;
-        snprintf(err, errlen, "%s: %s", dir, strerror(errno));
-        return -1;
-    }
-    ckpt_entry *v = NULL;
-    int cnt = 0, cap = 0;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        int64_t step = step_of(e->d_name);
-        if (step < 0)
-            continue;
-        if (cnt == cap) {
-            cap = cap ? 2 * cap : 16;
-            ckpt_entry *nv = realloc(v, sizeof(*v) * (size_t)cap);
-            if (!nv)
-                goto oom;
-            v = nv;
-        }
-        if (asprintf(&v[cnt].path, "%s/%s", dir, e->d_name) < 0)
-            goto oom;
-        v[cnt++].step = step;
-    }
-    closedir(d);
-    if (cnt > 1)
-        qsort(v, (size_t)cnt, sizeof(*v), entry_cmp);
-    *out = v;
-    *n = cnt;
-    return 0;
-oom:
-    closedir(d);
-    ckpt_list_free(v, cnt);
-    snprintf(err, errlen, "out of memory listing %s", dir);
-    return -1;
-}
-
-void ckpt_list_free(ckpt_entry *e, int n)
-{
-    for (int i = 0; i < n; i++)
-        free(e[i].path);
-    free(e);
-}
-
-int ckpt_remove_temps(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return 0;
-    int removed = 0;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        if (strncmp(e->d_name, CKPT_PREFIX, strlen(CKPT_PREFIX)) != 0 ||
-            !strstr(e->d_name, CKPT_SUFFIX ST_TEMP_INFIX))
-            continue;
-        char *p;
-        if (asprintf(&p, "%s/%s", dir, e->d_name) < 0)
-            continue;
-        if (unlink(p) == 0)
-            removed++;
-        free(p);
-    }
-    closedir(d);
-    return removed;
-}
-
-int ckpt_prune(const char *dir, int keep)
-{
-    ckpt_entry *e;
-    int n, removed = 0;
-    char err[256];
-    if (ckpt_list(dir, &e, &n, err, sizeof(err)) != 0)
-        return 0;
-    for (int i = keep; i < n; i++)
-        if (unlink(e[i].path) == 0)
-            removed++;
-    ckpt_list_free(e, n);
-    return removed;
 }

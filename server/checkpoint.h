@@ -1,5 +1,6 @@
 /* checkpoint.h - a ps shard on disk: the checkpoint file format, writing it
- * atomically, reading it back with every check, and the folder of them.
+ * atomically, reading it back with every check. The folder of them (names,
+ * listing, pruning, temp files) is common/ckptdir.h.
  *
  * A checkpoint is one safetensors file, <dir>/model.ckpt-<global_step>.safetensors:
  * - every variable under its own name, F32;
@@ -24,10 +25,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ckptdir.h"
 #include "store.h"
 
-#define CKPT_PREFIX "model.ckpt-"
-#define CKPT_SUFFIX ".safetensors"
 #define CKPT_FORMAT "restps-checkpoint"
 #define CKPT_FORMAT_VERSION "1"
 
@@ -35,9 +35,6 @@ typedef struct ckpt_info {
     int task_index; /* this ps task */
     int ps_tasks;   /* how many the cluster has */
 } ckpt_info;
-
-/* <dir>/model.ckpt-<step>.safetensors into out. -1 when it does not fit. */
-int ckpt_path(const char *dir, int64_t step, char *out, size_t cap);
 
 /* Write sv atomically to path (temp file, fsync, rename, fsync of the
  * folder); path is untouched on failure. after_part: see st_write_file_parts. */
@@ -51,25 +48,8 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
  * what that means: CKPT_EINVALID the file is broken (truncated, checksums,
  * ...), CKPT_EREAD it could not be read now (I/O error, out of memory: the
  * file may be fine), CKPT_EOTHER it is valid but another task's or another
- * cluster's (info: this task; NULL = no check). */
-enum { CKPT_EINVALID = -1, CKPT_EREAD = -2, CKPT_EOTHER = -3 };
+ * cluster's (info: this task; NULL = no check). The codes: ckptdir.h. */
 int ckpt_read(const char *path, bufpool *pool, const ckpt_info *info, store_saved *out, char *err,
               size_t errlen);
-
-typedef struct ckpt_entry {
-    char *path;   /* owned */
-    int64_t step; /* from the file name */
-} ckpt_entry;
-
-/* The checkpoints in dir, newest (highest step) first. A missing folder is an
- * empty list. -1 with err when it cannot be read. */
-int ckpt_list(const char *dir, ckpt_entry **out, int *n, char *err, size_t errlen);
-void ckpt_list_free(ckpt_entry *e, int n);
-
-/* Remove temp files left by writes that never finished; how many. */
-int ckpt_remove_temps(const char *dir);
-
-/* Keep the newest `keep` checkpoints, remove the rest; how many removed. */
-int ckpt_prune(const char *dir, int keep);
 
 #endif

@@ -9,8 +9,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
-#include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 
 /* A requested save (saver_save_async). */
@@ -97,46 +97,20 @@ saver *saver_new(store *st, bufpool *pool, const char *dir, int interval_secs, i
     return sv;
 }
 
-/* mkdir -p */
-static int make_dirs(const char *dir, char *err, size_t errlen)
-{
-    char p[PATH_MAX];
-    snprintf(p, sizeof(p), "%s", dir);
-    for (char *s = p + 1;; s++) {
-        if (*s == '/' || *s == '\0') {
-            char c = *s;
-            *s = '\0';
-            if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-                snprintf(err, errlen, "cannot create %s: %s", p, strerror(errno));
-                return -1;
-            }
-            *s = c;
-            if (!c)
-                break;
-        }
-    }
-    struct stat stt;
-    if (stat(dir, &stt) != 0 || !S_ISDIR(stt.st_mode)) {
-        snprintf(err, errlen, "%s is not a folder", dir);
-        return -1;
-    }
-    return 0;
-}
-
 int saver_restore(saver *sv)
 {
     char err[512];
-    if (make_dirs(sv->dir, err, sizeof(err)) != 0) {
+    if (ckptdir_make(sv->dir, err, sizeof(err)) != 0) {
         log_error("psd: checkpoints: %s; psd serves anyway and retries at each save", err);
         return 0;
     }
-    int temps = ckpt_remove_temps(sv->dir);
+    int temps = ckptdir_remove_temps(sv->dir);
     if (temps)
         log_info("psd: checkpoints: removed %d temp file%s left by a write that never finished",
                  temps, temps == 1 ? "" : "s");
-    ckpt_entry *e;
+    ckptdir_entry *e;
     int n;
-    if (ckpt_list(sv->dir, &e, &n, err, sizeof(err)) != 0) {
+    if (ckptdir_list(sv->dir, &e, &n, err, sizeof(err)) != 0) {
         log_error("psd: checkpoints: %s", err);
         return 0;
     }
@@ -193,7 +167,7 @@ int saver_restore(saver *sv)
     if (!restored)
         log_info("psd: checkpoints: %s in %s; starting empty", n ? "no valid checkpoint" : "none yet",
                  sv->dir);
-    ckpt_list_free(e, n);
+    ckptdir_list_free(e, n);
     return restored;
 }
 
@@ -214,8 +188,7 @@ int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char
     pthread_mutex_lock(&sv->save_mu);
     store_saved snap;
     int rc = -1;
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    struct timespec t0 = clk_mono_ts();
     if (store_save(sv->st, &snap) != STORE_OK) {
         snprintf(err, errlen, "out of memory taking the snapshot");
         goto failed;
@@ -236,17 +209,16 @@ int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char
         return 1;
     }
     char p[PATH_MAX];
-    if (make_dirs(sv->dir, err, errlen) != 0 ||
-        (ckpt_path(sv->dir, snap.global_step, p, sizeof(p)) != 0 &&
+    if (ckptdir_make(sv->dir, err, errlen) != 0 ||
+        (ckptdir_path(sv->dir, snap.global_step, p, sizeof(p)) != 0 &&
          snprintf(err, errlen, "%s: path too long", sv->dir) > 0) ||
         ckpt_write(p, &snap, &sv->info, pause_hook, sv, err, errlen) != 0) {
         store_saved_free(&snap);
         goto failed;
     }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double secs = clk_mono_since(&t0);
     struct stat fst;
     uint64_t bytes = stat(p, &fst) == 0 ? (uint64_t)fst.st_size : 0; /* the file's size, as after a restore */
-    double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
     sv->saved_changes = snap.changes;
     sv->has_saved = 1;
     int64_t gs = snap.global_step;
@@ -261,7 +233,7 @@ int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char
     sv->saves++;
     sv->consecutive_failures = 0;
     pthread_mutex_unlock(&sv->mu);
-    int pruned = sv->keep > 0 ? ckpt_prune(sv->dir, sv->keep) : 0;
+    int pruned = ckptdir_prune(sv->dir, sv->keep, INT64_MAX);
     log_info("psd: checkpoints: saved global step %lld to %s (%.1f MB in %.3f s)%s", (long long)gs,
              p, (double)bytes / 1e6, secs, pruned ? "; removed older ones" : "");
     snprintf(path, cap, "%s", p);
@@ -312,9 +284,7 @@ static void run_requested(saver *sv)
 static void *loop(void *arg)
 {
     saver *sv = arg;
-    struct timespec at;
-    clock_gettime(CLOCK_MONOTONIC, &at);
-    at.tv_sec += sv->interval;
+    struct timespec at = clk_mono_after_ms((int64_t)sv->interval * 1000);
     pthread_mutex_lock(&sv->mu);
     for (;;) {
         /* requested saves first, stopping or not: their requesters wait */
@@ -337,8 +307,7 @@ static void *loop(void *arg)
             int64_t step;
             saver_save(sv, 0, path, sizeof(path), &step, err, sizeof(err));
             pthread_mutex_lock(&sv->mu);
-            clock_gettime(CLOCK_MONOTONIC, &at);
-            at.tv_sec += sv->interval;
+            at = clk_mono_after_ms((int64_t)sv->interval * 1000);
         }
     }
     pthread_mutex_unlock(&sv->mu);
