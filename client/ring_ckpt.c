@@ -33,11 +33,19 @@ typedef struct plan {
     st_part parts[3];
     int n_parts;
     char step_s[32], layers[128], workers_s[16], when[32], crc_s[16];
-    const char *meta[12];
+    const char *meta[16];
+    int n_meta;
 } plan;
 
-static void make_plan(const ring_state *s, plan *p)
+/* s's tensors and metadata, malloc'd: with saved_at for a checkpoint, without
+ * for the body the chief sends. NULL with err when out of memory. */
+static plan *plan_new(const ring_state *s, int saved_at, char *err, size_t errlen)
 {
+    plan *p = malloc(sizeof(*p));
+    if (!p) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
     const mlp_layout *L = s->layout;
     int ns = optim_slots(s->optimizer);
     float *bufs[3] = {s->params, s->slot0, s->slot1};
@@ -60,32 +68,33 @@ static void make_plan(const ring_state *s, plan *p)
     snprintf(p->step_s, sizeof(p->step_s), "%lld", (long long)s->step);
     layers_string(L, p->layers, sizeof(p->layers));
     snprintf(p->workers_s, sizeof(p->workers_s), "%d", s->workers);
-    time_t now = time(NULL);
-    struct tm tmv;
-    gmtime_r(&now, &tmv);
-    strftime(p->when, sizeof(p->when), "%Y-%m-%dT%H:%M:%SZ", &tmv);
     snprintf(p->crc_s, sizeof(p->crc_s), "%08x", crc);
     const char *meta[] = {"format", RING_CKPT_FORMAT, "format_version", "1", "global_step", p->step_s,
                           "optimizer", optim_name(s->optimizer), "layers", p->layers,
                           "workers", p->workers_s};
     memcpy(p->meta, meta, sizeof(meta));
+    p->n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2);
+    if (saved_at) {
+        time_t now = time(NULL);
+        struct tm tmv;
+        gmtime_r(&now, &tmv);
+        strftime(p->when, sizeof(p->when), "%Y-%m-%dT%H:%M:%SZ", &tmv);
+        p->meta[2 * p->n_meta] = "saved_at";
+        p->meta[2 * p->n_meta++ + 1] = p->when;
+    }
+    p->meta[2 * p->n_meta] = "crc32c";
+    p->meta[2 * p->n_meta++ + 1] = p->crc_s;
+    return p;
 }
 
 int ring_state_encode(const ring_state *s, void **out, size_t *len, char *err, size_t errlen)
 {
-    plan *p = malloc(sizeof(*p));
-    if (!p) {
-        snprintf(err, errlen, "out of memory");
+    plan *p = plan_new(s, 0, err, errlen);
+    if (!p)
         return -1;
-    }
-    make_plan(s, p);
-    const char *meta[16];
-    memcpy(meta, p->meta, sizeof(p->meta));
-    meta[12] = "crc32c";
-    meta[13] = p->crc_s;
     char *head;
     size_t head_len;
-    if (st_header_build(p->d, p->n, meta, 7, &head, &head_len, err, errlen) != 0) {
+    if (st_header_build(p->d, p->n, p->meta, p->n_meta, &head, &head_len, err, errlen) != 0) {
         free(p);
         return -1;
     }
@@ -194,19 +203,11 @@ int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, 
         snprintf(err, errlen, "'%s': path too long", dir);
         return -1;
     }
-    plan *p = malloc(sizeof(*p));
-    if (!p) {
-        snprintf(err, errlen, "out of memory");
+    plan *p = plan_new(s, 1, err, errlen);
+    if (!p)
         return -1;
-    }
-    make_plan(s, p);
-    const char *meta[16];
-    memcpy(meta, p->meta, sizeof(p->meta));
-    meta[12] = "saved_at";
-    meta[13] = p->when;
-    meta[14] = "crc32c";
-    meta[15] = p->crc_s;
-    int rc = st_write_file_parts(path, p->d, p->n, meta, 8, p->parts, p->n_parts, NULL, NULL, err, errlen);
+    int rc = st_write_file_parts(path, p->d, p->n, p->meta, p->n_meta, p->parts, p->n_parts, NULL, NULL,
+                                 err, errlen);
     free(p);
     if (rc != 0)
         return -1;
