@@ -146,7 +146,7 @@ struct tfevents {
 
     pthread_mutex_t io_mu; /* the file; taken before mu, so writes keep their order */
     buf spare;             /* what a flush writes, swapped with the queue */
-    int fd;
+    int fd;                /* open only during a flush (open_file), else -1 */
     off_t good;            /* bytes of whole records in the file */
     int failing;           /* the last write failed (logged once) */
     char path[4096 + 256 + 128]; /* dir, host name, the rest */
@@ -277,6 +277,26 @@ static int create_file(tfevents *w)
     return 0;
 }
 
+/* Open the file for a flush (creating it the first time, or again when it
+ * was removed). Caller holds io_mu. The file is open only while a flush
+ * writes, so between flushes no descriptor holds the folder's filesystem
+ * busy: it can be remounted read-only or unmounted, as with checkpoints. */
+static int open_file(tfevents *w)
+{
+    if (w->path[0]) {
+        w->fd = open(w->path, O_WRONLY | O_APPEND | O_CLOEXEC);
+        if (w->fd >= 0)
+            return 0;
+        if (errno != ENOENT) {
+            int rc = -errno;
+            io_failed(w, "open", rc);
+            return rc;
+        }
+        w->path[0] = '\0'; /* removed under us: start a new file */
+    }
+    return create_file(w);
+}
+
 int tfevents_flush(tfevents *w)
 {
     if (!w)
@@ -290,8 +310,7 @@ int tfevents_flush(tfevents *w)
     pthread_mutex_unlock(&w->mu);
     int rc = 0;
     if (b.len) {
-        if (w->fd < 0)
-            rc = create_file(w);
+        rc = open_file(w);
         if (rc == 0 && (rc = write_all(w->fd, b.p, b.len)) < 0) {
             io_failed(w, "write", rc);
             /* cut off a partly written record: the file stays readable */
@@ -303,6 +322,13 @@ int tfevents_flush(tfevents *w)
             if (w->failing)
                 log_info("%s: tensorboard events: writing '%s' again", w->who, w->path);
             w->failing = 0;
+        }
+        if (w->fd >= 0) {
+            if (close(w->fd) != 0 && rc == 0) {
+                rc = -errno;
+                io_failed(w, "close", rc);
+            }
+            w->fd = -1;
         }
         if (rc < 0) {
             pthread_mutex_lock(&w->mu);
@@ -374,8 +400,6 @@ void tfevents_close(tfevents *w)
     pthread_cond_signal(&w->cv);
     pthread_mutex_unlock(&w->mu);
     pthread_join(w->thread, NULL); /* its last round samples and flushes */
-    if (w->fd >= 0 && close(w->fd) != 0)
-        io_failed(w, "close", -errno);
     free(w->queue.p);
     free(w->spare.p);
     pthread_mutex_destroy(&w->mu);

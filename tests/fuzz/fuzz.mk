@@ -27,13 +27,15 @@ FUZZ_HARNESSES = fuzz_safetensors fuzz_idx fuzz_cluster fuzz_request fuzz_checkp
 FUZZ_COMMON = $(COMMON_SRC:%.c=$(FUZZ_BUILD)/%.o)
 # fuzz_request includes routes.c and vars.c to reach their static parsers
 FUZZ_SERVER = $(filter-out $(FUZZ_BUILD)/server/routes.o $(FUZZ_BUILD)/server/vars.o, \
-                $(SERVER_SRC:%.c=$(FUZZ_BUILD)/%.o)) $(FUZZ_BUILD)/web_assets.o
+                $(SERVER_SRC:%.c=$(FUZZ_BUILD)/%.o)) \
+              $(WEB_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%) $(ENDPOINT_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%)
 
 $(FUZZ_BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -MMD -MP -c -o $@ $<
 
-$(FUZZ_BUILD)/web_assets.o: $(BUILD)/web_assets.c
+# the monitoring page's generated table (the Makefile's rule writes it)
+$(FUZZ_BUILD)/common/web_assets_table.o: $(BUILD)/common/web_assets_table.c
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -c -o $@ $<
 
