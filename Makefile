@@ -84,10 +84,10 @@ ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined
 .PHONY: all asan test unit-bins bench bench-bins deps demo gpu-check clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
-# sqrtf in the optimizers' loops vectorizes only when it need not set errno
 # client/ never includes server/ (common/ holds what both use)
 $(BUILD)/client/%.o: CFLAGS := $(filter-out -Iserver,$(CFLAGS))
 
+# sqrtf in the optimizers' loops vectorizes only when it need not set errno
 $(BUILD)/common/optim.o: CFLAGS += -fno-math-errno
 
 $(BUILD)/%.o: %.c
