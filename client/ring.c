@@ -399,11 +399,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
                                   const char *method, const char *version, const char *upload,
                                   size_t *upload_size, void **req_cls)
 {
-    (void)version;
     ring *r = cls;
     req *q = *req_cls;
-    if (!q)
+    if (!q) {
+        char msg[ENDPOINT_ERROR_MAX];
+        unsigned bad = endpoint_check_framing(c, method, url, version, msg, sizeof(msg));
+        if (bad)
+            return endpoint_reply_close(c, bad, msg);
         return on_headers(r, c, url, method, req_cls);
+    }
     if (*upload_size && q->bad) {
         *upload_size = 0; /* swallowed, so the client reads the answer */
         return MHD_YES;

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "jsonmem.h"
 
@@ -80,4 +81,138 @@ enum MHD_Result endpoint_reply_error(struct MHD_Connection *c, unsigned status, 
 int endpoint_host_is_loopback(const char *host)
 {
     return strcmp(host, "localhost") == 0 || strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0;
+}
+
+struct framing {
+    int n_cl, n_te;
+    const char *bad_key; /* the first field with a byte RFC 9110 refuses */
+};
+
+/* 1 when s[0..n) holds a NUL or a control byte other than HTAB (or is not
+ * n bytes long: a NUL libmicrohttpd cut it at). */
+static int has_control(const char *s, size_t n, int allow_tab)
+{
+    if (strlen(s) != n)
+        return 1;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char b = (unsigned char)s[i];
+        if ((b < 0x20 && !(allow_tab && b == '\t')) || b == 0x7f)
+            return 1;
+    }
+    return 0;
+}
+
+static enum MHD_Result framing_field(void *cls, enum MHD_ValueKind kind, const char *key,
+                                     size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind;
+    struct framing *f = cls;
+    if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) == 0)
+        f->n_cl++;
+    if (strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING) == 0)
+        f->n_te++;
+    if (!f->bad_key && (has_control(key, key_size, 0) || !value ||
+                        has_control(value, value_size, 1)))
+        f->bad_key = key;
+    return MHD_YES;
+}
+
+/* The spans of the request head that libmicrohttpd parsed out of its read
+ * buffer (it cuts the head in place, writing NULs), for head_hides_bytes. */
+struct cover {
+    const char *head;
+    size_t size;
+    unsigned char *covered;
+};
+
+static void cover(struct cover *cv, const char *s, size_t n)
+{
+    if (!s || s < cv->head || s >= cv->head + cv->size)
+        return;
+    size_t off = (size_t)(s - cv->head);
+    if (n > cv->size - off)
+        n = cv->size - off;
+    memset(cv->covered + off, 1, n);
+}
+
+static enum MHD_Result cover_field(void *cls, enum MHD_ValueKind kind, const char *key,
+                                   size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind;
+    cover(cls, key, key_size);
+    cover(cls, value, value_size);
+    return MHD_YES;
+}
+
+/* 1 when the head holds a byte that no parsed string covers and that is not
+ * a separator: what followed a NUL libmicrohttpd read a string up to, or a
+ * folded line it dropped. A URL piece decoded in place must leave NULs
+ * where its escapes shrank (psd's unescape callback does). */
+static int head_hides_bytes(struct MHD_Connection *c, const char *method, const char *url,
+                            const char *version)
+{
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    if (!ci || !ci->header_size || !method || !url || !version)
+        return 0;
+    size_t size = ci->header_size;
+    /* the method, URL and version lie in the head, in that order, or this
+     * libmicrohttpd keeps them elsewhere and nothing is checked */
+    if (!(method < url && url < version && (size_t)(version - method) < size))
+        return 0;
+    struct cover cv = {method, size, calloc(1, size)};
+    if (!cv.covered)
+        return 0;
+    cover(&cv, method, strlen(method));
+    cover(&cv, url, strlen(url));
+    cover(&cv, version, strlen(version));
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, cover_field, &cv);
+    MHD_get_connection_values_n(c, MHD_GET_ARGUMENT_KIND, cover_field, &cv);
+    int hidden = 0;
+    for (size_t i = 0; i < size && !hidden; i++) {
+        unsigned char b = (unsigned char)method[i];
+        if (!cv.covered[i] && b && !strchr(" \t\r\n:?&=", b))
+            hidden = 1;
+    }
+    free(cv.covered);
+    return hidden;
+}
+
+unsigned endpoint_check_framing(struct MHD_Connection *c, const char *method, const char *url,
+                                const char *version, char *msg, size_t cap)
+{
+    struct framing f = {0, 0, NULL};
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, framing_field, &f);
+    if (f.bad_key) {
+        snprintf(msg, cap, "header '%.60s' holds a NUL or control byte", f.bad_key);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (head_hides_bytes(c, method, url, version)) {
+        snprintf(msg, cap, "the request head holds a NUL or control byte or a folded header line");
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (f.n_cl && f.n_te) {
+        snprintf(msg, cap, "both Content-Length and Transfer-Encoding: the body's length is ambiguous");
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    return 0;
+}
+
+enum MHD_Result endpoint_reply_close(struct MHD_Connection *c, unsigned status, const char *msg)
+{
+    char *s = NULL;
+    size_t n;
+    char clean[ENDPOINT_ERROR_MAX];
+    snprintf(clean, sizeof(clean), "%s", msg);
+    for (char *p = clean; *p; p++)
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
+            *p = '?';
+    s = endpoint_json_text(json_pack("{s:s}", "error", clean), &n);
+    if (!s)
+        return MHD_NO;
+    struct MHD_Response *resp = endpoint_text_response(s, n, "application/json");
+    if (!resp)
+        return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    return endpoint_queue(c, status, resp);
 }

@@ -43,4 +43,19 @@ enum MHD_Result endpoint_reply_error(struct MHD_Connection *c, unsigned status, 
 /* 1 when host names this machine only: "localhost", 127.x, "::1". */
 int endpoint_host_is_loopback(const char *host);
 
+
+/* The checks of a request's framing that libmicrohttpd 0.9.75 leaves to its
+ * application (it drops a folded line, reads a field value or the request
+ * line up to a NUL, and takes Content-Length beside Transfer-Encoding): for
+ * the first call of a request, before any handler runs. 0 when the request
+ * may go on; else the status to refuse it with, its message in msg (cap
+ * bytes), to be sent with endpoint_reply_close. RFC 9112 section 6.3, RFC
+ * 9110 section 5.5. */
+unsigned endpoint_check_framing(struct MHD_Connection *c, const char *method, const char *url,
+                                const char *version,
+                                char *msg, size_t cap);
+
+/* Answer {"error": msg} with status and Connection: close, so that nothing
+ * the client sent after this request's head is read as another request. */
+enum MHD_Result endpoint_reply_close(struct MHD_Connection *c, unsigned status, const char *msg);
 #endif

@@ -9,6 +9,7 @@
 #include "auth.h"
 #include "clock.h"
 #include "conntrack.h"
+#include "endpoint.h"
 #include "jsonmem.h"
 #include "log.h"
 #include "metrics.h"
@@ -271,7 +272,6 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
                               const char *method, const char *version, const char *upload_data,
                               size_t *upload_data_size, void **req_cls)
 {
-    (void)version;
     request *r = *req_cls;
     if (!r) {
         r = calloc(1, sizeof(*r));
@@ -286,6 +286,13 @@ enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char
         atomic_fetch_add(&r->srv->in_flight, 1);
         conntrack_request_begins(conn);
         r->json_fail_mark = json_failed_allocs();
+        char msg[ENDPOINT_ERROR_MAX];
+        unsigned bad = endpoint_check_framing(conn, method, url, version, msg, sizeof(msg));
+        if (bad) {
+            r->status = bad;
+            r->answered = 1;
+            return endpoint_reply_close(conn, bad, msg);
+        }
         /* Refusals go out at once, before any body is read; an accepted
          * request is answered on a later call (libmicrohttpd 0.9.75 closes
          * the connection when a success is queued on the first call). */
@@ -348,7 +355,8 @@ size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s)
     /* %XX decoding, except %00: a NUL would cut the string short (and a name
      * "w%00zz" would reach "w"); left as it is, the '%' makes it invalid. */
     char *w = s;
-    for (const char *r = s; *r;) {
+    const char *r = s;
+    while (*r) {
         int hi, lo;
         if (r[0] == '%' && (hi = hexval(r[1])) >= 0 && (lo = hexval(r[2])) >= 0 && (hi | lo)) {
             *w++ = (char)(hi * 16 + lo);
@@ -357,6 +365,8 @@ size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s)
             *w++ = *r++;
         }
     }
-    *w = '\0';
+    /* what the escapes freed is NULs, not stale bytes: the endpoint layer
+     * refuses a head holding bytes no parsed string covers */
+    memset(w, 0, (size_t)(r - w) + 1);
     return (size_t)(w - s);
 }
