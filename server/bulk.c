@@ -13,6 +13,10 @@
 #include "routes.h"
 #include "workers.h"
 
+/* The largest step or clock a request may carry: exact in JSON (2^53), and far
+ * from INT64_MAX, so step and clock arithmetic cannot overflow. */
+#define META_INT_MAX (1LL << 53)
+
 /* A non-negative integer query argument: 0 absent, 1 ok, -1 bad. */
 static int query_int(request *r, const char *key, long long *out)
 {
@@ -45,6 +49,10 @@ enum MHD_Result h_params_get(request *r)
     long long min_clock = -1, clock = -1;
     if (query_int(r, "min_clock", &min_clock) < 0 || query_int(r, "clock", &clock) < 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_clock and clock must be non-negative integers");
+    if (min_step > META_INT_MAX || min_clock > META_INT_MAX || clock > META_INT_MAX)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s must be an integer from 0 to %lld",
+                                min_step > META_INT_MAX ? "min_step" : min_clock > META_INT_MAX ? "min_clock" : "clock",
+                                META_INT_MAX);
     if (worker >= 0)
         store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
     /* stale-synchronous: a worker starts iteration `clock` only after its push
@@ -197,11 +205,28 @@ enum MHD_Result h_grads_post(request *r)
         data -= mis;
     }
     long long worker = -1, step = -1, batch = -1, clock = -1;
-    if (meta_int(&f, "worker", &worker) < 0 || meta_int(&f, "step", &step) < 0 ||
-        meta_int(&f, "batch_size", &batch) < 0 || meta_int(&f, "clock", &clock) < 0) {
-        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                              "metadata worker, step, batch_size and clock must be non-negative integers");
-        goto out;
+    /* each in range before any arithmetic on it (a clock of INT64_MAX
+     * overflowed at clock + 1; a worker of 2^32 became worker 0) */
+    static const struct {
+        const char *key;
+        long long max;
+    } ints[] = {{"worker", STORE_MAX_WORKERS - 1},
+                {"step", META_INT_MAX},
+                {"batch_size", INT32_MAX},
+                {"clock", META_INT_MAX}};
+    long long *outs[] = {&worker, &step, &batch, &clock};
+    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
+        if (meta_int(&f, ints[i].key, outs[i]) < 0) {
+            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                  "metadata worker, step, batch_size and clock must be non-negative integers");
+            goto out;
+        }
+        if (*outs[i] > ints[i].max) {
+            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                  "metadata %s '%.32s' must be an integer from 0 to %lld", ints[i].key,
+                                  st_meta_get(&f, ints[i].key), ints[i].max);
+            goto out;
+        }
     }
     store_push_meta meta = {.worker = worker, .step = step, .clock = clock, .body = b};
     const char *loss = st_meta_get(&f, "loss");

@@ -7,10 +7,11 @@ never runs; a request line too long for psd is answered at once."""
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from conftest import http
-from syshelp import connect, read_response
+from syshelp import assert_error, assert_unchanged, connect, put_var, read_response, snapshot, st_grads
 
 HIDDEN = (b"PUT /v1/vars/smug HTTP/1.1\r\nHost: x\r\nX-Shape: 1\r\nX-Dtype: float32\r\n"
           b"Content-Length: 4\r\n\r\n\x00\x00\x80?")
@@ -100,3 +101,29 @@ def test_long_query_is_answered_at_once(psd):
     assert st in (414, 431), st
     assert time.time() - t0 < 2
 
+
+# Values that overflow or change meaning (issue 23): every integer of a push's
+# metadata is range-checked before any arithmetic, and a refusal names it.
+@pytest.mark.parametrize("key,value", [("clock", "9223372036854775807"),
+                                       ("worker", "4294967296"),
+                                       ("worker", "4096"),
+                                       ("step", "9223372036854775807"),
+                                       ("batch_size", "9223372036854775807")])
+def test_push_metadata_integer_out_of_range_is_refused(psd, key, value):
+    put_var(psd.url, "w", np.zeros((3, 4), np.float32))
+    before = snapshot(psd.url)
+    meta = {"worker": "0", "step": "0", "clock": "0", "batch_size": "1"}
+    meta[key] = value
+    body = st_grads([("w", np.ones((3, 4), np.float32))], meta)
+    st, hd, resp = http("POST", psd.url + "/v1/grads", body)
+    assert_error(st, hd, resp, 400, key)
+    assert_unchanged(psd, before)
+
+
+@pytest.mark.parametrize("key", ["min_step", "min_clock", "clock"])
+def test_pull_query_integer_out_of_range_is_refused(psd, key):
+    put_var(psd.url, "w", np.zeros((3, 4), np.float32))
+    before = snapshot(psd.url)
+    st, hd, resp = http("GET", f"{psd.url}/v1/params?worker=0&{key}=9223372036854775807&timeout_ms=0")
+    assert_error(st, hd, resp, 400, key)
+    assert_unchanged(psd, before)
