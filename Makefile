@@ -197,6 +197,7 @@ test: deps
 	sh tests/run.sh
 
 bench: deps all bench-bins
+	@sh scripts/deps.sh python3-torch
 	@sh scripts/nginx.sh
 	sh bench/run.sh
 	sh bench/train.sh

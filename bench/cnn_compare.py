@@ -1,0 +1,105 @@
+"""The CNN's training step on the CPU: restps (workerd --local --model=cnn,
+one thread, batch 100, sgd) against the same model in PyTorch on the CPU
+(bench/cnn_torch.py, one thread, channels-last) in one run, and restps's
+conv + dense FLOP rate against OpenBLAS sgemm's measured in the same run.
+
+    /usr/bin/python3 bench/cnn_compare.py [--bin=bin] [--steps=30] [--reps=2]
+
+Targets (issue 19): restps / PyTorch >= 1.0; restps's GFLOP/s >= 50% of
+sgemm's. The runs alternate, reps times each, and the best of each side is
+compared (a 2-core machine shared with other work is noisy). PyTorch runs
+with OPENBLAS_CORETYPE set to the kernel restps chose, so both sides'
+matrix products use one OpenBLAS kernel (PyTorch's convolutions are oneDNN's:
+it says so). The FLOPs are tests/python/cnn_ref.py's count: per step the
+forward, the weight gradients and the input gradients of every layer but the
+first, 2 per multiply-add (8.2 GFLOP at batch 100). workerd's steps/s is its
+own figure for the training loop (the final evaluation is not in it).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+import cnn_ref  # noqa: E402
+
+PY = "/usr/bin/python3"
+
+
+def run_restps(workerd, data_dir, steps, batch):
+    argv = [workerd, "--local", "--model=cnn", f"--data_dir={data_dir}", f"--batch_size={batch}",
+            "--optimizer=sgd", "--learning_rate=0.01", f"--train_steps={steps}", "--log_every=0",
+            "--threads=1", "--device=cpu"]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
+    out = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise SystemExit(f"cnn_compare: {' '.join(argv)} exited {r.returncode}:\n{out[-2000:]}")
+    rate = re.findall(r"([0-9.]+) steps/s", out)
+    if not rate:
+        raise SystemExit(f"cnn_compare: workerd printed no steps/s:\n{out[-2000:]}")
+    k = re.search(r"cpu backend \(OpenBLAS ([A-Za-z0-9_]+)", out)
+    acc = re.search(r"test accuracy ([0-9.]+)", out)
+    return float(rate[-1]), (k.group(1) if k else None), (acc.group(1) if acc else "?")
+
+
+def run_torch(steps, batch, coretype):
+    env = dict(os.environ)
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
+    r = subprocess.run([PY, os.path.join(HERE, "cnn_torch.py"), "--json", f"--steps={steps}",
+                        f"--batch={batch}"], capture_output=True, text=True, timeout=1800, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"cnn_compare: bench/cnn_torch.py exited {r.returncode}:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", default=os.environ.get("RESTPS_BIN_DIR", "bin"))
+    ap.add_argument("--data_dir", default="/usr/share/datasets/fashion-mnist")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=2)
+    a = ap.parse_args()
+    workerd = os.path.join(ROOT, a.bin, "workerd") if not os.path.isabs(a.bin) else os.path.join(a.bin, "workerd")
+    h = subprocess.run([workerd, "--help"], capture_output=True, text=True).stdout
+    if "--model" not in h:
+        raise SystemExit(f"cnn_compare: {workerd} has no --model flag (the layer library is not built)")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SystemExit("cnn_compare: python3-torch is not installed (make bench installs it: "
+                         "sh scripts/deps.sh python3-torch)")
+
+    _, step_flops = cnn_ref.Model("cnn").flops(a.batch)
+    ours, theirs = [], []
+    kernel = acc = None
+    for _ in range(a.reps):
+        rate, kernel, acc = run_restps(workerd, a.data_dir, a.steps, a.batch)
+        ours.append(rate)
+        theirs.append(run_torch(a.steps, a.batch, kernel))
+    best = max(ours)
+    t = max(theirs, key=lambda d: d["steps_per_s"])
+    gemm = max(d["numpy_sgemm_gflops"] for d in theirs)
+    gflops = best * step_flops / 1e9
+    print(f"== the CNN's training step on the CPU, 1 thread, batch {a.batch}, sgd "
+          f"({step_flops / 1e9:.2f} GFLOP per step: conv + dense, forward and backward), best of {a.reps}")
+    print(f"restps  workerd --local --model=cnn  {best:7.2f} steps/s  {gflops:6.1f} GFLOP/s   "
+          f"OpenBLAS {kernel or '?'} (conv as im2col + sgemm); runs {', '.join(f'{r:.2f}' for r in ours)}; "
+          f"test accuracy after {a.steps} steps {acc}")
+    runs = ", ".join("%.2f" % d["steps_per_s"] for d in theirs)
+    print(f"pytorch {t['torch']} channels-last        {t['steps_per_s']:7.2f} steps/s  {t['gflops']:6.1f} GFLOP/s   "
+          f"convolutions {t['conv_kernel']}, matmuls {t['numpy_blas']} "
+          f"(libraries {', '.join(t['blas_libs'])}); runs {runs}")
+    print(f"numpy sgemm 1024^3, 1 thread         {gemm:6.1f} GFLOP/s   {t['numpy_blas']}")
+    ratio = best / t["steps_per_s"]
+    print(f"restps / pytorch {ratio:.2f}x (target >= 1.0)   restps / sgemm {100 * gflops / gemm:.0f}% (target >= 50%)")
+
+
+if __name__ == "__main__":
+    main()
