@@ -1,5 +1,5 @@
 #!/bin/sh
-# bench/run.sh - `make bench`: two psd (--http_threads=2 and =0) and nginx on free
+# bench/run.sh - `make bench`: two psd (--http_threads=2 and =1) and nginx on free
 # 127.0.0.1 ports, bin/bench_pull between them, every process stopped by PID.
 # Prints figures, ratios and PASS/BELOW per target; exits non-zero only when
 # something broke (a server did not start, a request failed), never for a figure.
@@ -66,7 +66,7 @@ start_psd() {
 
 start_psd psd2 --http_threads=2
 psd2_addr=$addr psd2_pid=$pid
-start_psd psd0 --http_threads=0
+start_psd psd0 --http_threads=1
 psd0_addr=$addr psd0_pid=$pid
 
 # nginx: its own config and files in $tmp, not a daemon, on a free port
@@ -129,7 +129,7 @@ EOF
 done
 [ -n "$ngx_pid" ] || { echo "bench: no free port for nginx after 8 tries" >&2; exit 1; }
 
-echo "bench: psd (epoll x2) $psd2_addr pid $psd2_pid, psd (thread/conn) $psd0_addr pid $psd0_pid," \
+echo "bench: psd (epoll x2) $psd2_addr pid $psd2_pid, psd (epoll x1) $psd0_addr pid $psd0_pid," \
   "nginx 127.0.0.1:$port pid $ngx_pid; $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')"
 # In the background and waited for, so that a signal stops it (and everything) at once.
 # shellcheck disable=SC2086

@@ -53,7 +53,12 @@ enum MHD_Result h_params_get(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s must be an integer from 0 to %lld",
                                 min_step > META_INT_MAX ? "min_step" : min_clock > META_INT_MAX ? "min_clock" : "clock",
                                 META_INT_MAX);
-    if (worker >= 0)
+    /* With --auth_token_file, only a request that carries the token may act
+     * for a worker (renew its lease, move its clocks): an anonymous read is
+     * a read (a reader polling as worker 1 kept a dead worker 1 alive and
+     * held the sync step). */
+    int may_write = !srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization"));
+    if (worker >= 0 && may_write)
         store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
     /* stale-synchronous: a worker starts iteration `clock` only after its push
      * of iteration clock - 1 is answered, so the pull proves `clock` completed
@@ -64,26 +69,20 @@ enum MHD_Result h_params_get(request *r)
      * push (with --auth_token_file: the token), so a mere reader cannot lift
      * the bound. (Its push raised the count already, but for after a
      * restart: only a raise re-levels the waiters.) */
-    if (worker >= 0 && clock >= 0 && !r->parked &&
-        (!srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization"))) &&
+    if (worker >= 0 && clock >= 0 && !r->parked && may_write &&
         store_clock_done(&srv->store, (int)worker, clock))
         waiters_relevel(srv->clock_waiters);
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock) {
-        if (srv->cfg.http_threads == 0) {
-            waiters_block(srv->clock_waiters, r->conn, min_clock, clk_mono_ms() + timeout_ms);
-        } else {
-            r->parked = 1;
-            r->parked_on = srv->clock_waiters;
-            MHD_suspend_connection(r->conn);
-            waiters_add(srv->clock_waiters, r->conn, min_clock, clk_mono_ms() + timeout_ms,
-                        &r->resumed);
-            return MHD_YES;
-        }
+        r->parked = 1;
+        r->parked_on = srv->clock_waiters;
+        MHD_suspend_connection(r->conn);
+        waiters_add(srv->clock_waiters, r->conn, min_clock, clk_mono_ms() + timeout_ms, &r->resumed);
+        return MHD_YES;
     }
     /* the worker starts iteration `clock` now (after any wait for the bound) */
-    if (worker >= 0 && clock >= 0)
+    if (worker >= 0 && clock >= 0 && may_write)
         store_clock_start(&srv->store, (int)worker, clock);
     store_snap *v;
     int n, pending = 0;
@@ -105,19 +104,11 @@ enum MHD_Result h_params_get(request *r)
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */
         store_snaps_release(v, n);
-        if (srv->cfg.http_threads == 0) {
-            /* this connection has its own thread: wait in it */
-            waiters_block(srv->waiters, r->conn, min_step, clk_mono_ms() + timeout_ms);
-            if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
-                return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
-        } else {
-            r->parked = 1;
-            r->parked_on = srv->waiters;
-            MHD_suspend_connection(r->conn);
-            waiters_add(srv->waiters, r->conn, min_step, clk_mono_ms() + timeout_ms,
-                        &r->resumed);
-            return MHD_YES;
-        }
+        r->parked = 1;
+        r->parked_on = srv->waiters;
+        MHD_suspend_connection(r->conn);
+        waiters_add(srv->waiters, r->conn, min_step, clk_mono_ms() + timeout_ms, &r->resumed);
+        return MHD_YES;
     }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));

@@ -70,7 +70,7 @@ enum MHD_Result h_checkpoint_post(request *r)
     char path[PATH_MAX], err[512];
     int64_t step = -1;
     int rc = -2;
-    if (!r->parked && r->srv->cfg.http_threads > 0) {
+    if (!r->parked) {
         /* a save takes seconds for a big model: the saver's thread writes it
          * while this connection is suspended, however long that takes, and
          * this handler runs again once it is resumed with the outcome (at a
@@ -89,7 +89,7 @@ enum MHD_Result h_checkpoint_post(request *r)
         if (rc != -2)
             r->saver_job = 0; /* collected */
     }
-    if (rc == -2) /* thread per connection, or not queued: on this thread (a stop waits for it) */
+    if (rc == -2) /* not queued (out of memory): on this thread (a stop waits for it) */
         rc = saver_save_requested(sv, path, sizeof(path), &step, err, sizeof(err));
     if (rc == SAVER_STOPPING)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", err);

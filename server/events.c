@@ -7,13 +7,11 @@
  * EVENTS_MIN_GAP_MS, and a `: keepalive` comment after EVENTS_KEEPALIVE_MS
  * without a write.
  *
- * No HTTP thread ever waits: with the epoll thread pool, a reader with
- * nothing to send suspends its connection (libmicrohttpd allows that from
- * the content reader) and parks it in the feed, which resumes it when the
- * version moves or its deadline (the next allowed event, the next keepalive)
- * passes; an idle client costs no CPU. With a thread per connection the
- * connection's own thread blocks on the feed instead (suspending is not for
- * that mode). history_stop wakes everyone before the server stops.
+ * No HTTP thread ever waits: a reader with nothing to send suspends its
+ * connection (libmicrohttpd allows that from the content reader) and parks
+ * it in the feed, which resumes it when the version moves or its deadline
+ * (the next allowed event, the next keepalive) passes; an idle client costs
+ * no CPU. history_stop wakes everyone before the server stops.
  *
  * Reconnects: a client that sends Last-Event-ID equal to the current
  * global_step has seen that status, so its first event waits for the next
@@ -111,10 +109,6 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
             seen = HISTORY_NO_WAKE;
             if (c->last_event_ms + EVENTS_MIN_GAP_MS < deadline)
                 deadline = c->last_event_ms + EVENTS_MIN_GAP_MS;
-        }
-        if (c->srv->cfg.http_threads == 0) {
-            history_wait(h, seen, deadline);
-            continue;
         }
         if (history_park(h, c->conn, seen, deadline))
             return 0; /* suspended: called again once resumed */

@@ -133,12 +133,11 @@ struct history {
     int64_t cur_step, cur_ms;
 
     pthread_mutex_t feed_mu; /* the feed */
-    pthread_cond_t feed_cv;  /* version moved, stop (blocked waits) */
     pthread_cond_t timer_cv; /* the deadline thread */
     pthread_t timer;
     uint64_t version;
     parked *parked;
-    int n_parked, n_blocked;
+    int n_parked;
     int stopping;
 
     pthread_mutex_t shards_mu;
@@ -213,8 +212,6 @@ static void feed_moved(struct history *h)
     h->version++;
     if (h->parked)
         resume_where(h, wakes_on_change, 0);
-    if (h->n_blocked)
-        pthread_cond_broadcast(&h->feed_cv);
     pthread_mutex_unlock(&h->feed_mu);
 }
 
@@ -251,19 +248,6 @@ int history_park(struct history *h, struct MHD_Connection *conn, uint64_t seen,
     return 1;
 }
 
-void history_wait(struct history *h, uint64_t seen, int64_t deadline_ms)
-{
-    struct timespec ts = clk_ts_of_ms(deadline_ms);
-    pthread_mutex_lock(&h->feed_mu);
-    h->n_blocked++;
-    while (!h->stopping && (seen == HISTORY_NO_WAKE || seen == h->version) &&
-           clk_mono_ms() < deadline_ms)
-        if (pthread_cond_timedwait(&h->feed_cv, &h->feed_mu, &ts) == ETIMEDOUT)
-            break;
-    h->n_blocked--;
-    pthread_mutex_unlock(&h->feed_mu);
-}
-
 int history_stopped(struct history *h)
 {
     pthread_mutex_lock(&h->feed_mu);
@@ -277,10 +261,9 @@ static void shards_stop(struct history *h);
 int history_stop(struct history *h)
 {
     pthread_mutex_lock(&h->feed_mu);
-    int n = h->n_parked + h->n_blocked, was = h->stopping;
+    int n = h->n_parked, was = h->stopping;
     h->stopping = 1;
     resume_where(h, always, 0);
-    pthread_cond_broadcast(&h->feed_cv);
     pthread_cond_signal(&h->timer_cv);
     pthread_mutex_unlock(&h->feed_mu);
     if (!was)
@@ -421,7 +404,6 @@ struct history *history_new(void)
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&h->feed_cv, &ca);
     pthread_cond_init(&h->timer_cv, &ca);
     pthread_cond_init(&h->shards_cv, &ca);
     pthread_condattr_destroy(&ca);
@@ -465,7 +447,6 @@ void history_free(struct history *h)
     pthread_mutex_destroy(&h->mu);
     pthread_mutex_destroy(&h->feed_mu);
     pthread_mutex_destroy(&h->shards_mu);
-    pthread_cond_destroy(&h->feed_cv);
     pthread_cond_destroy(&h->timer_cv);
     pthread_cond_destroy(&h->shards_cv);
     free(h);

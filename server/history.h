@@ -90,13 +90,10 @@ uint64_t history_version(struct history *h);
  * unparking of its own. */
 int history_park(struct history *h, struct MHD_Connection *conn, uint64_t seen,
                  int64_t deadline_ms);
-/* Thread per connection: block the calling thread the same way. */
-void history_wait(struct history *h, uint64_t seen, int64_t deadline_ms);
 /* 1 once history_stop ran. */
 int history_stopped(struct history *h);
 /* Before MHD_stop_daemon: resume every parked connection and park no more,
- * wake the blocked ones, stop the shards thread. Returns how many were
- * parked or blocked. */
+ * stop the shards thread. Returns how many were parked. */
 int history_stop(struct history *h);
 
 #endif

@@ -12,9 +12,8 @@
  * Saves run on the saver's own thread: the periodic ones, and the requested
  * ones handed to it with saver_save_async (POST /v1/checkpoint suspends its
  * connection until its save is done, so no HTTP thread waits for the disk,
- * however long the save takes). With a thread per connection (where
- * nothing is suspended) the request saves on its own thread instead, with
- * saver_save_requested. At a stop, saver_drain lets the requested saves of
+ * however long the save takes). A request that could not be queued (out of
+ * memory) saves on its own thread instead, with saver_save_requested. At a stop, saver_drain lets the requested saves of
  * both kinds finish and answers them before psd stops its HTTP server.
  *
  * Test hook: RESTPS_TEST_SAVE_PAUSE_MS=N pauses each write for N ms half-way
@@ -73,8 +72,8 @@ int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, ch
  * to get the same key. A job not saved yet is dropped from the queue and
  * not resumed. Nothing happens when key has no job. */
 void saver_forget(saver *sv, void *key);
-/* A requested save on the caller's own thread (thread per connection, or
- * not queued): saver_save(force=1), counted so that saver_drain waits for
+/* A requested save on the caller's own thread (one saver_save_async could
+ * not queue): saver_save(force=1), counted so that saver_drain waits for
  * it too; SAVER_STOPPING (err says so) once saver_drain began. */
 int saver_save_requested(saver *sv, char *path, size_t cap, int64_t *step, char *err,
                          size_t errlen);

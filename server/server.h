@@ -17,7 +17,7 @@ typedef struct server_config {
     int port;             /* 0 = any free port */
     float learning_rate;
     uint64_t max_body_bytes;
-    int http_threads;     /* 0 = a thread per connection */
+    int http_threads;     /* the epoll pool's size, 1..256 */
     int conn_timeout_secs;
     int max_connections;
     char *auth_token;     /* NULL = writes are open */

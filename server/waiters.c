@@ -18,7 +18,6 @@ typedef struct waiter {
 struct waiters {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    pthread_cond_t step_cv; /* blocking waits (thread per connection) */
     pthread_t timer;
     int stopping;
     int64_t step;
@@ -113,7 +112,6 @@ waiters *waiters_new(int64_t step)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&w->cv, &ca);
-    pthread_cond_init(&w->step_cv, &ca);
     pthread_condattr_destroy(&ca);
     w->step = step;
     if (pthread_create(&w->timer, NULL, timer_main, w) != 0) {
@@ -137,7 +135,6 @@ void waiters_free(waiters *w)
     resume_where(w, always, 0);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
-    pthread_cond_destroy(&w->step_cv);
     free(w);
 }
 
@@ -191,7 +188,6 @@ void waiters_step(waiters *w, int64_t step)
     if (step > w->step)
         w->step = step;
     resume_where(w, step_reached, w->step);
-    pthread_cond_broadcast(&w->step_cv);
     pthread_mutex_unlock(&w->mu);
 }
 
@@ -209,7 +205,6 @@ void waiters_relevel(waiters *w)
     pthread_mutex_lock(&w->mu);
     refresh(w);
     resume_where(w, step_reached, w->step);
-    pthread_cond_broadcast(&w->step_cv);
     pthread_mutex_unlock(&w->mu);
 }
 
@@ -218,7 +213,6 @@ void waiters_wake_all(waiters *w)
     pthread_mutex_lock(&w->mu);
     w->stopping = 1; /* from now on nobody is parked */
     pthread_cond_signal(&w->cv);
-    pthread_cond_broadcast(&w->step_cv);
     resume_where(w, always, 0);
     pthread_mutex_unlock(&w->mu);
 }
@@ -229,31 +223,4 @@ int waiters_count(waiters *w)
     int n = w->count;
     pthread_mutex_unlock(&w->mu);
     return n;
-}
-
-void waiters_block(waiters *w, struct MHD_Connection *conn, int64_t min_step, int64_t deadline_ms)
-{
-    pthread_mutex_lock(&w->mu);
-    w->count++;
-    /* see at least once a second whether the client hung up (this thread is
-     * its connection's only reader: a departed client would otherwise hold
-     * it, and count in waiting_pulls, until the deadline), however often the
-     * level moves meanwhile */
-    int64_t next_check = clk_mono_ms() + 1000;
-    for (;;) {
-        refresh(w);
-        int64_t now = clk_mono_ms();
-        if (w->step >= min_step || w->stopping || now >= deadline_ms)
-            break;
-        if (now >= next_check) {
-            if (conn && conn_gone(conn))
-                break;
-            next_check = now + 1000;
-        }
-        int64_t until = deadline_ms < next_check ? deadline_ms : next_check;
-        struct timespec ts = {until / 1000, (until % 1000) * 1000000L};
-        pthread_cond_timedwait(&w->step_cv, &w->mu, &ts);
-    }
-    w->count--;
-    pthread_mutex_unlock(&w->mu);
 }

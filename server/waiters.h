@@ -21,10 +21,6 @@ void waiters_free(waiters *w);
  * answers). */
 void waiters_add(waiters *w, struct MHD_Connection *conn, int64_t min_step, int64_t deadline_ms,
                  int *flag);
-/* Thread per connection (where suspending is unreliable): block the calling
- * connection thread until step >= min_step, the deadline, shutdown, or (seen
- * within about a second) conn's client hung up. conn may be NULL. */
-void waiters_block(waiters *w, struct MHD_Connection *conn, int64_t min_step, int64_t deadline_ms);
 
 /* A connection that closed while parked: forget it. */
 void waiters_remove(waiters *w, struct MHD_Connection *conn);

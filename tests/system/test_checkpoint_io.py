@@ -164,7 +164,7 @@ def test_a_long_save_keeps_its_request_suspended_and_a_stop_waits_for_it(start_p
     assert pauses() == 2, "the refused request saved (or the stop saved again)"
 
 
-@pytest.mark.parametrize("threads", ["2", "0"])
+@pytest.mark.parametrize("threads", ["2", "1"])
 def test_a_checkpoint_request_during_a_stop_is_refused_with_503(start_psd, tmp_path, threads):
     """About 1 s each. A request in flight (a PUT whose body is half sent)
     holds the stop open; meanwhile a checkpoint request on a connection kept
@@ -192,8 +192,8 @@ def test_a_checkpoint_request_during_a_stop_is_refused_with_503(start_psd, tmp_p
     assert p.read_stderr().count("checkpoints: saved") == 1
 
 
-def test_thread_per_connection_saves_on_its_own_thread(start_psd, tmp_path):
-    p = start_psd(f"--logdir={tmp_path / 'logs'}", "--save_checkpoint_secs=0", "--http_threads=0")
+def test_requested_saves_are_forced(start_psd, tmp_path):
+    p = start_psd(f"--logdir={tmp_path / 'logs'}", "--save_checkpoint_secs=0", "--http_threads=1")
     st, _, body = http("PUT", f"{p.url}/v1/vars/w", np.ones(3, np.float32).tobytes(), {"X-Shape": "3"})
     assert st == 201, body
     for _ in range(2):  # forced: the second saves again though nothing changed
@@ -203,16 +203,16 @@ def test_thread_per_connection_saves_on_its_own_thread(start_psd, tmp_path):
     assert status(p.url)["checkpoint"]["saves"] == 2
 
 
-@pytest.mark.skipif(ASAN, reason="about 7 s waiting out a paused write; the synchronous save's "
-                    "counting runs under ASan in test_a_checkpoint_request_during_a_stop_is_"
-                    "refused_with_503[0] and test_thread_per_connection_saves_on_its_own_thread")
-def test_thread_per_connection_a_stop_waits_for_a_long_requested_save(start_psd, tmp_path):
-    """About 7 s. With a thread per connection the request saves on its own
-    thread (nothing is suspended): a SIGTERM during a save longer than psd's
-    5 s for the requests in flight still waits for it and answers it (psd
-    used to close the connection after 5 s, the client getting no answer)."""
+@pytest.mark.skipif(ASAN, reason="about 7 s waiting out a paused write; a stop during a "
+                    "requested save runs under ASan in test_a_checkpoint_request_during_a_stop_is_"
+                    "refused_with_503 and test_requested_saves_are_forced")
+def test_a_stop_waits_for_a_long_requested_save(start_psd, tmp_path):
+    """About 7 s. The request is suspended while the saver's thread writes:
+    a SIGTERM during a save longer than psd's 5 s for the requests in flight
+    still waits for it and answers it (psd used to close the connection after
+    5 s, the client getting no answer)."""
     pause_s = 6.0
-    p = start_psd(f"--logdir={tmp_path / 'logs'}", "--save_checkpoint_secs=0", "--http_threads=0",
+    p = start_psd(f"--logdir={tmp_path / 'logs'}", "--save_checkpoint_secs=0", "--http_threads=2",
                   env={"RESTPS_TEST_SAVE_PAUSE_MS": str(int(pause_s * 1000))})
     w = np.arange(5, dtype=np.float32)
     st, _, body = http("PUT", f"{p.url}/v1/vars/w", w.tobytes(), {"X-Shape": "5"})

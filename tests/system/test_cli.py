@@ -165,6 +165,7 @@ FLAG_CASES = {
     "max_body_overflow": (["--max_body_bytes=99999999999999999999999"], ["--max_body_bytes"]),
     "http_threads_too_many": (["--http_threads=1000"], ["--http_threads"]),
     "http_threads_negative": (["--http_threads=-1"], ["--http_threads"]),
+    "http_threads_zero": (["--http_threads=0"], ["--http_threads=0", "thread per connection", "no longer supported"]),
     "connection_timeout_zero": (["--connection_timeout=0"], ["--connection_timeout"]),
     "max_connections_zero": (["--max_connections=0"], ["--max_connections"]),
     "bool_bad_value": (["--auth_reads=maybe"], ["--auth_reads", "maybe"]),

@@ -138,10 +138,10 @@ def test_slow_connections_do_not_starve_a_normal_client(start_psd):
 
 @TIMING
 def test_connection_cap_holds_and_the_timeout_frees_it(start_psd):
-    """--max_connections=8 (http_threads 0: one cap for the whole daemon) with
+    """--max_connections=8 (one HTTP thread: one cap for the whole daemon) with
     8 silent connections: a 9th client waits (it is not served while they
     hold every slot) and is served once --connection_timeout closes them."""
-    p = start_psd("--connection_timeout=2", "--max_connections=8", "--http_threads=0")
+    p = start_psd("--connection_timeout=2", "--max_connections=8", "--http_threads=1")
     put_var(p.url, "w", W)
     hold = [connect(p.port, timeout=5) for _ in range(8)]
     t0 = time.time()

@@ -497,11 +497,10 @@ def test_long_poll_timeout(start_psd):
         assert pull(p, q)[1] == 0 and time.monotonic() - t0 < 0.25
 
 
-@pytest.mark.parametrize("threads", [0, 1, 2])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_long_poll_whose_client_left_stops_waiting(start_psd, threads):
-    """libmicrohttpd does not watch a parked (suspended) connection, nor a
-    thread-per-connection handler blocked in a long poll (threads=0); psd checks
-    them about once a second, so a client that hung up no longer holds its
+    """libmicrohttpd does not watch a parked (suspended) connection; psd
+    checks them about once a second, so a client that hung up no longer holds its
     connection or counts in waiting_pulls until its deadline (60 s here). A
     client still connected keeps waiting (the control); one that only
     half-closed its side is answered or closed at once."""
@@ -596,11 +595,11 @@ def test_long_poll_with_each_http_threading(start_psd, threads):
     assert gstep == 1
 
 
-def test_long_poll_thread_per_connection():
-    """As above with --http_threads=0: three 200 ms long polls, each answered
-    within 0.4 s, then a clean exit. Not with the start_psd fixture: while the
-    bug stands psd may need SIGKILL after the fixture's 20 s."""
-    p = Psd(["--http_threads=0"])
+def test_short_long_polls_then_a_prompt_exit():
+    """One epoll thread: three 200 ms long polls, each answered within 0.4 s,
+    then a clean exit within 0.5 s of SIGTERM. Not with the start_psd fixture:
+    while a bug stands psd may need SIGKILL after the fixture's 20 s."""
+    p = Psd(["--http_threads=1"])
     answered = []
     try:
         for _ in range(3):
@@ -725,7 +724,7 @@ def done_clocks(p):
     return [c[str(w)]["done"] for w in range(len(c))]
 
 
-@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_ssp_pulls_after_a_ps_restart_are_not_held_to_their_deadline(start_psd, tmp_path,
                                                                       threads):
     """Two workers, staleness 1, each has completed 5 iterations when the ps
@@ -735,8 +734,7 @@ def test_ssp_pulls_after_a_ps_restart_are_not_held_to_their_deadline(start_psd, 
     while worker 1 has proven nothing), then both are answered at once, not
     at the 5 s deadline (the old behaviour: every pull waited it out). The
     bound still holds afterwards: worker 0 may not start iteration 7 before
-    worker 1 completes iteration 5. With a thread per connection (0) and
-    parked connections (2)."""
+    worker 1 completes iteration 5. With one epoll thread (1) and a pool (2)."""
     logdir = str(tmp_path / "ssp-logs")
     args = (f"--logdir={logdir}", f"--http_threads={threads}")
     p = start_psd(*args)
@@ -784,13 +782,13 @@ def test_ssp_pulls_after_a_ps_restart_are_not_held_to_their_deadline(start_psd, 
     assert gstep == 13 and at - t1 < 2 and done_clocks(q) == [7, 6]
 
 
-@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_departed_ssp_long_poll_stops_waiting(start_psd, threads):
     """A pull held by the stale-synchronous bound whose client hung up is
     noticed within about a second, also while the level is re-read every
-    100 ms (the lease tick) and pushes move it: with a thread per connection
-    (0) that re-reading once restarted the one-second check each time, so the
-    departed poll held its thread until its deadline (60 s here)."""
+    100 ms (the lease tick) and pushes move it (re-reading the level once
+    restarted the one-second check each time, so the departed poll waited
+    until its deadline, 60 s here)."""
     p = start_psd(f"--http_threads={threads}")
     put_var(p.url, "w", np.zeros(2, F32))
     configure(p, optimizer="sgd", learning_rate=0.5, sync=False, workers=2, staleness=1)
