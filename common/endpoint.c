@@ -9,6 +9,9 @@
 
 #include "jsonmem.h"
 
+#define STR_(x) #x
+#define STR(x) STR_(x)
+
 enum MHD_Result endpoint_queue(struct MHD_Connection *c, unsigned status, struct MHD_Response *resp)
 {
     if (!resp)
@@ -178,9 +181,44 @@ static int head_hides_bytes(struct MHD_Connection *c, const char *method, const 
     return hidden;
 }
 
+/* What endpoint_uri_guard found, recorded on the connection as a value of a
+ * kind no client can send before the body (a trailer), so that
+ * endpoint_check_framing refuses the request on its first call. */
+#define URI_REFUSED_KEY "restps-uri-refused"
+static const char uri_too_long[] = "the request target is over " STR(ENDPOINT_URI_MAX) " bytes";
+static const char uri_too_many[] = "the query has over " STR(ENDPOINT_QUERY_ARGS_MAX) " arguments";
+
+void *endpoint_uri_guard(void *cls, const char *uri, struct MHD_Connection *c)
+{
+    (void)cls;
+    size_t n = 0, args = 0;
+    const char *q = NULL;
+    for (const char *p = uri; *p; p++, n++)
+        if (*p == '?' && !q)
+            q = p;
+        else if (*p == '&' && q)
+            args++;
+    const char *why = n > ENDPOINT_URI_MAX ? uri_too_long : args >= ENDPOINT_QUERY_ARGS_MAX ? uri_too_many : NULL;
+    if (!why)
+        return NULL;
+    /* libmicrohttpd splits the query at the '?' it found before this call
+     * and parses what follows up to a NUL: end it right there, so no
+     * argument is parsed (2,000 of them filled the connection's memory, and
+     * its 431 was never sent). The bytes left are refused anyway. */
+    if (q)
+        ((char *)q)[1] = '\0';
+    MHD_set_connection_value(c, MHD_FOOTER_KIND, URI_REFUSED_KEY, why);
+    return NULL;
+}
+
 unsigned endpoint_check_framing(struct MHD_Connection *c, const char *method, const char *url,
                                 const char *version, char *msg, size_t cap)
 {
+    const char *why = MHD_lookup_connection_value(c, MHD_FOOTER_KIND, URI_REFUSED_KEY);
+    if (why && (strcmp(why, uri_too_long) == 0 || strcmp(why, uri_too_many) == 0)) {
+        snprintf(msg, cap, "%s", why);
+        return MHD_HTTP_URI_TOO_LONG;
+    }
     struct framing f = {0, 0, NULL};
     MHD_get_connection_values_n(c, MHD_HEADER_KIND, framing_field, &f);
     if (f.bad_key) {

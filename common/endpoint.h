@@ -55,6 +55,18 @@ unsigned endpoint_check_framing(struct MHD_Connection *c, const char *method, co
                                 const char *version,
                                 char *msg, size_t cap);
 
+/* MHD_OPTION_URI_LOG_CALLBACK (cls unused; returns NULL, so the access
+ * handler's first call still sees a NULL request pointer): a request target
+ * over ENDPOINT_URI_MAX bytes, or a query of ENDPOINT_QUERY_ARGS_MAX
+ * arguments or more, is marked so that endpoint_check_framing refuses it
+ * with 414, and its query is not parsed. libmicrohttpd 0.9.75 parses the
+ * query into its per-connection memory before any other callback: a
+ * 18 KB query of 2,000 arguments filled it, and its own 431 was then never
+ * sent (the client waited for the idle timeout). */
+#define ENDPOINT_URI_MAX 8192
+#define ENDPOINT_QUERY_ARGS_MAX 256
+void *endpoint_uri_guard(void *cls, const char *uri, struct MHD_Connection *c);
+
 /* Answer {"error": msg} with status and Connection: close, so that nothing
  * the client sent after this request's head is read as another request. */
 enum MHD_Result endpoint_reply_close(struct MHD_Connection *c, unsigned status, const char *msg);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 char *token_load(const char *path, char *err, size_t errlen)
 {
@@ -43,12 +44,21 @@ char *token_load(const char *path, char *err, size_t errlen)
 
 int token_header_ok(const char *token, const char *hdr)
 {
-    static const char scheme[] = "Bearer ";
-    if (!hdr || strncmp(hdr, scheme, sizeof(scheme) - 1) != 0)
+    /* RFC 9110 section 11: the scheme is case-insensitive ("bearer" is
+     * "Bearer"), one or more spaces follow it; spaces and tabs after the
+     * token are whitespace around the field value (section 5.5), not part
+     * of the token, so they are ignored too. Anything else differs. */
+    static const char scheme[] = "Bearer";
+    if (!hdr || strncasecmp(hdr, scheme, sizeof(scheme) - 1) != 0 || hdr[sizeof(scheme) - 1] != ' ')
         return 0;
-    const unsigned char *a = (const unsigned char *)hdr + sizeof(scheme) - 1;
+    const char *p = hdr + sizeof(scheme) - 1;
+    while (*p == ' ')
+        p++;
+    const unsigned char *a = (const unsigned char *)p;
     const unsigned char *b = (const unsigned char *)token;
-    size_t la = strlen((const char *)a), lb = strlen(token);
+    size_t la = strlen(p), lb = strlen(token);
+    while (la && (a[la - 1] == ' ' || a[la - 1] == '\t'))
+        la--;
     if (lb == 0) /* token_load refuses empty tokens; never match one */
         return 0;
     /* Time depends on the given length only, never on where bytes differ. */

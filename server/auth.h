@@ -4,7 +4,8 @@
 
 #include <stddef.h>
 
-/* 1 when header is exactly "Bearer <token>", compared in constant time. */
+/* 1 when header is "Bearer <token>" (token.h: the scheme in any case,
+ * spaces after the token ignored), compared in constant time. */
 int auth_check(const char *token, const char *authorization_header);
 
 #endif

@@ -1,8 +1,11 @@
 /* conntrack.c - a deadline for each request's headers (see conntrack.h). */
 #include "conntrack.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +32,50 @@ struct conntrack {
     entry *head;
     int stop;
     long long timeout_ms;
+    int n, cap;         /* tracked connections; past cap the oldest waiting one goes */
+    int evicted;        /* since the last log line */
+    char evicted_peer[64];
+    long long evicted_waited_ms;
 };
+
+static void peer_name(const entry *e, char *out, size_t cap)
+{
+    char host[INET6_ADDRSTRLEN] = "?";
+    unsigned port = 0;
+    if (e->peer.ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)&e->peer;
+        inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+        port = ntohs(a->sin_port);
+    } else if (e->peer.ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&e->peer;
+        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+        port = ntohs(a->sin6_port);
+    }
+    snprintf(out, cap, e->peer.ss_family == AF_INET6 ? "[%s]:%u" : "%s:%u", host, port);
+}
+
+/* The descriptor still belongs to the connection the entry was made for. */
+static int same_peer(const entry *e);
+
+/* At the cap: shut down the connection that has waited longest for a
+ * request's headers (idle after an answer, or with a head half sent), never
+ * one whose request is being served, nor `keep`. Caller holds t->mu. */
+static void evict_oldest(struct conntrack *t, const entry *keep, long long now)
+{
+    entry *old = NULL;
+    for (entry *e = t->head; e; e = e->next)
+        if (e != keep && !e->cut && !atomic_load(&e->in_request) &&
+            (!old || atomic_load(&e->since_ms) < atomic_load(&old->since_ms)))
+            old = e;
+    if (!old || !same_peer(old))
+        return;
+    shutdown(old->fd, SHUT_RDWR); /* libmicrohttpd sees the end and closes it */
+    old->cut = 1;
+    if (t->evicted++ == 0) {
+        peer_name(old, t->evicted_peer, sizeof(t->evicted_peer));
+        t->evicted_waited_ms = now - atomic_load(&old->since_ms);
+    }
+}
 
 void conntrack_notify(void *cls, struct MHD_Connection *conn, void **socket_context,
                       enum MHD_ConnectionNotificationCode toe)
@@ -51,6 +97,8 @@ void conntrack_notify(void *cls, struct MHD_Connection *conn, void **socket_cont
         if (t->head)
             t->head->prev = e;
         t->head = e;
+        if (++t->n > t->cap && t->cap > 0)
+            evict_oldest(t, e, atomic_load(&e->since_ms));
         pthread_mutex_unlock(&t->mu);
         *socket_context = e;
     } else if (toe == MHD_CONNECTION_NOTIFY_CLOSED && *socket_context) {
@@ -62,6 +110,7 @@ void conntrack_notify(void *cls, struct MHD_Connection *conn, void **socket_cont
             t->head = e->next;
         if (e->next)
             e->next->prev = e->prev;
+        t->n--;
         pthread_mutex_unlock(&t->mu);
         free(e);
         *socket_context = NULL;
@@ -91,7 +140,6 @@ void conntrack_request_ends(struct MHD_Connection *conn)
     }
 }
 
-/* The descriptor still belongs to the connection the entry was made for. */
 static int same_peer(const entry *e)
 {
     struct sockaddr_storage ss;
@@ -122,17 +170,27 @@ static void *reap(void *arg)
         if (n)
             log_info("psd: closed %d connection%s whose request headers did not come within %lld s",
                      n, n == 1 ? "" : "s", t->timeout_ms / 1000);
+        if (t->evicted) {
+            log_info("psd: %d connections open, over %d: closed %d that had no request in "
+                     "progress, the oldest waiting first (the first from %s, waiting %lld ms)",
+                     t->n, t->cap, t->evicted, t->evicted_peer, t->evicted_waited_ms);
+            t->evicted = 0;
+        }
     }
     pthread_mutex_unlock(&t->mu);
     return NULL;
 }
 
-struct conntrack *conntrack_start(int timeout_secs)
+struct conntrack *conntrack_start(int timeout_secs, int max_conns)
 {
     struct conntrack *t = calloc(1, sizeof(*t));
     if (!t)
         return NULL;
     t->timeout_ms = (long long)timeout_secs * 1000;
+    /* room below libmicrohttpd's limit, so a new connection is always
+     * accepted (and can push out an idle one) */
+    int room = max_conns / 16 < 1 ? 1 : max_conns / 16 > 64 ? 64 : max_conns / 16;
+    t->cap = max_conns > 1 ? max_conns - room : 0;
     pthread_mutex_init(&t->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);

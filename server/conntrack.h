@@ -17,8 +17,14 @@
 
 struct conntrack;
 
-/* Starts the thread (it looks every 250 ms). NULL when it cannot. */
-struct conntrack *conntrack_start(int timeout_secs);
+/* Starts the thread (it looks every 250 ms). NULL when it cannot.
+ * max_conns: libmicrohttpd's connection limit. A little below it (1/16 of
+ * it, 1 to 64 fewer) the tracker makes room: each connection accepted past
+ * that shuts down the one that has waited longest for a request's headers
+ * (idle, or with its head half sent), so idle or half-sent connections
+ * cannot lock others out; a request being served is never cut. The log
+ * says how many were closed, and the first one's address. */
+struct conntrack *conntrack_start(int timeout_secs, int max_conns);
 /* After MHD_stop_daemon (every connection closed). */
 void conntrack_stop(struct conntrack *t);
 
