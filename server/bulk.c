@@ -53,7 +53,12 @@ enum MHD_Result h_params_get(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s must be an integer from 0 to %lld",
                                 min_step > META_INT_MAX ? "min_step" : min_clock > META_INT_MAX ? "min_clock" : "clock",
                                 META_INT_MAX);
-    if (worker >= 0)
+    /* With --auth_token_file, only a request that carries the token may act
+     * for a worker (renew its lease, move its clocks): an anonymous read is
+     * a read (a reader polling as worker 1 kept a dead worker 1 alive and
+     * held the sync step). */
+    int may_write = !srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization"));
+    if (worker >= 0 && may_write)
         store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
     /* stale-synchronous: a worker starts iteration `clock` only after its push
      * of iteration clock - 1 is answered, so the pull proves `clock` completed
@@ -64,8 +69,7 @@ enum MHD_Result h_params_get(request *r)
      * push (with --auth_token_file: the token), so a mere reader cannot lift
      * the bound. (Its push raised the count already, but for after a
      * restart: only a raise re-levels the waiters.) */
-    if (worker >= 0 && clock >= 0 && !r->parked &&
-        (!srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization"))) &&
+    if (worker >= 0 && clock >= 0 && !r->parked && may_write &&
         store_clock_done(&srv->store, (int)worker, clock))
         waiters_relevel(srv->clock_waiters);
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
@@ -78,7 +82,7 @@ enum MHD_Result h_params_get(request *r)
         return MHD_YES;
     }
     /* the worker starts iteration `clock` now (after any wait for the bound) */
-    if (worker >= 0 && clock >= 0)
+    if (worker >= 0 && clock >= 0 && may_write)
         store_clock_start(&srv->store, (int)worker, clock);
     store_snap *v;
     int n, pending = 0;

@@ -29,6 +29,7 @@
 #include "summaries.h"
 #include "membership.h"
 #include "conntrack.h"
+#include "endpoint.h"
 #include "tls_priorities.h"
 #include "server.h"
 
@@ -409,13 +410,14 @@ int main(int argc, char **argv)
         {MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, NULL},
         {MHD_OPTION_CONNECTION_LIMIT, max_conns, NULL},
         {MHD_OPTION_NOTIFY_CONNECTION, (intptr_t)conntrack_notify, NULL}, /* set below */
+        {MHD_OPTION_URI_LOG_CALLBACK, (intptr_t)endpoint_uri_guard, NULL}, /* 414 before the query is parsed */
         {MHD_OPTION_END, 0, NULL}, /* room for the optional ones below */
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
         {MHD_OPTION_END, 0, NULL},
     };
-    int no = 7; /* the first free entry; an END entry ends the array */
+    int no = 8; /* the first free entry; an END entry ends the array */
     if (tls_cert) {
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, srv->tls_cert_pem};
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, srv->tls_key_pem};
@@ -425,7 +427,7 @@ int main(int argc, char **argv)
     if (http_threads > 1)
         opts[no++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, http_threads, NULL};
     /* slowloris: a deadline for request headers, beside the idle timeout */
-    if (!(srv->conntrack = conntrack_start(conn_timeout))) {
+    if (!(srv->conntrack = conntrack_start(conn_timeout, max_conns))) {
         fprintf(stderr, "psd: cannot start the connection tracker thread\n");
         return 1;
     }
