@@ -1,0 +1,632 @@
+/* model_cpu.c - the CPU backend of model.h, the reference the CUDA backend is
+ * tested against. Each layer is a forward and a backward function, outputs
+ * first, then inputs, then weights, then sizes (as llm.c writes them):
+ *   dense    one cblas_sgemm forward (x @ W), two backward (x^T @ dy, dy @ W^T),
+ *            bias and its column sums in single-pass loops;
+ *   conv2d   im2col + cblas_sgemm forward, and both backward products (col^T @ dy
+ *            for the kernel, dy @ W^T then col2im for the input), in chunks of
+ *            examples so the column buffer stays small;
+ *   maxpool  the argmax of every output saved forward, the gradient sent there;
+ *   relu, dropout (the mask of dropout_mask.h, saved), flatten (the same floats:
+ *            no copy), and the softmax cross-entropy head.
+ * The workspace is allocated (and touched) once in create(); a step allocates
+ * nothing. mlp:100 computes, bit for bit, what the MLP-only mlp_cpu.c did: the
+ * same sgemm calls on the same operands, the same bias, ReLU and softmax
+ * arithmetic in the same order. */
+#include "errmsg.h"
+#include "model.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dropout_mask.h"
+
+/* The column buffer holds at most this many floats (16 MiB), or one example's. */
+#define COL_BUDGET ((size_t)1 << 22)
+
+typedef struct model_cpu {
+    model base; /* first: a model_cpu * is a model * */
+    /* act[l]: layer l's output [max_batch, out_numel] (a flatten's is its
+     * input's, set by the forward). in[l]: layer l's input in the last forward. */
+    float *act[MODEL_MAX_LAYERS];
+    const float *in[MODEL_MAX_LAYERS];
+    uint8_t *keep[MODEL_MAX_LAYERS];   /* dropout: 1 kept, 0 dropped [max_batch, numel] */
+    int dropout_on[MODEL_MAX_LAYERS];  /* the last forward applied the mask */
+    int32_t *argmax[MODEL_MAX_LAYERS]; /* maxpool: input index per output [max_batch, out_numel] */
+    float *col;                        /* im2col / dcol, col_floats */
+    size_t col_floats;
+    float *d[2];                       /* gradients, [max_batch, max_act] each */
+    int fwd_first, fwd_last, fwd_batch; /* the forward backward_range pairs with; first -1: none */
+    void *blocks[3 * MODEL_MAX_LAYERS + 4];
+    int n_blocks;
+} model_cpu;
+
+void model_cpu_set_threads(int n)
+{
+    openblas_set_num_threads(n < 1 ? 1 : n);
+}
+
+const char *model_cpu_blas_core(void)
+{
+    return openblas_get_corename();
+}
+
+/* ---- the layers --------------------------------------------------------- */
+
+/* The elementwise loops work in fixed chunks of VEC floats with restrict
+ * pointers: at -O2, GCC vectorizes only loops it can replace whole, and a
+ * chunk of known length is one. */
+#define VEC 16
+
+/* z[B, N] += b */
+static void bias_add(float *restrict z, const float *restrict b, size_t B, int N)
+{
+    for (size_t i = 0; i < B; i++) {
+        float *restrict zi = z + i * (size_t)N;
+        int j = 0;
+        for (; j + VEC <= N; j += VEC)
+            for (int k = 0; k < VEC; k++)
+                zi[j + k] += b[j + k];
+        for (; j < N; j++)
+            zi[j] += b[j];
+    }
+}
+
+/* db[N] = column sums of d[B, N] (rows in order, from 0). */
+static void col_sums(float *restrict db, const float *restrict d, size_t B, int N)
+{
+    memset(db, 0, (size_t)N * sizeof(float));
+    for (size_t i = 0; i < B; i++) {
+        const float *restrict di = d + i * (size_t)N;
+        int j = 0;
+        for (; j + VEC <= N; j += VEC)
+            for (int k = 0; k < VEC; k++)
+                db[j + k] += di[j + k];
+        for (; j < N; j++)
+            db[j] += di[j];
+    }
+}
+
+/* out[B, N] = in[B, K] @ W[K, N] + b[N] */
+static void dense_forward(float *out, const float *in, const float *W, const float *b, int B, int K,
+                          int N)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, N, K, 1.0f, in, K, W, N, 0.0f, out, N);
+    bias_add(out, b, (size_t)B, N);
+}
+
+/* dW = in^T @ dout, db = column sums of dout, din = dout @ W^T (din NULL: not wanted). */
+static void dense_backward(float *din, float *dW, float *db, const float *dout, const float *in,
+                           const float *W, int B, int K, int N)
+{
+    col_sums(db, dout, (size_t)B, N);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, N, B, 1.0f, in, K, dout, N, 0.0f, dW, N);
+    if (din)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, K, N, 1.0f, dout, N, W, N, 0.0f, din,
+                    K);
+}
+
+/* col[nb * OH * OW, KH * KW * C] from in[nb, H, W, C]: row (e, oy, ox), column
+ * (ky, kx, c), zero where the window is over the padding. */
+static void im2col(float *restrict col, const float *restrict in, int nb, const model_layer *l)
+{
+    const int H = l->in.h, W = l->in.w, C = l->in.c, OH = l->out.h, OW = l->out.w;
+    const int KH = l->kh, KW = l->kw, S = l->stride;
+    const size_t rowlen = (size_t)KH * KW * C;
+    float *restrict r = col;
+    for (int e = 0; e < nb; e++) {
+        const float *ie = in + (size_t)e * l->in_numel;
+        for (int oy = 0; oy < OH; oy++)
+            for (int ox = 0; ox < OW; ox++, r += rowlen) {
+                float *restrict q = r;
+                for (int ky = 0; ky < KH; ky++) {
+                    int iy = oy * S - l->pad_top + ky;
+                    if (iy < 0 || iy >= H) {
+                        memset(q, 0, (size_t)KW * C * sizeof(float));
+                        q += (size_t)KW * C;
+                        continue;
+                    }
+                    for (int kx = 0; kx < KW; kx++, q += C) {
+                        int ix = ox * S - l->pad_left + kx;
+                        if (ix < 0 || ix >= W)
+                            memset(q, 0, (size_t)C * sizeof(float));
+                        else
+                            memcpy(q, ie + ((size_t)iy * W + ix) * C, (size_t)C * sizeof(float));
+                    }
+                }
+            }
+    }
+}
+
+/* The adjoint of im2col: din[nb, H, W, C] += col's entries at their inputs. */
+static void col2im(float *restrict din, const float *restrict col, int nb, const model_layer *l)
+{
+    const int H = l->in.h, W = l->in.w, C = l->in.c, OH = l->out.h, OW = l->out.w;
+    const int KH = l->kh, KW = l->kw, S = l->stride;
+    const size_t rowlen = (size_t)KH * KW * C;
+    const float *restrict r = col;
+    for (int e = 0; e < nb; e++) {
+        float *de = din + (size_t)e * l->in_numel;
+        for (int oy = 0; oy < OH; oy++)
+            for (int ox = 0; ox < OW; ox++, r += rowlen) {
+                const float *restrict q = r;
+                for (int ky = 0; ky < KH; ky++) {
+                    int iy = oy * S - l->pad_top + ky;
+                    if (iy < 0 || iy >= H) {
+                        q += (size_t)KW * C;
+                        continue;
+                    }
+                    for (int kx = 0; kx < KW; kx++, q += C) {
+                        int ix = ox * S - l->pad_left + kx;
+                        if (ix < 0 || ix >= W)
+                            continue;
+                        float *restrict p = de + ((size_t)iy * W + ix) * C;
+                        for (int c = 0; c < C; c++)
+                            p[c] += q[c];
+                    }
+                }
+            }
+    }
+}
+
+/* Examples per im2col chunk of layer l. */
+static int conv_chunk(const model_layer *l, int B)
+{
+    size_t per = (size_t)l->out.h * l->out.w * (size_t)l->kh * l->kw * l->in.c;
+    size_t nb = per ? COL_BUDGET / per : (size_t)B;
+    if (nb < 1)
+        nb = 1;
+    return nb > (size_t)B ? B : (int)nb;
+}
+
+/* out[B, OH, OW, Cout] = conv(in[B, H, W, Cin], W[KH, KW, Cin, Cout]) + b */
+static void conv_forward(float *out, float *col, const float *in, const float *W, const float *b,
+                         int B, const model_layer *l)
+{
+    const int K = l->kh * l->kw * l->in.c, N = l->out.c, P = l->out.h * l->out.w;
+    const int nb_max = conv_chunk(l, B);
+    for (int e0 = 0; e0 < B; e0 += nb_max) {
+        int nb = B - e0 < nb_max ? B - e0 : nb_max;
+        im2col(col, in + (size_t)e0 * l->in_numel, nb, l);
+        float *o = out + (size_t)e0 * l->out_numel;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb * P, N, K, 1.0f, col, K, W, N, 0.0f,
+                    o, N);
+    }
+    bias_add(out, b, (size_t)B * P, N);
+}
+
+/* dW = sum over chunks col^T @ dout, db = column sums of dout, din = col2im(dout @ W^T). */
+static void conv_backward(float *din, float *dW, float *db, float *col, const float *dout,
+                          const float *in, const float *W, int B, const model_layer *l)
+{
+    const int K = l->kh * l->kw * l->in.c, N = l->out.c, P = l->out.h * l->out.w;
+    const int nb_max = conv_chunk(l, B);
+    col_sums(db, dout, (size_t)B * P, N);
+    if (din)
+        memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
+    for (int e0 = 0; e0 < B; e0 += nb_max) {
+        int nb = B - e0 < nb_max ? B - e0 : nb_max;
+        const float *d = dout + (size_t)e0 * l->out_numel;
+        im2col(col, in + (size_t)e0 * l->in_numel, nb, l);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, N, nb * P, 1.0f, col, K, d, N,
+                    e0 == 0 ? 0.0f : 1.0f, dW, N);
+        if (din) {
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb * P, K, N, 1.0f, d, N, W, N, 0.0f,
+                        col, K);
+            col2im(din + (size_t)e0 * l->in_numel, col, nb, l);
+        }
+    }
+}
+
+/* out[B, OH, OW, C] = the window maxima of in[B, H, W, C] (padding ignored);
+ * argmax gets the input index (within the example) of the first maximum. */
+static void maxpool_forward(float *out, int32_t *argmax, const float *in, int B, const model_layer *l)
+{
+    const int H = l->in.h, W = l->in.w, C = l->in.c, OH = l->out.h, OW = l->out.w, S = l->stride;
+    for (int e = 0; e < B; e++) {
+        const float *ie = in + (size_t)e * l->in_numel;
+        float *oe = out + (size_t)e * l->out_numel;
+        int32_t *ae = argmax + (size_t)e * l->out_numel;
+        for (int oy = 0; oy < OH; oy++)
+            for (int ox = 0; ox < OW; ox++) {
+                float *o = oe + ((size_t)oy * OW + ox) * C;
+                int32_t *a = ae + ((size_t)oy * OW + ox) * C;
+                int first = 1;
+                for (int ky = 0; ky < l->kh; ky++) {
+                    int iy = oy * S - l->pad_top + ky;
+                    if (iy < 0 || iy >= H)
+                        continue;
+                    for (int kx = 0; kx < l->kw; kx++) {
+                        int ix = ox * S - l->pad_left + kx;
+                        if (ix < 0 || ix >= W)
+                            continue;
+                        int32_t base = (int32_t)(((size_t)iy * W + ix) * C);
+                        const float *p = ie + base;
+                        if (first) {
+                            for (int c = 0; c < C; c++) {
+                                o[c] = p[c];
+                                a[c] = base + c;
+                            }
+                            first = 0;
+                        } else {
+                            for (int c = 0; c < C; c++)
+                                if (p[c] > o[c]) {
+                                    o[c] = p[c];
+                                    a[c] = base + c;
+                                }
+                        }
+                    }
+                }
+            }
+    }
+}
+
+static void maxpool_backward(float *din, const float *dout, const int32_t *argmax, int B,
+                             const model_layer *l)
+{
+    memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
+    for (int e = 0; e < B; e++) {
+        float *de = din + (size_t)e * l->in_numel;
+        const float *d = dout + (size_t)e * l->out_numel;
+        const int32_t *a = argmax + (size_t)e * l->out_numel;
+        for (size_t k = 0; k < l->out_numel; k++)
+            de[a[k]] += d[k];
+    }
+}
+
+/* out = max(in, 0) */
+static void relu_forward(float *restrict out, const float *restrict in, size_t n)
+{
+    size_t j = 0;
+    for (; j + VEC <= n; j += VEC)
+        for (int k = 0; k < VEC; k++) {
+            float v = in[j + k];
+            out[j + k] = v > 0.0f ? v : 0.0f;
+        }
+    for (; j < n; j++) {
+        float v = in[j];
+        out[j] = v > 0.0f ? v : 0.0f;
+    }
+}
+
+/* din = dout where the output was > 0, else 0 */
+static void relu_backward(float *restrict din, const float *restrict dout, const float *restrict out,
+                          size_t n)
+{
+    size_t j = 0;
+    for (; j + VEC <= n; j += VEC)
+        for (int k = 0; k < VEC; k++)
+            din[j + k] = out[j + k] > 0.0f ? dout[j + k] : 0.0f;
+    for (; j < n; j++)
+        din[j] = out[j] > 0.0f ? dout[j] : 0.0f;
+}
+
+/* out = keep ? in * scale : 0, keep from the contract's mask, saved. */
+static void dropout_forward(float *out, uint8_t *keep, const float *in, int B, const model_ctx *ctx,
+                            const model_layer *l)
+{
+    const size_t n = l->out_numel;
+    const uint64_t seed = ctx ? ctx->seed : 0;
+    const int64_t step = ctx ? ctx->step : 0;
+    for (int i = 0; i < B; i++) {
+        uint64_t rh = dropout_row_hash(seed, step, model_ctx_example(ctx, i));
+        const float *x = in + (size_t)i * n;
+        float *y = out + (size_t)i * n;
+        uint8_t *k = keep + (size_t)i * n;
+        for (size_t u = 0; u < n; u++) {
+            k[u] = (uint8_t)dropout_keep(rh, (uint32_t)l->dropout_index, (uint64_t)u, l->rate);
+            y[u] = k[u] ? x[u] * l->scale : 0.0f;
+        }
+    }
+}
+
+static void dropout_backward(float *din, const float *dout, const uint8_t *keep, size_t n, float scale)
+{
+    for (size_t j = 0; j < n; j++)
+        din[j] = keep[j] ? dout[j] * scale : 0.0f;
+}
+
+/* ---- the instance ------------------------------------------------------- */
+
+static void *block(model_cpu *c, size_t bytes)
+{
+    bytes = (bytes + 63) & ~(size_t)63;
+    if (bytes == 0)
+        bytes = 64;
+    void *p = aligned_alloc(64, bytes);
+    if (!p)
+        return NULL;
+    memset(p, 0, bytes); /* touch every page now, not in the first step */
+    c->blocks[c->n_blocks++] = p;
+    return p;
+}
+
+static void cpu_destroy(model *m)
+{
+    model_cpu *c = (model_cpu *)m;
+    for (int i = 0; i < c->n_blocks; i++)
+        free(c->blocks[i]);
+    free(c);
+}
+
+static model *cpu_create(const model_layout *layout, int max_batch, char *err, size_t errlen)
+{
+    model_cpu *c = calloc(1, sizeof(*c));
+    if (!c) {
+        errmsg(err, errlen, "model: out of memory");
+        return NULL;
+    }
+    c->base.backend = &model_backend_cpu;
+    c->base.layout = *layout;
+    c->base.max_batch = max_batch;
+    c->fwd_first = -1;
+    const size_t B = (size_t)max_batch;
+    size_t total = 0;
+    int ok = 1;
+    for (int li = 0; li < layout->n_layers && ok; li++) {
+        const model_layer *l = &layout->layers[li];
+        if (l->kind != LAYER_FLATTEN) {
+            c->act[li] = block(c, B * l->out_numel * sizeof(float));
+            ok = ok && c->act[li];
+            total += B * l->out_numel * sizeof(float);
+        }
+        if (l->kind == LAYER_DROPOUT) {
+            c->keep[li] = block(c, B * l->out_numel);
+            ok = ok && c->keep[li];
+        }
+        if (l->kind == LAYER_MAXPOOL) {
+            c->argmax[li] = block(c, B * l->out_numel * sizeof(int32_t));
+            ok = ok && c->argmax[li];
+        }
+        if (l->kind == LAYER_CONV2D) {
+            size_t f = (size_t)conv_chunk(l, max_batch) * l->out.h * l->out.w * l->kh * l->kw * l->in.c;
+            if (f > c->col_floats)
+                c->col_floats = f;
+        }
+    }
+    if (ok && c->col_floats) {
+        c->col = block(c, c->col_floats * sizeof(float));
+        ok = c->col != NULL;
+    }
+    for (int k = 0; k < 2 && ok; k++) {
+        c->d[k] = block(c, B * layout->max_act * sizeof(float));
+        ok = c->d[k] != NULL;
+    }
+    if (!ok) {
+        errmsg(err, errlen, "model: out of memory for the workspace (batch %d, %zu bytes of activations)",
+               max_batch, total);
+        cpu_destroy(&c->base);
+        return NULL;
+    }
+    return &c->base;
+}
+
+/* Layers first..last on in; returns the last layer's output (internal). */
+static const float *forward(model_cpu *c, int first, int last, const float *params, const float *in,
+                            int B, const model_ctx *ctx)
+{
+    const model_layout *ly = &c->base.layout;
+    const float *x = in;
+    for (int li = first; li <= last; li++) {
+        const model_layer *l = &ly->layers[li];
+        float *y = c->act[li];
+        c->in[li] = x;
+        switch (l->kind) {
+        case LAYER_DENSE:
+            dense_forward(y, x, params + ly->tensors[l->w].offset, params + ly->tensors[l->b].offset, B,
+                          (int)l->in_numel, (int)l->out_numel);
+            break;
+        case LAYER_CONV2D:
+            conv_forward(y, c->col, x, params + ly->tensors[l->w].offset,
+                         params + ly->tensors[l->b].offset, B, l);
+            break;
+        case LAYER_MAXPOOL:
+            maxpool_forward(y, c->argmax[li], x, B, l);
+            break;
+        case LAYER_RELU:
+            relu_forward(y, x, (size_t)B * l->out_numel);
+            break;
+        case LAYER_DROPOUT:
+            c->dropout_on[li] = !(ctx && ctx->inference);
+            if (c->dropout_on[li])
+                dropout_forward(y, c->keep[li], x, B, ctx, l);
+            else
+                memcpy(y, x, (size_t)B * l->out_numel * sizeof(float));
+            break;
+        case LAYER_FLATTEN:
+            c->act[li] = (float *)x; /* the same floats; never written through */
+            y = c->act[li];
+            break;
+        }
+        x = y;
+    }
+    c->fwd_first = first;
+    c->fwd_last = last;
+    c->fwd_batch = B;
+    return x;
+}
+
+/* Does any layer in [first, upto) have parameters (so the gradient must reach it)? */
+static int params_below(const model_layout *ly, int first, int upto)
+{
+    for (int k = first; k < upto; k++)
+        if (ly->layers[k].w >= 0)
+            return 1;
+    return 0;
+}
+
+static int backward(model_cpu *c, int first, int last, const float *params, const float *dout, int B,
+                    float *din, float *grads)
+{
+    const model_layout *ly = &c->base.layout;
+    if (c->fwd_first != first || c->fwd_last != last || c->fwd_batch != B)
+        return -1;
+    const float *g = dout;
+    for (int li = last; li >= first; li--) {
+        const model_layer *l = &ly->layers[li];
+        const int want = din != NULL || params_below(ly, first, li);
+        if (!want && l->w < 0)
+            break; /* nothing below needs a gradient, and this layer has no parameters */
+        float *dx = NULL;
+        if (want)
+            dx = li == first ? din : (g == c->d[0] ? c->d[1] : c->d[0]);
+        const size_t n_in = (size_t)B * l->in_numel;
+        switch (l->kind) {
+        case LAYER_DENSE:
+            dense_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, g,
+                           c->in[li], params + ly->tensors[l->w].offset, B, (int)l->in_numel,
+                           (int)l->out_numel);
+            break;
+        case LAYER_CONV2D:
+            conv_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, c->col,
+                          g, c->in[li], params + ly->tensors[l->w].offset, B, l);
+            break;
+        case LAYER_MAXPOOL:
+            maxpool_backward(dx, g, c->argmax[li], B, l);
+            break;
+        case LAYER_RELU:
+            relu_backward(dx, g, c->act[li], n_in);
+            break;
+        case LAYER_DROPOUT:
+            if (c->dropout_on[li])
+                dropout_backward(dx, g, c->keep[li], n_in, l->scale);
+            else
+                memcpy(dx, g, n_in * sizeof(float));
+            break;
+        case LAYER_FLATTEN:
+            if (li == first)
+                memcpy(dx, g, n_in * sizeof(float));
+            else
+                dx = (float *)g; /* the same floats */
+            break;
+        }
+        g = dx;
+    }
+    return 0;
+}
+
+/* Mean softmax cross-entropy (max subtracted), and (softmax - onehot) / B into d. */
+static int loss_and_grad(const float *logits, const uint8_t *labels, int B, int C, float *d,
+                         double *loss)
+{
+    for (int i = 0; i < B; i++)
+        if (labels[i] >= C)
+            return -1;
+    const float invB = 1.0f / (float)B;
+    double total = 0.0;
+    for (int i = 0; i < B; i++) {
+        const float *zi = logits + (size_t)i * C;
+        float mx = zi[0];
+        for (int j = 1; j < C; j++)
+            mx = zi[j] > mx ? zi[j] : mx;
+        float s = 0.0f;
+        if (d) {
+            float *di = d + (size_t)i * C;
+            for (int j = 0; j < C; j++) {
+                float e = expf(zi[j] - mx);
+                di[j] = e;
+                s += e;
+            }
+            const float k = invB / s;
+            for (int j = 0; j < C; j++)
+                di[j] *= k;
+            di[labels[i]] -= invB;
+        } else {
+            for (int j = 0; j < C; j++)
+                s += expf(zi[j] - mx);
+        }
+        total += (double)logf(s) - (double)(zi[labels[i]] - mx);
+    }
+    *loss = total / B;
+    return 0;
+}
+
+/* ---- the table ---------------------------------------------------------- */
+
+static int cpu_forward_range(model *m, int first, int last, const float *params, const float *in,
+                             int B, const model_ctx *ctx, float *out)
+{
+    model_cpu *c = (model_cpu *)m;
+    const float *y = forward(c, first, last, params, in, B, ctx);
+    if (y != out)
+        memmove(out, y, (size_t)B * m->layout.layers[last].out_numel * sizeof(float));
+    return 0;
+}
+
+static int cpu_backward_range(model *m, int first, int last, const float *params, const float *dout,
+                              int B, float *din, float *grads)
+{
+    return backward((model_cpu *)m, first, last, params, dout, B, din, grads);
+}
+
+static int cpu_loss_head(model *m, const float *logits, const uint8_t *labels, int B, float *dlogits,
+                         double *loss)
+{
+    return loss_and_grad(logits, labels, B, m->layout.n_classes, dlogits, loss);
+}
+
+static int cpu_forward_backward(model *m, const float *params, const float *x,
+                                const uint8_t *labels, int B, const model_ctx *ctx, float *grads,
+                                double *loss)
+{
+    model_cpu *c = (model_cpu *)m;
+    const int L = m->layout.n_layers;
+    const float *logits = forward(c, 0, L - 1, params, x, B, ctx);
+    if (loss_and_grad(logits, labels, B, m->layout.n_classes, c->d[0], loss) != 0)
+        return -1;
+    return backward(c, 0, L - 1, params, c->d[0], B, NULL, grads);
+}
+
+static int cpu_evaluate(model *m, const float *params, const float *x, const uint8_t *labels,
+                        int64_t n, double *loss, double *accuracy)
+{
+    model_cpu *c = (model_cpu *)m;
+    const model_layout *ly = &m->layout;
+    const int L = ly->n_layers, C = ly->n_classes;
+    for (int64_t i = 0; i < n; i++)
+        if (labels[i] >= C)
+            return -1;
+    const model_ctx inference = {.inference = 1};
+    double total = 0.0;
+    int64_t correct = 0;
+    for (int64_t start = 0; start < n; start += m->max_batch) {
+        int B = (int)(n - start < m->max_batch ? n - start : m->max_batch);
+        const float *logits = forward(c, 0, L - 1, params, x + (size_t)start * ly->n_in, B, &inference);
+        for (int i = 0; i < B; i++) {
+            const float *zi = logits + (size_t)i * C;
+            int arg = 0;
+            float mx = zi[0];
+            for (int j = 1; j < C; j++)
+                if (zi[j] > mx) {
+                    mx = zi[j];
+                    arg = j;
+                }
+            float s = 0.0f;
+            for (int j = 0; j < C; j++)
+                s += expf(zi[j] - mx);
+            const int y = labels[start + i];
+            total += (double)logf(s) - (double)(zi[y] - mx);
+            correct += arg == y;
+        }
+    }
+    c->fwd_first = -1; /* no backward pairs with an evaluation */
+    *loss = total / (double)n;
+    *accuracy = (double)correct / (double)n;
+    return 0;
+}
+
+const model_backend model_backend_cpu = {
+    .name = "cpu",
+    .create = cpu_create,
+    .destroy = cpu_destroy,
+    .forward_backward = cpu_forward_backward,
+    .evaluate = cpu_evaluate,
+    /* no host_alloc (calloc does), no stage_batch: the CPU computes on the
+     * caller's x itself, there is nothing to move ahead */
+    .forward_range = cpu_forward_range,
+    .backward_range = cpu_backward_range,
+    .loss_head = cpu_loss_head,
+};
