@@ -23,7 +23,12 @@ wrong stride, padding side, tie rule or dropout unit is off by O(1). A float32
 forward can fall on the other side of a ReLU or pool kink than float64 when
 the input is within its rounding error of it, which changes a gradient
 element entirely; each case therefore draws its inputs again (deterministic
-seeds) until the reference's kink margin (cnn_ref.kink_margin) is >= 1e-5.
+seeds) until the reference's kink margin (cnn_ref.kink_margin) is >= 2e-6 of
+the layer's largest |input|: a float32 sum of K products with random signs is
+off by ~6e-8 * sqrt(K) of its spread, ~4e-7 of the largest value for conv1's
+K = 800 and ~8e-7 for fc0's 3136, so a unit at the margin is 2.5 to 5 such
+errors from its kink (a tighter margin leaves the full CNN, 75,000 ReLUs at
+batch 2, without a draw that keeps it).
 """
 import math
 import os
@@ -43,7 +48,7 @@ MLP_DUMP = os.path.join(BIN, "mlp_dump")
 
 REL_TOL = 1e-4
 FLOOR = 1e-2
-MARGIN = 1e-5
+MARGIN = 2e-6
 
 
 # =================================================================== (a) the reference itself
@@ -398,7 +403,7 @@ DUMP_CASES = [
     ("conv:4x4x3/3,pool:3/2,conv:5x3x2,dropout:0.3,dense:10", 3,       # asymmetric same padding
      dict(seed=7, step=0, example0=59998)),                          # dropout on NHWC activations
     ("dense:32,dropout:0.5,dense:16,dropout:0.25,dense:10", 6,        # two dropouts: li 0 and 1
-     dict(seed=2 ** 63 + 5, step=123456, example0=3)),
+     dict(seed=2 ** 62 + 5, step=123456, example0=3)),
     ("cnn", 2, dict(seed=42, step=3, example0=9)),
 ]
 
