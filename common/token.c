@@ -44,16 +44,15 @@ char *token_load(const char *path, char *err, size_t errlen)
 
 int token_header_ok(const char *token, const char *hdr)
 {
-    /* RFC 9110 section 11: the scheme is case-insensitive ("bearer" is
-     * "Bearer"), one or more spaces follow it; spaces and tabs after the
-     * token are whitespace around the field value (section 5.5), not part
-     * of the token, so they are ignored too. Anything else differs. */
-    static const char scheme[] = "Bearer";
-    if (!hdr || strncasecmp(hdr, scheme, sizeof(scheme) - 1) != 0 || hdr[sizeof(scheme) - 1] != ' ')
+    /* RFC 9110 section 11.1: the scheme is case-insensitive ("bearer" is
+     * "Bearer"). One space follows it, as every client sends (a second one
+     * is refused, as before); spaces and tabs after the token are
+     * whitespace around the field value (section 5.5), not part of the
+     * token, so they are ignored. Anything else differs. */
+    static const char scheme[] = "Bearer ";
+    if (!hdr || strncasecmp(hdr, scheme, sizeof(scheme) - 1) != 0)
         return 0;
     const char *p = hdr + sizeof(scheme) - 1;
-    while (*p == ' ')
-        p++;
     const unsigned char *a = (const unsigned char *)p;
     const unsigned char *b = (const unsigned char *)token;
     size_t la = strlen(p), lb = strlen(token);

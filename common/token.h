@@ -12,8 +12,8 @@ char *token_load(const char *path, char *err, size_t errlen);
 
 /* 1 when an Authorization header is "Bearer <token>", compared in constant
  * time (psd's routes and the ring endpoint of workerd both ask). The scheme
- * is case-insensitive, one or more spaces may follow it, and spaces or tabs
- * after the token are ignored (RFC 9110 sections 11 and 5.5). */
+ * is case-insensitive, one space follows it, and spaces or tabs after the
+ * token are ignored (RFC 9110 sections 11.1 and 5.5). */
 int token_header_ok(const char *token, const char *authorization_header);
 
 #endif

@@ -65,7 +65,7 @@ static void evict_oldest(struct conntrack *t, const entry *keep, long long now)
     entry *old = NULL;
     for (entry *e = t->head; e; e = e->next)
         if (e != keep && !e->cut && !atomic_load(&e->in_request) &&
-            (!old || atomic_load(&e->since_ms) < atomic_load(&old->since_ms)))
+            (!old || atomic_load(&e->since_ms) <= atomic_load(&old->since_ms)))
             old = e;
     if (!old || !same_peer(old))
         return;

@@ -130,3 +130,18 @@ enum MHD_Result http_reply_parts(request *r, unsigned status, const char *conten
         MHD_add_response_header(resp, headers[i], headers[i + 1]);
     return queue(r, status, resp);
 }
+
+enum MHD_Result http_reply_stream(request *r, unsigned status, const char *content_type,
+                                  size_t block, MHD_ContentReaderCallback read, void *cls,
+                                  MHD_ContentReaderFreeCallback done, const char *const *headers)
+{
+    struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, block, read, cls, done);
+    if (!resp) {
+        done(cls);
+        return queue(r, status, NULL);
+    }
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+    for (int i = 0; headers && headers[i]; i += 2)
+        MHD_add_response_header(resp, headers[i], headers[i + 1]);
+    return queue(r, status, resp);
+}

@@ -63,4 +63,11 @@ enum MHD_Result http_reply_parts(request *r, unsigned status, const char *conten
                                  int n_parts, blob **hold, int n_hold,
                                  const char *const *headers);
 
+/* Answer with a body of unknown length (chunked) that read() produces as it
+ * is sent, block bytes at a time; done(cls) runs when the response is
+ * destroyed (also when it cannot be built). Extra headers as above. */
+enum MHD_Result http_reply_stream(request *r, unsigned status, const char *content_type,
+                                  size_t block, MHD_ContentReaderCallback read, void *cls,
+                                  MHD_ContentReaderFreeCallback done, const char *const *headers);
+
 #endif

@@ -133,6 +133,10 @@ static enum MHD_Result count_content_length(void *cls, enum MHD_ValueKind kind, 
     return MHD_YES;
 }
 
+/* An upload's buffer starts at UPLOAD_FIRST bytes and grows as they arrive. */
+#define UPLOAD_FIRST ((size_t)64 * 1024)
+#define UPLOAD_GROWTH 8
+
 /* Checks that need only the request line and headers. */
 static enum MHD_Result on_headers(request *r, const char *url)
 {
@@ -198,7 +202,9 @@ static enum MHD_Result on_headers(request *r, const char *url)
             if (rc != MHD_YES || r->answered)
                 return rc;
         }
-        size_t first = r->expect_len != UINT64_MAX ? (size_t)r->expect_len : 64 * 1024;
+        /* the buffer grows as the bytes arrive (on_upload): a head that
+         * announces 1 GiB and sends nothing reserves 64 KiB, not 1 GiB */
+        size_t first = r->expect_len < UPLOAD_FIRST ? (size_t)r->expect_len : UPLOAD_FIRST;
         if (first > srv->cfg.max_body_bytes)
             first = (size_t)srv->cfg.max_body_bytes;
         r->body = blob_new(srv->pool, first);
@@ -246,7 +252,16 @@ static enum MHD_Result on_upload(request *r, const char *data, size_t size)
         return refuse_later(r, MHD_HTTP_BAD_REQUEST, msg);
     }
     if (have + size > r->body->cap) {
-        blob *g = blob_grow(r->body, have + size);
+        /* 8x what has arrived, up to the length announced: a few copies of
+         * a small part of the body, and never much more reserved than sent */
+        uint64_t want = (have + size) * UPLOAD_GROWTH;
+        if (r->expect_len != UINT64_MAX && want > r->expect_len)
+            want = r->expect_len;
+        if (want > r->srv->cfg.max_body_bytes)
+            want = r->srv->cfg.max_body_bytes;
+        blob *g = blob_grow(r->body, (size_t)want);
+        if (g)
+            g->len = have; /* blob_grow set it to want */
         if (!g)
             return refuse_later(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory for the body");
         r->body = g;
