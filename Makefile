@@ -23,7 +23,7 @@ COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/
 COMMON_SRC += common/ckptdir.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
-             server/training.c server/waiters.c \
+             server/training.c server/waiters.c server/ticker.c server/changes.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c server/conntrack.c server/summaries.c
@@ -133,6 +133,7 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp test_tfevents test_blas_kernel
 UNIT_TESTS += test_ckptdir
 UNIT_TESTS += test_model
+UNIT_TESTS += test_waiters test_sync
 IDX_OBJ = $(BUILD)/client/idx.o
 MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o $(BUILD)/client/blas_kernel.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
@@ -160,6 +161,10 @@ $(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MLP_OBJ) $(BUILD)/common/errms
 $(BIN)/model_dump: $(BUILD)/tests/unit/model_dump.o $(MODEL_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm
+# the parked requests and the ticker alone, against fake libmicrohttpd calls in the test
+$(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka

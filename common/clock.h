@@ -3,13 +3,14 @@
  * CLOCK_MONOTONIC for durations, deadlines, rates and timed waits; CLOCK_REALTIME
  * (Unix time) only for wall-clock stamps that leave the process (history points,
  * event files). Timed waits take an absolute CLOCK_MONOTONIC timespec: make the
- * condition variable with pthread_condattr_setclock(&ca, CLOCK_MONOTONIC).
+ * condition variable with clk_mono_cond_init.
  *
  * Header-only (static inline), so every binary and test that includes it links
  * as before. Prefix clk_ (POSIX reserves clock_ in <time.h>). */
 #ifndef RESTPS_CLOCK_H
 #define RESTPS_CLOCK_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -81,6 +82,18 @@ static inline struct timespec clk_mono_after_ms(int64_t ms)
         at.tv_nsec -= 1000000000L;
     }
     return at;
+}
+
+/* a condition variable whose timed waits take CLOCK_MONOTONIC times
+ * (clk_ts_of_ms, clk_mono_after_ms); 0, or pthread_cond_init's error */
+static inline int clk_mono_cond_init(pthread_cond_t *cv)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    int rc = pthread_cond_init(cv, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc;
 }
 
 #endif

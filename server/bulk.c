@@ -69,16 +69,16 @@ enum MHD_Result h_params_get(request *r)
      * push (with --auth_token_file: the token), so a mere reader cannot lift
      * the bound. (Its push raised the count already, but for after a
      * restart: only a raise re-levels the waiters.) */
-    if (worker >= 0 && clock >= 0 && !r->parked && may_write &&
-        store_clock_done(&srv->store, (int)worker, clock))
-        waiters_relevel(srv->clock_waiters);
+    if (worker >= 0 && clock >= 0 && !r->parked && may_write)
+        store_clock_done(&srv->store, (int)worker, clock); /* a raise: the store tells the waiters */
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock) {
         r->parked = 1;
-        r->parked_on = srv->clock_waiters;
+        r->parked_on = srv->waiters;
         MHD_suspend_connection(r->conn);
-        waiters_add(srv->clock_waiters, r->conn, min_clock, clk_mono_ms() + timeout_ms, &r->resumed);
+        waiters_add(srv->waiters, WAIT_CLOCK, r->conn, min_clock, clk_mono_ms() + timeout_ms,
+                    &r->resumed);
         return MHD_YES;
     }
     /* the worker starts iteration `clock` now (after any wait for the bound) */
@@ -107,7 +107,8 @@ enum MHD_Result h_params_get(request *r)
         r->parked = 1;
         r->parked_on = srv->waiters;
         MHD_suspend_connection(r->conn);
-        waiters_add(srv->waiters, r->conn, min_step, clk_mono_ms() + timeout_ms, &r->resumed);
+        waiters_add(srv->waiters, WAIT_STEP, r->conn, min_step, clk_mono_ms() + timeout_ms,
+                    &r->resumed);
         return MHD_YES;
     }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
@@ -260,8 +261,6 @@ enum MHD_Result h_grads_post(request *r)
     int outcome;
     static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
     int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
-    if (clock >= 0) /* a worker finished an iteration: the slowest may have moved */
-        waiters_relevel(r->srv->clock_waiters);
     if (src == STORE_ENOMEM)
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
     else if (src == STORE_EAHEAD)

@@ -9,9 +9,10 @@
  *
  * No HTTP thread ever waits: a reader with nothing to send suspends its
  * connection (libmicrohttpd allows that from the content reader) and parks
- * it in the feed, which resumes it when the version moves or its deadline
- * (the next allowed event, the next keepalive) passes; an idle client costs
- * no CPU. history_stop wakes everyone before the server stops.
+ * it in psd's waiters (WAIT_FEED), which resume it when the feed's version
+ * moves or its deadline (the next allowed event, the next keepalive)
+ * passes; an idle client costs no CPU. waiters_wake_all resumes everyone
+ * before the server stops.
  *
  * Reconnects: a client that sends Last-Event-ID equal to the current
  * global_step has seen that status, so its first event waits for the next
@@ -84,7 +85,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
             c->r->bytes_out += n;
             return (ssize_t)n;
         }
-        if (history_stopped(h))
+        if (waiters_stopping(c->srv->waiters))
             return MHD_CONTENT_READER_END_OF_STREAM;
         int64_t now = clk_mono_ms();
         uint64_t version = history_version(h);
@@ -101,16 +102,17 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
             c->last_write_ms = now;
             continue;
         }
-        /* nothing to send yet: wait for a change (or, when one is due but
-         * too soon, for the gap to pass), at most until the keepalive */
+        /* nothing to send yet: wait for a change (a version past the one
+         * seen; or, when one is due but too soon, only for the gap to pass),
+         * at most until the keepalive */
         int64_t deadline = c->last_write_ms + EVENTS_KEEPALIVE_MS;
-        uint64_t seen = c->seen;
+        int64_t until = (int64_t)c->seen + 1;
         if (due) {
-            seen = HISTORY_NO_WAKE;
+            until = INT64_MAX;
             if (c->last_event_ms + EVENTS_MIN_GAP_MS < deadline)
                 deadline = c->last_event_ms + EVENTS_MIN_GAP_MS;
         }
-        if (history_park(h, c->conn, seen, deadline))
+        if (waiters_park(c->srv->waiters, WAIT_FEED, c->conn, until, deadline))
             return 0; /* suspended: called again once resumed */
     }
 }

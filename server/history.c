@@ -8,6 +8,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,13 +101,6 @@ static int series_copy(const series *s, int64_t since, hpoint *out)
 #define SHARD_BODY_MAX (8u << 20)
 #define SHARD_PERIOD_MS 1000
 
-typedef struct parked {
-    struct MHD_Connection *conn;
-    uint64_t seen;
-    int64_t deadline_ms;
-    struct parked *next;
-} parked;
-
 typedef struct shard {
     int task;
     char address[CLUSTER_HOST_MAX + 16];
@@ -132,13 +126,9 @@ struct history {
     int rate_head, rate_n;
     int64_t cur_step, cur_ms;
 
-    pthread_mutex_t feed_mu; /* the feed */
-    pthread_cond_t timer_cv; /* the deadline thread */
-    pthread_t timer;
-    uint64_t version;
-    parked *parked;
-    int n_parked;
-    int stopping;
+    _Atomic uint64_t version;          /* the feed */
+    void (*on_move)(void *ctx);        /* told when it moves */
+    void *on_move_ctx;
 
     pthread_mutex_t shards_mu;
     pthread_cond_t shards_cv;
@@ -154,122 +144,29 @@ struct history {
 
 /* ---------------------------------------------------------- the feed */
 
-/* Resume and unlink the parked entries pred selects. Caller holds feed_mu. */
-static void resume_where(struct history *h, int (*pred)(const parked *, int64_t), int64_t arg)
-{
-    parked **pp = &h->parked;
-    while (*pp) {
-        parked *x = *pp;
-        if (pred(x, arg)) {
-            *pp = x->next;
-            MHD_resume_connection(x->conn);
-            free(x);
-            h->n_parked--;
-        } else {
-            pp = &x->next;
-        }
-    }
-}
-
-static int wakes_on_change(const parked *x, int64_t unused)
-{
-    (void)unused;
-    return x->seen != HISTORY_NO_WAKE;
-}
-static int deadline_passed(const parked *x, int64_t now) { return now >= x->deadline_ms; }
-static int always(const parked *x, int64_t unused)
-{
-    (void)x;
-    (void)unused;
-    return 1;
-}
-
-static void *timer_main(void *arg)
-{
-    struct history *h = arg;
-    pthread_mutex_lock(&h->feed_mu);
-    while (!h->stopping) {
-        int64_t now = clk_mono_ms();
-        resume_where(h, deadline_passed, now);
-        if (!h->parked) {
-            pthread_cond_wait(&h->timer_cv, &h->feed_mu); /* idle: no wakeups at all */
-            continue;
-        }
-        int64_t next = h->parked->deadline_ms;
-        for (parked *x = h->parked; x; x = x->next)
-            if (x->deadline_ms < next)
-                next = x->deadline_ms;
-        struct timespec ts = clk_ts_of_ms(next);
-        pthread_cond_timedwait(&h->timer_cv, &h->feed_mu, &ts);
-    }
-    pthread_mutex_unlock(&h->feed_mu);
-    return NULL;
-}
-
 static void feed_moved(struct history *h)
 {
-    pthread_mutex_lock(&h->feed_mu);
-    h->version++;
-    if (h->parked)
-        resume_where(h, wakes_on_change, 0);
-    pthread_mutex_unlock(&h->feed_mu);
+    atomic_fetch_add(&h->version, 1);
+    if (h->on_move)
+        h->on_move(h->on_move_ctx);
 }
 
 uint64_t history_version(struct history *h)
 {
-    pthread_mutex_lock(&h->feed_mu);
-    uint64_t v = h->version;
-    pthread_mutex_unlock(&h->feed_mu);
-    return v;
+    return atomic_load(&h->version);
 }
 
-int history_park(struct history *h, struct MHD_Connection *conn, uint64_t seen,
-                 int64_t deadline_ms)
+void history_on_move(struct history *h, void (*fn)(void *ctx), void *ctx)
 {
-    parked *x = malloc(sizeof(*x));
-    pthread_mutex_lock(&h->feed_mu);
-    if (!x || h->stopping || (seen != HISTORY_NO_WAKE && seen != h->version) ||
-        clk_mono_ms() >= deadline_ms) {
-        pthread_mutex_unlock(&h->feed_mu);
-        free(x);
-        if (!x) { /* out of memory: a short nap rather than a busy loop */
-            struct timespec nap = {0, 10 * 1000000L};
-            nanosleep(&nap, NULL);
-        }
-        return 0;
-    }
-    /* suspended before anyone can see it, so nobody resumes it too early */
-    MHD_suspend_connection(conn);
-    *x = (parked){conn, seen, deadline_ms, h->parked};
-    h->parked = x;
-    h->n_parked++;
-    pthread_cond_signal(&h->timer_cv);
-    pthread_mutex_unlock(&h->feed_mu);
-    return 1;
-}
-
-int history_stopped(struct history *h)
-{
-    pthread_mutex_lock(&h->feed_mu);
-    int s = h->stopping;
-    pthread_mutex_unlock(&h->feed_mu);
-    return s;
+    h->on_move = fn;
+    h->on_move_ctx = ctx;
 }
 
 static void shards_stop(struct history *h);
 
-int history_stop(struct history *h)
+void history_stop(struct history *h)
 {
-    pthread_mutex_lock(&h->feed_mu);
-    int n = h->n_parked, was = h->stopping;
-    h->stopping = 1;
-    resume_where(h, always, 0);
-    pthread_cond_signal(&h->timer_cv);
-    pthread_mutex_unlock(&h->feed_mu);
-    if (!was)
-        pthread_join(h->timer, NULL);
     shards_stop(h);
-    return n;
 }
 
 /* ---------------------------------------------------------- the points */
@@ -399,14 +296,8 @@ struct history *history_new(void)
     if (!h)
         return NULL;
     pthread_mutex_init(&h->mu, NULL);
-    pthread_mutex_init(&h->feed_mu, NULL);
     pthread_mutex_init(&h->shards_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&h->timer_cv, &ca);
-    pthread_cond_init(&h->shards_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    clk_mono_cond_init(&h->shards_cv);
     series_init(&h->train);
     series_init(&h->eval);
     h->self_index = -1;
@@ -420,10 +311,6 @@ struct history *history_new(void)
                       synth);
         else
             prefill(h, n);
-    }
-    if (pthread_create(&h->timer, NULL, timer_main, h) != 0) {
-        free(h);
-        return NULL;
     }
     return h;
 }
@@ -445,9 +332,7 @@ void history_free(struct history *h)
     if (h->curl_inited)
         curl_global_cleanup();
     pthread_mutex_destroy(&h->mu);
-    pthread_mutex_destroy(&h->feed_mu);
     pthread_mutex_destroy(&h->shards_mu);
-    pthread_cond_destroy(&h->timer_cv);
     pthread_cond_destroy(&h->shards_cv);
     free(h);
 }

@@ -3,12 +3,13 @@
  * keeps GET /v1/history and the page fast; the evaluator's reports likewise.
  *
  * Also the change feed behind GET /v1/events (events.c): a version that moves
- * whenever global_step or the evaluator's report does, and parked
- * connections woken by it; and, on ps 0 of a cluster with several ps tasks,
+ * whenever global_step or the evaluator's report does (the streams wait for
+ * it in psd's waiters, WAIT_FEED); and, on ps 0 of a cluster with several ps tasks,
  * the other shards' status, fetched once a second (libcurl) for "shards".
  *
  * Thread-safe: the points under one mutex (held for a few memory operations
- * on the training path), the feed under another, the shards under a third.
+ * on the training path), the feed an atomic counter, the shards under a
+ * second mutex.
  *
  * Test hook: when the environment variable RESTPS_TEST_SYNTHETIC_HISTORY=N
  * (1 <= N <= 100000000) is set, history_new prefills N steps of a synthetic
@@ -19,7 +20,6 @@
 #define RESTPS_HISTORY_H
 
 #include <jansson.h>
-#include <microhttpd.h>
 #include <stdint.h>
 
 #include "cluster.h"
@@ -34,8 +34,7 @@
 struct history;
 /* NULL when out of memory. */
 struct history *history_new(void);
-/* Stops what history_start_shards started (history_stop first when the HTTP
- * server runs). */
+/* Stops what history_start_shards started. */
 void history_free(struct history *h);
 
 /* The shard's global_step moved to step; loss is the last loss (has_loss 0:
@@ -79,21 +78,10 @@ int history_start_shards(struct history *h, const cluster_spec *c, const char *a
 
 /* Moves on every history_record and history_record_eval. */
 uint64_t history_version(struct history *h);
-/* Wake on a version other than `seen`; HISTORY_NO_WAKE: on the deadline only. */
-#define HISTORY_NO_WAKE UINT64_MAX
-/* From a libmicrohttpd callback of conn's own (epoll mode): unless the
- * version already differs from `seen` or the feed stopped, suspend conn and
- * park it until the version moves (unless seen is HISTORY_NO_WAKE),
- * deadline_ms (CLOCK_MONOTONIC ms) passes, or history_stop. 1 parked
- * (return 0 from the content reader), 0 not parked (look again). A parked
- * connection is never closed by libmicrohttpd, so the caller needs no
- * unparking of its own. */
-int history_park(struct history *h, struct MHD_Connection *conn, uint64_t seen,
-                 int64_t deadline_ms);
-/* 1 once history_stop ran. */
-int history_stopped(struct history *h);
-/* Before MHD_stop_daemon: resume every parked connection and park no more,
- * stop the shards thread. Returns how many were parked. */
-int history_stop(struct history *h);
+/* fn(ctx) runs (on the recording thread) each time the version moved. Set
+ * once, before anything records. */
+void history_on_move(struct history *h, void (*fn)(void *ctx), void *ctx);
+/* Before MHD_stop_daemon: stop the shards thread. */
+void history_stop(struct history *h);
 
 #endif

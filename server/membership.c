@@ -1,75 +1,23 @@
 /* membership.c - the sync step's membership (see membership.h). */
 #include "membership.h"
 
-#include <errno.h>
-#include <pthread.h>
-#include <stdlib.h>
-#include <time.h>
-
 #include "clock.h"
 #include "routes.h"
 
-struct membership {
-    server *srv;
-    pthread_t thread;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int stop;
-};
+#define TICK_MS 100
 
-static void *tick(void *arg)
+/* On the ticker, every TICK_MS: a step whose live workers have all pushed
+ * completes (leases run out between pushes); the store tells the waiters. */
+static int64_t tick(void *arg, int64_t now)
 {
-    struct membership *m = arg;
-    pthread_mutex_lock(&m->mu);
-    while (!m->stop) {
-        struct timespec at = clk_mono_after_ms(100);
-        while (!m->stop && pthread_cond_timedwait(&m->cv, &m->mu, &at) != ETIMEDOUT) {
-        }
-        if (m->stop)
-            break;
-        pthread_mutex_unlock(&m->mu);
-        store_sync_tick(&m->srv->store);
-        /* a lease that ran out may lift the stale-synchronous bound */
-        waiters_relevel(m->srv->clock_waiters);
-        pthread_mutex_lock(&m->mu);
-    }
-    pthread_mutex_unlock(&m->mu);
-    return NULL;
+    server *srv = arg;
+    store_sync_tick(&srv->store);
+    return now + TICK_MS;
 }
 
-struct membership *membership_start(server *srv)
+int membership_start(server *srv)
 {
-    struct membership *m = calloc(1, sizeof(*m));
-    if (!m)
-        return NULL;
-    m->srv = srv;
-    pthread_mutex_init(&m->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&m->cv, &ca);
-    pthread_condattr_destroy(&ca);
-    if (pthread_create(&m->thread, NULL, tick, m) != 0) {
-        pthread_mutex_destroy(&m->mu);
-        pthread_cond_destroy(&m->cv);
-        free(m);
-        return NULL;
-    }
-    return m;
-}
-
-void membership_stop(struct membership *m)
-{
-    if (!m)
-        return;
-    pthread_mutex_lock(&m->mu);
-    m->stop = 1;
-    pthread_cond_broadcast(&m->cv);
-    pthread_mutex_unlock(&m->mu);
-    pthread_join(m->thread, NULL);
-    pthread_mutex_destroy(&m->mu);
-    pthread_cond_destroy(&m->cv);
-    free(m);
+    return ticker_add(srv->ticker, tick, srv, clk_mono_ms() + TICK_MS) < 0 ? -1 : 0;
 }
 
 json_t *membership_json(server *srv)

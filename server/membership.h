@@ -1,6 +1,6 @@
-/* membership.h - which workers a sync step waits for: a ticker that
- * completes a step once the workers still alive have pushed (leases run out
- * between pushes), POST /v1/heartbeat (a worker renews its lease while it
+/* membership.h - which workers a sync step waits for: a job on psd's ticker
+ * that completes a step once the workers still alive have pushed (leases run
+ * out between pushes), POST /v1/heartbeat (a worker renews its lease while it
  * computes), and GET /v1/sync (the step in progress: whom it has gradients
  * from, whom it waits for, for how long). The leases themselves live in the
  * store (store_touch, store_leave). */
@@ -11,10 +11,8 @@
 
 #include "server.h"
 
-struct membership;
-/* Starts the ticker thread (every 100 ms). NULL when it cannot. */
-struct membership *membership_start(server *srv);
-void membership_stop(struct membership *m);
+/* Adds the job to srv->ticker (every 100 ms). 0, or -1 out of memory. */
+int membership_start(server *srv);
 
 /* The /v1/sync object (also "sync" in every ps task's /v1/status). In
  * async mode "waiting_for", "dead" and "left" are empty. */

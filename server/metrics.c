@@ -321,7 +321,7 @@ enum MHD_Result h_metrics(request *r)
           (double)bytes);
     gauge(&o, "restps_uptime_seconds", "Seconds since psd started.", up);
     gauge(&o, "restps_waiting_pulls", "Long polls on /v1/params waiting now.",
-          waiters_count(srv->waiters) + waiters_count(srv->clock_waiters));
+          waiters_count(srv->waiters, WAIT_STEP) + waiters_count(srv->waiters, WAIT_CLOCK));
     gauge(&o, "restps_pending_gradients", "Sync pushes kept for the current step.", pending);
     gauge(&o, "restps_live_workers", "Workers whose last push came in the last 10 seconds.",
           workers_live(srv->workers, WORKERS_LIVE_SECS));

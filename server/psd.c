@@ -28,6 +28,7 @@
 #include "saver.h"
 #include "summaries.h"
 #include "membership.h"
+#include "changes.h"
 #include "conntrack.h"
 #include "endpoint.h"
 #include "tls_priorities.h"
@@ -109,21 +110,6 @@ static void random_instance(char out[17])
     }
     for (int i = 0; i < 8; i++)
         sprintf(out + 2 * i, "%02x", b[i]);
-}
-
-/* the stale-synchronous level: the fewest iterations a live worker completed */
-static int64_t min_clock_of(void *st) { return store_min_clock(st); }
-
-static void on_step(void *ctx, int64_t step)
-{
-    server *srv = ctx;
-    waiters_step(srv->waiters, step);
-    int n, has_loss;
-    uint64_t bytes;
-    int64_t gs;
-    double loss;
-    store_totals(&srv->store, &n, &bytes, &gs, &has_loss, &loss);
-    history_record(srv->history, step, has_loss, loss);
 }
 
 /* libmicrohttpd's accept policy: no new connections once psd is stopping. This,
@@ -339,19 +325,16 @@ int main(int argc, char **argv)
     sigdelset(&waitmask, SIGINT);
 
     pthread_mutex_init(&srv->info_mu, NULL);
-    srv->waiters = waiters_new(0);
-    srv->clock_waiters = waiters_new(0);
+    srv->ticker = ticker_new();
+    srv->waiters = srv->ticker ? waiters_new(srv->ticker) : NULL;
     srv->metrics = metrics_new();
     srv->workers = workers_new();
     srv->history = history_new();
-    if (!srv->waiters || !srv->clock_waiters || !srv->metrics || !srv->workers || !srv->history) {
+    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->history) {
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
-    waiters_level_from(srv->clock_waiters, min_clock_of, &srv->store);
     srv->store.lease_ms = (int64_t)(lease_secs * 1000);
-    srv->store.on_step = on_step;
-    srv->store.on_step_ctx = srv;
     /* RESTPS_TEST_SYNTHETIC_HISTORY (history.h): the run goes on from there */
     srv->store.global_step = history_last_step(srv->history);
     if (logdir[0]) {
@@ -374,7 +357,7 @@ int main(int argc, char **argv)
         log_info("psd: --logdir is empty: no checkpoints");
     }
     summaries_start(srv, logdir); /* ps 0: TensorBoard event files, from the restored step on */
-    waiters_step(srv->waiters, srv->store.global_step);
+    changes_follow(srv); /* the store and the history tell the waiters from now on */
     random_instance(srv->instance);
     srv->started = clk_mono_ts();
 
@@ -438,8 +421,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
         return 1;
     }
-    if (!(srv->membership = membership_start(srv))) {
-        fprintf(stderr, "psd: cannot start the membership thread\n");
+    if (membership_start(srv) != 0) {
+        fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
     if (srv->saver && saver_start(srv->saver) != 0) {
@@ -466,7 +449,6 @@ int main(int argc, char **argv)
     atomic_store(&closing, true);
     history_stop(srv->history);
     waiters_wake_all(srv->waiters);
-    waiters_wake_all(srv->clock_waiters);
     if (srv->saver)
         saver_drain(srv->saver);
     for (int i = 0; i < 500 && atomic_load(&srv->in_flight) > 0; i++) {
@@ -479,7 +461,7 @@ int main(int argc, char **argv)
     MHD_stop_daemon(d); /* closes the listening socket */
     fd = -1;
     conntrack_stop(srv->conntrack);
-    membership_stop(srv->membership);
+    ticker_free(srv->ticker); /* the sync tick and the deadlines: nothing is parked any more */
     summaries_stop(srv); /* nothing records any more: write the rest of the events */
     int status = 0;
     if (srv->saver) {
@@ -497,7 +479,6 @@ int main(int argc, char **argv)
         saver_free(srv->saver);
     }
     waiters_free(srv->waiters);
-    waiters_free(srv->clock_waiters);
     history_free(srv->history);
     workers_free(srv->workers);
     metrics_free(srv->metrics);

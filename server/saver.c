@@ -88,12 +88,8 @@ saver *saver_new(store *st, bufpool *pool, const char *dir, int interval_secs, i
     sv->pause_ms = p ? atol(p) : 0;
     pthread_mutex_init(&sv->mu, NULL);
     pthread_mutex_init(&sv->save_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&sv->cv, &ca);
-    pthread_cond_init(&sv->done_cv, &ca);
-    pthread_condattr_destroy(&ca);
+    clk_mono_cond_init(&sv->cv);
+    clk_mono_cond_init(&sv->done_cv);
     return sv;
 }
 

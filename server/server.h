@@ -9,7 +9,15 @@
 
 #include "cluster.h"
 #include "store.h"
+#include "ticker.h"
 #include "waiters.h"
+
+/* What a request parked in the waiters waits for (a channel each). */
+enum {
+    WAIT_STEP,  /* GET /v1/params?min_step=: the shard's global_step */
+    WAIT_CLOCK, /* ?min_clock= (stale-synchronous): the slowest live worker's clock */
+    WAIT_FEED,  /* GET /v1/events: the history's feed version */
+};
 
 typedef struct server_config {
     cluster_spec cluster;
@@ -32,8 +40,8 @@ typedef struct server {
     char instance[17]; /* random per start; part of every ETag */
     struct timespec started;
     atomic_uint_fast64_t requests;
-    waiters *waiters;      /* long polls on /v1/params?min_step= */
-    waiters *clock_waiters; /* long polls on /v1/params?min_clock= (stale-synchronous) */
+    ticker *ticker;        /* the timed work: deadlines, the sync step's lease tick */
+    waiters *waiters;      /* parked long polls and SSE streams (changes.c moves their levels) */
     struct metrics *metrics;   /* counters and histograms for /metrics (metrics.c) */
     struct workers *workers;   /* each worker's last step, last seen, stale drops (workers.c) */
     struct history *history;   /* global_step and loss over time (history.c) */
@@ -41,7 +49,6 @@ typedef struct server {
     atomic_int stopping;   /* POST /v1/shutdown was accepted */
     atomic_int in_flight;  /* requests begun and not yet completed */
     struct saver *saver;   /* checkpoints (saver.c); NULL when --logdir is empty */
-    struct membership *membership; /* the sync step's ticker (membership.c) */
     struct conntrack *conntrack;   /* a deadline for each request's headers (conntrack.c) */
     char *tls_cert_pem, *tls_key_pem; /* --tls_cert/--tls_key contents (HTTPS), or NULL */
     pthread_mutex_t info_mu; /* guards what follows */

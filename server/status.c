@@ -40,7 +40,7 @@ json_t *status_json(server *srv)
     json_object_set_new(o, "stale_dropped", json_integer(srv->store.stale_dropped));
     json_object_set_new(o, "pending_gradients", json_integer(srv->store.n_pending));
     pthread_rwlock_unlock(&srv->store.lock);
-    json_object_set_new(o, "waiting_pulls", json_integer(waiters_count(srv->waiters) + waiters_count(srv->clock_waiters)));
+    json_object_set_new(o, "waiting_pulls", json_integer(waiters_count(srv->waiters, WAIT_STEP) + waiters_count(srv->waiters, WAIT_CLOCK)));
     pthread_mutex_lock(&srv->info_mu);
     json_object_set_new(o, "workers_done", json_integer(srv->n_done));
     if (srv->eval.has)

@@ -282,10 +282,26 @@ static void update_into(store *s, store_var *v, blob *dst, const float *g, float
     s->changes++;
 }
 
-static void notify(store *s, int64_t step)
+void store_on_change(store *s, void (*fn)(void *ctx, unsigned what, int64_t step), void *ctx)
 {
-    if (s->on_step)
-        s->on_step(s->on_step_ctx, step);
+    s->on_change = fn;
+    s->on_change_ctx = ctx;
+}
+
+static void notify(store *s, unsigned what, int64_t step)
+{
+    if (s->on_change && what)
+        s->on_change(s->on_change_ctx, what, step);
+}
+
+/* max-only: a late or repeated report never lowers it. 1 when raised. */
+static int clock_raise(store *s, int worker, int64_t done)
+{
+    int64_t was = atomic_load(&s->clock_done[worker]);
+    while (done > was)
+        if (atomic_compare_exchange_weak(&s->clock_done[worker], &was, done))
+            return 1;
+    return 0;
 }
 
 int store_apply_grad(store *s, const char *name, const float *g, int64_t numel,
@@ -315,7 +331,7 @@ int store_apply_grad(store *s, const char *name, const float *g, int64_t numel,
     int64_t step = s->global_step;
     pthread_rwlock_unlock(&s->lock);
     if (rc == STORE_OK)
-        notify(s, step);
+        notify(s, STORE_CHANGED_STEP, step);
     return rc;
 }
 
@@ -468,8 +484,7 @@ int store_sync_tick(store *s)
                   aggregate(s) == STORE_OK;
     int64_t step = s->global_step;
     pthread_rwlock_unlock(&s->lock);
-    if (stepped)
-        notify(s, step);
+    notify(s, (stepped ? STORE_CHANGED_STEP : 0) | STORE_CHANGED_CLOCK, step);
     return stepped;
 }
 
@@ -501,7 +516,7 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
     if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS)
         store_touch(s, (int)meta->worker); /* a push renews its worker's lease */
     pthread_rwlock_wrlock(&s->lock);
-    int rc = STORE_OK, stepped = 0;
+    int rc = STORE_OK, stepped = 0, clocked = 0;
     int *idx = NULL;
     blob **dst = NULL;
     if (meta->push_id && push_seen(s, meta->push_id, global_step)) {
@@ -586,8 +601,8 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
 
     /* the worker completed this iteration, whether its gradient is applied
      * or dropped below (the stale-synchronous clocks) */
-    if (meta->worker >= 0 && meta->clock >= 0)
-        store_clock_done(s, (int)meta->worker, meta->clock + 1);
+    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0)
+        clocked = clock_raise(s, (int)meta->worker, meta->clock + 1);
     /* async: how stale is it? Drop it past --max_staleness
      * (DropStaleGradientOptimizer) */
     int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
@@ -624,8 +639,7 @@ out:;
     pthread_rwlock_unlock(&s->lock);
     free(idx);
     free(dst);
-    if (stepped)
-        notify(s, step);
+    notify(s, (stepped ? STORE_CHANGED_STEP : 0) | (clocked ? STORE_CHANGED_CLOCK : 0), step);
     return rc;
 }
 
@@ -847,12 +861,10 @@ int store_clock_done(store *s, int worker, int64_t done)
 {
     if (worker < 0 || worker >= STORE_MAX_WORKERS)
         return 0;
-    /* max-only: a late or repeated report never lowers it */
-    int64_t was = atomic_load(&s->clock_done[worker]);
-    while (done > was)
-        if (atomic_compare_exchange_weak(&s->clock_done[worker], &was, done))
-            return 1;
-    return 0;
+    if (!clock_raise(s, worker, done))
+        return 0;
+    notify(s, STORE_CHANGED_CLOCK, 0);
+    return 1;
 }
 
 int64_t store_min_clock(store *s)

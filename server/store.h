@@ -101,9 +101,9 @@ typedef struct store {
     int64_t pushes_applied;
     float *scratch;           /* sync sums */
     size_t scratch_cap;
-    /* called with the new global_step after the lock is released */
-    void (*on_step)(void *ctx, int64_t step);
-    void *on_step_ctx;
+    /* told what changed (STORE_CHANGED_*), after the lock is released */
+    void (*on_change)(void *ctx, unsigned what, int64_t step);
+    void *on_change_ctx;
     /* recently applied push ids, a ring */
     struct {
         char id[STORE_PUSH_ID_MAX + 1];
@@ -160,6 +160,15 @@ typedef struct store_saved {
 
 int store_init(store *s, float learning_rate, bufpool *pool);
 void store_destroy(store *s);
+
+/* What moved, for the one hook (store_on_change): the global_step (step is
+ * the new one), a worker's clock or the live workers (the stale-synchronous
+ * level: store_min_clock). */
+#define STORE_CHANGED_STEP 1u
+#define STORE_CHANGED_CLOCK 2u
+/* fn(ctx, what, step) runs after each change, with no store lock held, on the
+ * changing thread. Set once, before anyone is served. */
+void store_on_change(store *s, void (*fn)(void *ctx, unsigned what, int64_t step), void *ctx);
 
 /* Snapshot one variable (reference taken; release with store_snap_release). */
 int store_get(store *s, const char *name, store_snap *out);
@@ -238,7 +247,9 @@ void store_touch(store *s, int worker);
 /* The worker finished (or stops): it leaves the run now. */
 void store_leave(store *s, int worker);
 /* Complete the current sync step if the live workers' gradients are in
- * (called periodically: leases run out between pushes). 1 when it stepped. */
+ * (called periodically: leases run out between pushes). 1 when it stepped.
+ * Tells the hook the step when it stepped, and the clock level every time
+ * (a lease that ran out may lift the stale-synchronous bound). */
 int store_sync_tick(store *s);
 
 /* The chief's placement map (JSON text; copied). NULL clears it. */
@@ -250,7 +261,7 @@ char *store_get_placement(store *s);
 void store_clock_start(store *s, int worker, int64_t clock);
 /* The worker has completed `done` iterations (a push of iteration done - 1,
  * or a pull announcing iteration done): raises its count, never lowers it.
- * 1 when it raised it. */
+ * 1 when it raised it (and the hook is told). */
 int store_clock_done(store *s, int worker, int64_t done);
 /* The fewest iterations completed by a live worker of the run (INT64_MAX
  * when none is live): a worker may start iteration k once this is >= k - S. */
