@@ -6,6 +6,7 @@
 #   make deps       apt-get (Debian) and pip (PyPI, into build/venv) what is missing (quiet, idempotent)
 #   make demo       train on Fashion-MNIST and show where to look
 #   make fuzz       run each libFuzzer harness FUZZ_SECS (60) s; tests/fuzz/
+#   make hostile    the hostile campaign's long form (tests/hostile/), both builds
 
 CC      ?= cc
 OPT     ?= -O2 -g
@@ -81,7 +82,7 @@ ENDPOINT_OBJ = $(BUILD)/common/endpoint.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test unit-bins bench bench-bins deps demo gpu-check clean
+.PHONY: all asan test hostile unit-bins bench bench-bins deps demo gpu-check clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # client/ never includes server/ (common/ holds what both use)
@@ -235,3 +236,12 @@ clean:
 include tests/fuzz/fuzz.mk
 
 -include $(shell find build -name '*.d' 2>/dev/null)
+# The hostile campaign's long form (issue 23; make test runs its short form,
+# tests/system/test_hostile_campaign.py) against the normal and the sanitizer
+# build, then the exhaustion tests at the issue's figures
+hostile: all
+	$(MAKE) asan
+	/usr/bin/python3 tests/hostile/campaign.py --long --bin $(BIN)
+	/usr/bin/python3 tests/hostile/campaign.py --long --bin build/asan/bin
+	RESTPS_HOSTILE_LONG=1 RESTPS_BIN_DIR=$(BIN) pytest-3 -q -rs -p no:cacheprovider tests/system/test_hostile_exhaustion.py
+
