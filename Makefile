@@ -226,6 +226,15 @@ bench: deps all bench-bins
 	sh scripts/pydeps.sh bench/requirements.txt build/bench-venv
 	RESTPS_BIN_DIR=$(BIN) build/bench-venv/bin/python bench/tf_compare.py
 
+# The hostile campaign's long form (issue 23; make test runs its short form,
+# tests/system/test_hostile_campaign.py) against the normal and the sanitizer
+# build, then the exhaustion tests at the issue's figures
+hostile: all
+	$(MAKE) asan
+	/usr/bin/python3 tests/hostile/campaign.py --long --bin $(BIN)
+	/usr/bin/python3 tests/hostile/campaign.py --long --bin build/asan/bin
+	RESTPS_HOSTILE_LONG=1 RESTPS_BIN_DIR=$(BIN) pytest-3 -q -rs -p no:cacheprovider tests/system/test_hostile_exhaustion.py
+
 demo: deps all
 	sh deploy/local/demo.sh
 
@@ -236,12 +245,3 @@ clean:
 include tests/fuzz/fuzz.mk
 
 -include $(shell find build -name '*.d' 2>/dev/null)
-# The hostile campaign's long form (issue 23; make test runs its short form,
-# tests/system/test_hostile_campaign.py) against the normal and the sanitizer
-# build, then the exhaustion tests at the issue's figures
-hostile: all
-	$(MAKE) asan
-	/usr/bin/python3 tests/hostile/campaign.py --long --bin $(BIN)
-	/usr/bin/python3 tests/hostile/campaign.py --long --bin build/asan/bin
-	RESTPS_HOSTILE_LONG=1 RESTPS_BIN_DIR=$(BIN) pytest-3 -q -rs -p no:cacheprovider tests/system/test_hostile_exhaustion.py
-
