@@ -1,7 +1,8 @@
 """Hostile and slow clients against a real psd: slow connections (headers
 never finished, a body a byte at a time) neither starve a normal client nor
-hold their connection past --connection_timeout; the --max_connections cap
-holds and the timeout frees its slots; a long poll (a suspended connection)
+hold their connection past --connection_timeout; near the --max_connections
+cap the connection that waited longest for its headers makes room for a new
+client (issue 23); a long poll (a suspended connection)
 outlives the idle timeout; clients that vanish mid-upload or mid-download
 change nothing and leak nothing (the ASan build's LeakSanitizer runs at psd's
 exit, conftest checks its stderr); oversized or malformed requests are

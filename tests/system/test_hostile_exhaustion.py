@@ -120,6 +120,8 @@ def test_idle_connections_do_not_lock_a_client_out(start_psd, half_sent):
             assert took is not None and took < 1.0, (
                 f"a normal client waited {took} s with {len(held)} connections held open: {what}")
             assert what[0] == 200
+            print(f"{len(held)} connections held ({'half-sent' if half_sent else 'idle'}): "
+                  f"a normal client answered in {took * 1000:.0f} ms")
     finally:
         for s in held:
             s.close()
@@ -160,6 +162,8 @@ def test_non_reading_json_clients_hold_little(start_psd):
     for s in socks:
         s.close()
     per_client = (loaded - before) / k
+    print(f"{k} non-reading clients of {count} JSON values: +{loaded - before} KiB RSS "
+          f"({per_client:.0f} KiB each); a normal client in {took * 1000:.0f} ms")
     # previous psd: the whole text per client (~12 bytes a value: 3 MiB at 2^18)
     assert per_client <= 256 + (0 if not ASAN else 256), (
         f"{k} non-reading clients added {loaded - before} KiB ({per_client:.0f} KiB each)")
@@ -192,6 +196,8 @@ def test_announced_body_is_not_reserved_before_it_arrives(start_psd):
         for s in socks:
             s.close()
     assert took is not None and took < 1.0, what
+    print(f"{n} heads of Content-Length 1073741824: virtual +{(vm1 - vm0) / 1024:.1f} MiB, "
+          f"RSS +{(rss1 - rss0) / 1024:.1f} MiB; a normal client in {took * 1000:.0f} ms")
     # previous psd: +1 GiB of address space per head
     assert vm1 - vm0 < 256 * 1024 + (0 if not ASAN else 1024 * 1024), (
         f"{n} heads of 1 GiB grew the virtual size by {(vm1 - vm0) / 1024:.0f} MiB")
