@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import struct
@@ -582,6 +583,15 @@ class Campaign:
         self.check_alive("exhaustion", "idle flood")
 
 
+def room_for(n):
+    """Raise the descriptor limit (psd inherits it) to hold n sockets; how many fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 200:
+        soft = n + 200 if hard == resource.RLIM_INFINITY else min(n + 200, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return min(n, soft - 200)
+
+
 def seed_state(p):
     A = {"Authorization": AUTH}
     for name, arr in (("w", W), ("b", np.ones(4, np.float32))):
@@ -601,6 +611,7 @@ def main():
     rng = random.Random(args.seed)
     t0 = time.time()
     asan = "asan" in args.bin
+    flood = room_for(2000 if args.long else 1100)
     with tempfile.TemporaryDirectory(prefix="hostile-") as wd:
         p = Psd(args.bin, wd)
         try:
@@ -623,7 +634,7 @@ def main():
             c.races(20 if args.long else 3)
             c.anonymous_reader()
             c.big_heads(200 if args.long else 20)
-            c.idle_flood(2000 if args.long else 1100)
+            c.idle_flood(flood)
             c.check_alive("end", "end")
         finally:
             rc = p.stop()
