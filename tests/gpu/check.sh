@@ -1,25 +1,31 @@
 #!/bin/bash
-# tests/gpu/check.sh - the GPU check of the CUDA backend (issue 7), one short
-# run (a few minutes with the build on a 16-core machine; every step has its
-# own timeout):
+# tests/gpu/check.sh - the GPU check of the CUDA backend (issues 7 and 19),
+# one short run (under 3 minutes with the build on a 16-core machine; every
+# step has its own timeout), a PASS or FAIL line per check as it goes:
 #   1. builds psd, workerd and the GPU tools into build/gpu (make -j);
-#   2. cuda_vs_cpu: CUDA against the CPU on fresh random inputs, every gradient
-#      tensor, the loss, evaluate's loss and accuracy (max-norm relative error
-#      <= 1e-4, outputs poisoned with NaN before each run);
+#   2. cuda_vs_cpu: CUDA (model_cuda.cu) against the CPU (model_cpu.c) on fresh
+#      random inputs: every layer type alone (outputs, input and parameter
+#      gradients), the dropout masks bit for bit, small CNNs and the full cnn
+#      step (loss, every gradient), the range interface on splits, evaluate,
+#      MLPs with pinned and malloc'd buffers and staged batches (max-norm
+#      relative error <= 1e-4, TF32 off, outputs poisoned with NaN first);
 #   3. the cuBLAS sgemm rate (8192^3, FP32) and the training step's steps/s for
-#      784-1024-1024-10 at batch 256 and 4096 (and 4096 with --tf32), as a
-#      fraction of that rate, with the host buffers pinned (mlp_host_alloc, as
-#      the worker's); 4096 also with malloc'd ones (copied through the
+#      mlp:1024,1024 at batch 256 and 4096 (and 4096 with --tf32), as a
+#      fraction of that rate, with the host buffers pinned (model_host_alloc,
+#      as the worker's); 4096 also with malloc'd ones (copied through the
 #      backend's staging buffers), for comparison; and the step's sgemm calls
 #      alone (its ceiling); and 4096 as workerd --local steps (two batches in
 #      turn, the host's SGD update between steps) without and with each batch
-#      staged ahead (mlp_stage_batch: its copy overlaps the update): what
-#      staging buys;
+#      staged ahead (model_stage_batch: its copy overlaps the update): what
+#      staging buys; the cnn step at batch 100 on the GPU (TF32 off and on)
+#      and on the CPU (1 thread and every core): steps/s and the ratio;
 #   4. the example's model (784-100-10, batch 100) trained by a cuda worker
-#      against a local psd: the loss must fall;
-#   5. 784-1024-1024-10 at batch 4096: one cuda worker against a local psd vs
+#      against a local psd: the loss must fall; a small CNN --local on the
+#      GPU: the loss must fall;
+#   5. mlp:1024,1024 at batch 4096: one cuda worker against a local psd vs
 #      the same worker --local (steps/s ratio; the target is >= 0.8);
-# then prints a table and writes it to bench/results/gpu-<UTC date>.md.
+# then prints a table and writes it to bench/results/gpu-<UTC date>.md, and a
+# last line "gpu-check: N passed, M failed".
 #
 # Exit status: 0 every check passed; 1 a check failed (the table says which);
 # 77 no CUDA device visible (the build succeeded; nothing else ran).
@@ -48,11 +54,17 @@ PIDS=()
 
 mkdir -p "$LOGS" || exit 1
 log() { printf '[gpu-check +%ss] %s\n' "$(($(date +%s) - T0))" "$*"; }
+PASSES=0
 row() { ROWS+=("| $1 | $2 | $3 |"); }
 bad() { # what, detail
     FAILS=$((FAILS + 1))
     log "FAIL: $1: $2"
     row "$1" "**FAIL**" "$2"
+}
+good() { # what, result, detail: a passed check's row and its PASS line
+    PASSES=$((PASSES + 1))
+    log "PASS: $1: $2${3:+ ($3)}"
+    row "$1" "$2" "$3"
 }
 cleanup() {
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
@@ -133,9 +145,10 @@ if [ "$DEVICE" = cuda ]; then
     cat "$LOGS/cuda_vs_cpu.log"
     worst=$(grep -o "rel err [0-9.e+-]*" "$LOGS/cuda_vs_cpu.log" | awk '{ if ($3 + 0 > m) m = $3 + 0 } END { printf "%.2e", m }')
     if [ $rc -eq 0 ] && grep -q "all agree" "$LOGS/cuda_vs_cpu.log"; then
-        row "CUDA vs CPU, every tensor (limit 1e-4)" "ok" "worst rel err $worst; $(head -1 "$LOGS/cuda_vs_cpu.log" | cut -d';' -f2 | sed 's/^ //')"
+        good "CUDA vs CPU, every layer and tensor (limit 1e-4)" "ok" "$(grep -o '[0-9]* passed, [0-9]* failed' "$LOGS/cuda_vs_cpu.log" | tail -1); worst rel err $worst; $(head -1 "$LOGS/cuda_vs_cpu.log" | cut -d';' -f2 | sed 's/^ //')"
     else
-        bad "CUDA vs CPU, every tensor (limit 1e-4)" "exit $rc, worst rel err $worst; see $LOGS/cuda_vs_cpu.log"
+        grep '^FAIL' "$LOGS/cuda_vs_cpu.log" | head -20
+        bad "CUDA vs CPU, every layer and tensor (limit 1e-4)" "exit $rc, $(grep -o '[0-9]* passed, [0-9]* failed' "$LOGS/cuda_vs_cpu.log" | tail -1), worst rel err $worst; see $LOGS/cuda_vs_cpu.log"
     fi
 else
     row "CUDA vs CPU" "skipped" "dry run without a device"
@@ -145,10 +158,10 @@ fi
 SGEMM=""
 if [ "$DEVICE" = cuda ]; then
     log "cuBLAS sgemm 8192^3"
-    if timeout 90 "$BIN/gpu_bench" sgemm 8192 3 > "$LOGS/sgemm.log" 2>&1; then
+    if timeout 60 "$BIN/gpu_bench" sgemm 8192 2 > "$LOGS/sgemm.log" 2>&1; then
         cat "$LOGS/sgemm.log"
         SGEMM=$(kv sgemm_gflops "$LOGS/sgemm.log")
-        row "cuBLAS sgemm 8192^3 (FP32)" "$SGEMM GFLOP/s" "the reference rate below"
+        good "cuBLAS sgemm 8192^3 (FP32)" "$SGEMM GFLOP/s" "the reference rate below"
     else
         cat "$LOGS/sgemm.log"
         bad "cuBLAS sgemm" "gpu_bench sgemm failed; see $LOGS/sgemm.log"
@@ -157,11 +170,11 @@ if [ "$DEVICE" = cuda ]; then
     for spec in "256:" "4096:" "4096:tf32" "4096:plain" "4096:local" "4096:local stage"; do
         bsz=${spec%%:*}
         mode=${spec#*:}
-        name="step 784-1024-1024-10 batch $bsz${mode:+ ($mode)}"
+        name="step mlp:1024,1024 batch $bsz${mode:+ ($mode)}"
         f="$LOGS/step-$bsz${mode:+-${mode// /-}}.log"
         log "$name"
         # shellcheck disable=SC2086 # $mode: zero, one or two words
-        if timeout 90 "$BIN/gpu_bench" step 784,1024,1024,10 "$bsz" 4 $mode > "$f" 2>&1; then
+        if timeout 60 "$BIN/gpu_bench" step mlp:1024,1024 "$bsz" 2 $mode > "$f" 2>&1; then
             cat "$f"
             sps=$(kv steps_per_s "$f")
             [ "$mode" = local ] && LOCAL_SPS_RUN=$sps
@@ -173,7 +186,7 @@ if [ "$DEVICE" = cuda ]; then
             if [ "$bsz" = 4096 ] && [ -z "$mode" ]; then
                 tgt=$(awk -v r="$fr" 'BEGIN { print (r != "n/a" && r + 0 >= 0.6) ? "; target >= 0.6 met" : "; target >= 0.6 NOT met" }')
             fi
-            row "$name" "$sps steps/s" "$gf GFLOP/s = $fr of sgemm (host copies included, ${hb:-?} host buffers)$tgt"
+            good "$name" "$sps steps/s" "$gf GFLOP/s = $fr of sgemm (host copies included, ${hb:-?} host buffers)$tgt"
         else
             cat "$f"
             bad "$name" "gpu_bench step failed; see $f"
@@ -187,13 +200,44 @@ if [ "$DEVICE" = cuda ]; then
         name="only the step's sgemms, batch $bsz"
         f="$LOGS/gemms-$bsz.log"
         log "$name"
-        if timeout 90 "$BIN/gpu_bench" gemms 784,1024,1024,10 "$bsz" 3 > "$f" 2>&1; then
+        if timeout 60 "$BIN/gpu_bench" gemms 784,1024,1024,10 "$bsz" 2 > "$f" 2>&1; then
             cat "$f"
             gf=$(kv gflops "$f")
-            row "$name" "$(kv steps_per_s "$f") steps/s" "$gf GFLOP/s = $(ratio "$gf" "$SGEMM") of sgemm: the step's ceiling without copies and kernels"
+            good "$name" "$(kv steps_per_s "$f") steps/s" "$gf GFLOP/s = $(ratio "$gf" "$SGEMM") of sgemm: the step's ceiling without copies and kernels"
         else
             cat "$f"
             bad "$name" "gpu_bench gemms failed; see $f"
+        fi
+    done
+    # the tutorial's CNN at batch 100: GPU (TF32 off, on) against the CPU backend
+    CNN_GPU=""
+    for mode in "" tf32; do
+        name="cnn step batch 100 on the GPU${mode:+ ($mode)}"
+        f="$LOGS/cnn-gpu${mode:+-$mode}.log"
+        log "$name"
+        # shellcheck disable=SC2086 # $mode: zero or one word
+        if timeout 60 "$BIN/gpu_bench" step cnn 100 2 $mode > "$f" 2>&1; then
+            cat "$f"
+            sps=$(kv steps_per_s "$f")
+            [ -z "$mode" ] && CNN_GPU=$sps
+            gf=$(kv gflops "$f")
+            good "$name" "$sps steps/s" "$gf GFLOP/s = $(ratio "$gf" "$SGEMM") of sgemm, pinned host buffers"
+        else
+            cat "$f"
+            bad "$name" "gpu_bench step cnn failed; see $f"
+        fi
+    done
+    for threads in 1 "$JOBS"; do
+        name="cnn step batch 100 on the CPU backend, $threads thread(s)"
+        f="$LOGS/cnn-cpu-$threads.log"
+        log "$name"
+        if timeout 60 "$BIN/gpu_bench" cpu cnn 100 3 "$threads" > "$f" 2>&1; then
+            cat "$f"
+            sps=$(kv steps_per_s "$f")
+            good "$name" "$sps steps/s" "GPU / this = $(ratio "$CNN_GPU" "$sps")"
+        else
+            cat "$f"
+            bad "$name" "gpu_bench cpu cnn failed; see $f"
         fi
     done
 else
@@ -240,7 +284,7 @@ run_worker() {
 last_sps() { grep -o "[0-9.]* steps/s" "$1" | tail -1 | cut -d' ' -f1; }
 
 # ---- 4. the example's model against a local psd: the loss falls ----
-EX_STEPS=3000
+EX_STEPS=2000
 [ "$DEVICE" = cpu ] && EX_STEPS=600
 name="example 784-100-10 batch 100, $DEVICE worker + psd, $EX_STEPS steps"
 log "$name"
@@ -257,7 +301,7 @@ if start_psd "$LOGS/psd-example.log"; then
     acc=$(grep -o "test accuracy [0-9.]*" "$WLOG" | tail -1 | awk '{ print $NF }')
     if [ $rc -eq 0 ] && grep -q "using the $DEVICE backend" "$WLOG" && [ -n "$first" ] && [ -n "$last" ] &&
         awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < 0.8 * a && b < 1.15) }'; then
-        row "$name" "ok" "loss at step 100 $first -> validation $last, test accuracy ${acc:-?}, $(last_sps "$WLOG") steps/s"
+        good "$name" "ok" "loss at step 100 $first -> validation $last, test accuracy ${acc:-?}, $(last_sps "$WLOG") steps/s"
     else
         bad "$name" "exit $rc, loss at step 100 ${first:-?} -> validation ${last:-?} (must be < 0.8x and < 1.15); see $WLOG"
     fi
@@ -265,11 +309,32 @@ else
     bad "$name" "psd did not start; see $LOGS/psd-example.log"
 fi
 
+# ---- 4b. a small CNN --local on the device: the loss falls ----
+CNN_STEPS=600
+[ "$DEVICE" = cpu ] && CNN_STEPS=200
+CNN_SPEC=conv:5x5x16,pool:2,dense:64,dense:10
+name="$CNN_SPEC batch 100 --local on $DEVICE, $CNN_STEPS steps"
+log "$name"
+WLOG="$LOGS/train-cnn-local.log"
+timeout 240 "$BIN/workerd" --device="$DEVICE" --local --model="$CNN_SPEC" --data_dir="$DATA" \
+    --train_steps=$CNN_STEPS --log_every=50 > "$WLOG" 2>&1
+rc=$?
+cat "$WLOG"
+first=$(grep -o "step [0-9]* loss [0-9.]*" "$WLOG" | head -1 | awk '{ print $NF }')
+last=$(grep -o "validation cross-entropy [0-9.]*" "$WLOG" | tail -1 | awk '{ print $NF }')
+acc=$(grep -o "test accuracy [0-9.]*" "$WLOG" | tail -1 | awk '{ print $NF }')
+if [ $rc -eq 0 ] && grep -q "using the $DEVICE backend" "$WLOG" && [ -n "$first" ] && [ -n "$last" ] &&
+    awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < 0.8 * a && b < 1.15) }'; then
+    good "$name" "ok" "loss at step 50 $first -> validation $last, test accuracy ${acc:-?}, $(last_sps "$WLOG") steps/s"
+else
+    bad "$name" "exit $rc, loss at step 50 ${first:-?} -> validation ${last:-?} (must be < 0.8x and < 1.15); see $WLOG"
+fi
+
 # ---- 5. big model: worker + psd vs --local ----
 BIG_STEPS=300
 [ "$DEVICE" = cpu ] && BIG_STEPS=4
-BIG=(--hidden_units=1024,1024 --batch_size=4096 --train_steps=$BIG_STEPS --log_every=100)
-name="784-1024-1024-10 batch 4096, $BIG_STEPS steps: $DEVICE worker + psd"
+BIG=("--model=mlp:1024,1024" --batch_size=4096 "--train_steps=$BIG_STEPS" --log_every=100)
+name="mlp:1024,1024 batch 4096, $BIG_STEPS steps: $DEVICE worker + psd"
 log "$name"
 WLOG="$LOGS/train-big-psd.log"
 PS_SPS=""
@@ -280,7 +345,7 @@ if start_psd "$LOGS/psd-big.log"; then
     cat "$WLOG"
     PS_SPS=$(last_sps "$WLOG")
     if [ $rc -eq 0 ] && [ -n "$PS_SPS" ]; then
-        row "$name" "$PS_SPS steps/s" ""
+        good "$name" "$PS_SPS steps/s" ""
     else
         bad "$name" "exit $rc; see $WLOG"
         PS_SPS=""
@@ -288,7 +353,7 @@ if start_psd "$LOGS/psd-big.log"; then
 else
     bad "$name" "psd did not start; see $LOGS/psd-big.log"
 fi
-name="784-1024-1024-10 batch 4096, $BIG_STEPS steps: the same worker --local"
+name="mlp:1024,1024 batch 4096, $BIG_STEPS steps: the same worker --local"
 log "$name"
 WLOG="$LOGS/train-big-local.log"
 timeout 240 "$BIN/workerd" --device="$DEVICE" --local --data_dir="$DATA" "${BIG[@]}" > "$WLOG" 2>&1
@@ -298,7 +363,7 @@ LOCAL_SPS=$(last_sps "$WLOG")
 if [ $rc -eq 0 ] && [ -n "$LOCAL_SPS" ]; then
     r=$(ratio "$PS_SPS" "$LOCAL_SPS")
     met=$(awk -v r="$r" 'BEGIN { print (r != "n/a" && r + 0 >= 0.8) ? "target >= 0.8 met" : "target >= 0.8 NOT met" }')
-    row "$name" "$LOCAL_SPS steps/s" "worker + psd / --local = $r ($met)"
+    good "$name" "$LOCAL_SPS steps/s" "worker + psd / --local = $r ($met)"
 else
     bad "$name" "exit $rc; see $WLOG"
 fi
@@ -314,7 +379,7 @@ OUT="$OUTDIR/gpu-$STAMP.md"
     echo "- device: $GPU_DESC (--device=$DEVICE)"
     echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' + uncommitted changes')"
     echo "- data: $DATA_NOTE"
-    echo "- total time: $(($(date +%s) - T0)) s; $FAILS failed"
+    echo "- total time: $(($(date +%s) - T0)) s; $PASSES passed, $FAILS failed"
     echo
     echo "| check | result | notes |"
     echo "|---|---|---|"
@@ -324,6 +389,7 @@ echo
 cat "$OUT"
 echo
 log "written to $OUT"
+echo "gpu-check: $PASSES passed, $FAILS failed in $(($(date +%s) - T0)) s"
 if [ $FAILS -gt 0 ]; then
     log "FAILED: $FAILS check(s)"
     exit 1

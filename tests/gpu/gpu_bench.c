@@ -1,24 +1,29 @@
-/* gpu_bench.c - the CUDA backend's speed (tests/gpu/check.sh):
- *   gpu_bench step DIMS BATCH SECS [tf32] [plain]   forward_backward of an
- *       MLP (DIMS e.g. 784,1024,1024,10) at BATCH for about SECS seconds, with
- *       the host copies the worker makes: its params, gradients, x and labels
- *       from mlp_host_alloc (pinned, as the worker allocates them: direct DMA),
+/* gpu_bench.c - the CUDA backend's speed (tests/gpu/check.sh), through model.h:
+ *   gpu_bench step SPEC BATCH SECS [tf32] [plain]   forward_backward of the
+ *       model SPEC (--model's grammar: mlp:1024,1024, cnn, a layer list) on
+ *       28x28x1 images at BATCH for about SECS seconds, with the host copies
+ *       the worker makes: its params, gradients, x and labels from
+ *       model_host_alloc (pinned, as the worker allocates them: direct DMA),
  *       or with plain, from malloc (copied through the backend's staging
  *       buffers); prints steps/s, GFLOP/s and which buffers it used (checked
  *       with cudaPointerGetAttributes).
- *   gpu_bench step DIMS BATCH SECS local [stage]   the step as workerd --local
+ *   gpu_bench step SPEC BATCH SECS local [stage]   the step as workerd --local
  *       makes it: two pinned batches in turn, and between the steps the
  *       host's SGD update of the parameters (the optimizer's pass over them);
- *       with stage, each step's batch is staged (mlp_stage_batch) right
+ *       with stage, each step's batch is staged (model_stage_batch) right
  *       after the step before, so its copy to the device overlaps that
  *       update: the two rows' ratio is what staging buys.
+ *   gpu_bench cpu SPEC BATCH SECS [THREADS]  the same step on the CPU backend
+ *       (OpenBLAS, THREADS threads, default 1), for the CPU-vs-GPU ratio.
  *   gpu_bench sgemm N SECS                  cublasSgemm N x N x N (FP32,
  *       CUBLAS_DEFAULT_MATH, as the backend) for about SECS; prints GFLOP/s.
- *   gpu_bench gemms DIMS BATCH SECS         only the step's sgemm calls (the
- *       shapes the backend uses, on zeros), back to back: the step's ceiling
- *       without the copies and the small kernels; prints GFLOP/s.
+ *   gpu_bench gemms DIMS BATCH SECS         only an MLP step's sgemm calls
+ *       (DIMS e.g. 784,1024,1024,10; the shapes the backend uses, on zeros),
+ *       back to back: the step's ceiling without the copies and the small
+ *       kernels; prints GFLOP/s.
  * Output: one line "key=value ..." for the script, after a readable one.
- * Exit 77 with the reason when there is no CUDA device, 1 on a failure. */
+ * Exit 77 with the reason when there is no CUDA device (the step, sgemm and
+ * gemms commands), 1 on a failure. */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -26,7 +31,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "mlp.h"
+#include "model.h"
 #include "rng.h"
 
 static double now(void)
@@ -51,38 +56,58 @@ static int all_pinned(void *const *ps, int n)
     return 1;
 }
 
-static int bench_step(const char *dims_s, int B, double secs, int tf32, int plain, int local,
-                      int stage)
+/* The sgemm FLOP of one forward_backward at batch B: per dense or conv layer
+ * the forward product, the kernel's gradient, and the input's gradient where
+ * a layer with parameters lies below (the backends compute it only there). */
+static double step_flop(const model_layout *ly, int B)
 {
-    int dims[MLP_MAX_LAYERS + 1], nd = 0;
-    char err[512], desc[256];
-    for (const char *p = dims_s; *p && nd <= MLP_MAX_LAYERS;) {
-        dims[nd++] = atoi(p);
-        p = strchr(p, ',');
-        if (!p)
-            break;
-        p++;
+    double f = 0;
+    int below = 0;
+    for (int li = 0; li < ly->n_layers; li++) {
+        const model_layer *l = &ly->layers[li];
+        double one = 0;
+        if (l->kind == LAYER_DENSE)
+            one = 2.0 * B * (double)l->in_numel * (double)l->out_numel;
+        else if (l->kind == LAYER_CONV2D)
+            one = 2.0 * B * (double)l->out.h * l->out.w * (double)l->kh * l->kw * l->in.c * l->out.c;
+        else
+            continue;
+        f += one * (below ? 3 : 2);
+        below = 1;
     }
-    mlp_layout ly;
-    if (nd < 2 || mlp_layout_init(&ly, dims[0], dims + 1, nd - 2, dims[nd - 1], err, sizeof(err)) != 0) {
-        fprintf(stderr, "gpu_bench: bad dims %s: %s\n", dims_s, nd < 2 ? "need 2 or more" : err);
+    return f;
+}
+
+static int bench_step(const char *spec, int B, double secs, int tf32, int plain, int local, int stage,
+                      int cpu_threads)
+{
+    char err[512], desc[256] = "";
+    model_layout ly;
+    const model_shape img = {28, 28, 1};
+    if (B < 1 || model_layout_init(&ly, spec, img, 10, err, sizeof(err)) != 0) {
+        fprintf(stderr, "gpu_bench: bad model %s or batch %d: %s\n", spec, B, B < 1 ? "batch < 1" : err);
         return 1;
     }
-    if (mlp_cuda_use(0, tf32, desc, sizeof(desc), err, sizeof(err)) != 0) {
+    const int on_cpu = cpu_threads > 0;
+    if (on_cpu) {
+        model_cpu_set_threads(cpu_threads);
+        snprintf(desc, sizeof(desc), "cpu backend, OpenBLAS %s, %d thread%s", model_cpu_blas_core(),
+                 cpu_threads, cpu_threads == 1 ? "" : "s");
+    } else if (model_cuda_use(0, tf32, desc, sizeof(desc), err, sizeof(err)) != 0) {
         fprintf(stderr, "gpu_bench: %s\n", err);
         return 1;
     }
-    size_t P = ly.n_params;
-    mlp *m = mlp_new(&mlp_backend_cuda, &ly, B, err, sizeof(err));
+    const size_t P = ly.n_params, D = ly.n_in;
+    model *m = model_new(on_cpu ? &model_backend_cpu : &model_backend_cuda, &ly, B, err, sizeof(err));
     if (!m) {
         fprintf(stderr, "gpu_bench: %s\n", err);
         return 1;
     }
-#define ALLOC(bytes) (plain ? malloc(bytes) : mlp_host_alloc(m, bytes))
-    float *params = ALLOC(P * 4), *grads = ALLOC(P * 4), *x = ALLOC((size_t)B * dims[0] * 4);
+#define ALLOC(bytes) (plain ? malloc(bytes) : model_host_alloc(m, bytes))
+    float *params = ALLOC(P * 4), *grads = ALLOC(P * 4), *x = ALLOC((size_t)B * D * 4);
     uint8_t *y = ALLOC((size_t)B);
     /* local: the second batch */
-    float *x2 = local ? ALLOC((size_t)B * dims[0] * 4) : x;
+    float *x2 = local ? ALLOC((size_t)B * D * 4) : x;
     uint8_t *y2 = local ? ALLOC((size_t)B) : y;
 #undef ALLOC
     if (!params || !grads || !x || !y || !x2 || !y2) {
@@ -90,36 +115,38 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
         return 1;
     }
     void *bufs[] = {params, grads, x, y, x2, y2};
-    const char *path = all_pinned(bufs, 6) ? "pinned" : "malloc";
-    if (!plain && strcmp(path, "pinned") != 0)
-        fprintf(stderr, "gpu_bench: warning: mlp_host_alloc gave memory that is not page-locked\n");
-    mlp_init_params(&ly, params, 1);
+    const char *path = on_cpu ? "host" : all_pinned(bufs, 6) ? "pinned" : "malloc";
+    if (!on_cpu && !plain && strcmp(path, "pinned") != 0)
+        fprintf(stderr, "gpu_bench: warning: model_host_alloc gave memory that is not page-locked\n");
+    model_init_params(&ly, params, 1);
     uint64_t st = rng_stream(7, 0);
-    for (size_t k = 0; k < (size_t)B * dims[0]; k++) {
+    for (size_t k = 0; k < (size_t)B * D; k++) {
         x[k] = (float)rng_uniform_open0(&st);
         x2[k] = (float)rng_uniform_open0(&st);
     }
     for (int k = 0; k < B; k++) {
-        y[k] = (uint8_t)rng_below(&st, (uint64_t)dims[nd - 1]);
-        y2[k] = (uint8_t)rng_below(&st, (uint64_t)dims[nd - 1]);
+        y[k] = (uint8_t)rng_below(&st, 10);
+        y2[k] = (uint8_t)rng_below(&st, 10);
     }
     float *xs[2] = {x, x2};
     uint8_t *ys[2] = {y, y2};
-    double loss, flop = 0;
-    for (int l = 0; l + 1 < nd; l++) /* forward, dW, and dA except for the input */
-        flop += 2.0 * B * dims[l] * dims[l + 1] * (l == 0 ? 2 : 3);
+    double loss;
+    const double flop = step_flop(&ly, B);
+    model_ctx ctx = {1, 0, NULL, 0, 0};
     for (int i = 0; i < 3; i++)
-        if (mlp_forward_backward(m, params, x, y, B, grads, &loss) != 0)
+        if (model_forward_backward(m, params, x, y, B, &ctx, grads, &loss) != 0)
             return 1;
     long n = 0;
     double t0 = now(), t;
-    if (stage && mlp_stage_batch(m, xs[0], ys[0], B) != 0)
+    if (stage && model_stage_batch(m, xs[0], ys[0], B) != 0)
         return 1;
     do {
         const int i = (int)(n & 1);
-        if (mlp_forward_backward(m, params, xs[i], ys[i], B, grads, &loss) != 0)
+        ctx.step = n;
+        ctx.example0 = (int64_t)n * B;
+        if (model_forward_backward(m, params, xs[i], ys[i], B, &ctx, grads, &loss) != 0)
             return 1;
-        if (stage && mlp_stage_batch(m, xs[i ^ 1], ys[i ^ 1], B) != 0)
+        if (stage && model_stage_batch(m, xs[i ^ 1], ys[i ^ 1], B) != 0)
             return 1;
         if (local) /* SGD with a rate that keeps the model where it is */
             for (size_t k = 0; k < P; k++)
@@ -128,11 +155,10 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
         t = now() - t0;
     } while (t < secs);
     double sps = n / t;
-    printf("gpu_bench step %s batch %d%s%s%s: %ld steps in %.2f s: %.1f steps/s, %.1f GFLOP/s (%.2f "
-           "GFLOP a step); host buffers %s (%s)\n",
-           dims_s, B, tf32 ? " tf32" : "", local ? " local (+ host SGD update)" : "",
-           stage ? " staged" : "", n, t, sps, sps * flop / 1e9, flop / 1e9, path,
-           strcmp(path, "pinned") == 0 ? "direct DMA" : "through the staging buffers");
+    printf("gpu_bench %s %s batch %d%s%s%s: %ld steps in %.2f s: %.2f steps/s, %.1f GFLOP/s (%.3f "
+           "GFLOP a step), loss %.4f; host buffers %s (%s)\n",
+           on_cpu ? "cpu" : "step", ly.spec, B, tf32 ? " tf32" : "", local ? " local (+ host SGD update)" : "",
+           stage ? " staged" : "", n, t, sps, sps * flop / 1e9, flop / 1e9, loss, path, desc);
     printf("steps_per_s=%.3f gflops=%.3f flop_per_step=%.0f host_buffers=%s\n", sps, sps * flop / 1e9,
            flop, path);
     if (plain) {
@@ -144,17 +170,17 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
             free(x2);
             free(y2);
         }
-    } else { /* before mlp_free */
-        mlp_host_free(m, params);
-        mlp_host_free(m, grads);
-        mlp_host_free(m, x);
-        mlp_host_free(m, y);
+    } else { /* before model_free */
+        model_host_free(m, params);
+        model_host_free(m, grads);
+        model_host_free(m, x);
+        model_host_free(m, y);
         if (local) {
-            mlp_host_free(m, x2);
-            mlp_host_free(m, y2);
+            model_host_free(m, x2);
+            model_host_free(m, y2);
         }
     }
-    mlp_free(m);
+    model_free(m);
     return 0;
 }
 
@@ -179,7 +205,7 @@ static int bench_step(const char *dims_s, int B, double secs, int tf32, int plai
 static int bench_sgemm(int N, double secs)
 {
     char err[512], desc[256];
-    if (mlp_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
+    if (model_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
         fprintf(stderr, "gpu_bench: %s\n", err);
         return 1;
     }
@@ -218,9 +244,9 @@ static int bench_sgemm(int N, double secs)
 
 static int bench_gemms(const char *dims_s, int B, double secs)
 {
-    int dims[MLP_MAX_LAYERS + 1], nd = 0, maxd = 0;
+    int dims[MODEL_MAX_ITEMS + 2], nd = 0, maxd = 0;
     char err[512], desc[256];
-    for (const char *p = dims_s; *p && nd <= MLP_MAX_LAYERS;) {
+    for (const char *p = dims_s; *p && nd < MODEL_MAX_ITEMS + 2;) {
         dims[nd] = atoi(p);
         maxd = dims[nd] > maxd ? dims[nd] : maxd;
         nd++;
@@ -233,7 +259,7 @@ static int bench_gemms(const char *dims_s, int B, double secs)
         fprintf(stderr, "gpu_bench: bad dims %s or batch %d\n", dims_s, B);
         return 1;
     }
-    if (mlp_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
+    if (model_cuda_use(0, 0, desc, sizeof(desc), err, sizeof(err)) != 0) {
         fprintf(stderr, "gpu_bench: %s\n", err);
         return 1;
     }
@@ -255,7 +281,7 @@ static int bench_gemms(const char *dims_s, int B, double secs)
         if (round == 1)
             t0 = now();
         do {
-            for (int l = nd - 2; l >= 0; l--) { /* forward, dW, dA as mlp_cuda.cu */
+            for (int l = nd - 2; l >= 0; l--) { /* forward, dW, dA as model_cuda.cu */
                 int K = dims[l], N = dims[l + 1];
                 CKB(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, N, B, K, &one, w, N, a, K, &zero, z, N));
                 CKB(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, N, K, B, &one, a, N, z, K, &zero, w, N));
@@ -282,17 +308,25 @@ static int bench_gemms(const char *dims_s, int B, double secs)
     return 0;
 }
 
+#define USAGE                                                                                   \
+    "usage: gpu_bench step SPEC BATCH SECS [tf32] [plain] [local [stage]] | gpu_bench cpu SPEC "    \
+    "BATCH SECS [THREADS] | gpu_bench sgemm N SECS | gpu_bench gemms DIMS BATCH SECS\n"
+
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
     char why[256] = "";
-    if (argc < 2 || (strcmp(argv[1], "step") != 0 && strcmp(argv[1], "sgemm") != 0 &&
-                     strcmp(argv[1], "gemms") != 0)) {
-        fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] [local [stage]] | gpu_bench sgemm N SECS | "
-                        "gpu_bench gemms DIMS BATCH SECS\n");
+    if (argc < 2 || (strcmp(argv[1], "step") != 0 && strcmp(argv[1], "cpu") != 0 &&
+                     strcmp(argv[1], "sgemm") != 0 && strcmp(argv[1], "gemms") != 0)) {
+        fprintf(stderr, USAGE);
         return 2;
     }
-    if (mlp_cuda_device_count(why, sizeof(why)) < 1) {
+    if (strcmp(argv[1], "cpu") == 0 && (argc == 5 || argc == 6)) {
+        int threads = argc == 6 ? atoi(argv[5]) : 1;
+        if (threads >= 1)
+            return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), 0, 0, 0, 0, threads);
+    }
+    if (strcmp(argv[1], "cpu") != 0 && model_cuda_device_count(why, sizeof(why)) < 1) {
         printf("SKIP: %s\n", why);
         return 77;
     }
@@ -313,13 +347,12 @@ int main(int argc, char **argv)
         if (stage && !local)
             bad = 1; /* staging needs a second batch to stage */
         if (!bad)
-            return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), tf32, plain, local, stage);
+            return bench_step(argv[2], atoi(argv[3]), atof(argv[4]), tf32, plain, local, stage, 0);
     }
     if (strcmp(argv[1], "sgemm") == 0 && argc >= 4)
         return bench_sgemm(atoi(argv[2]), atof(argv[3]));
     if (strcmp(argv[1], "gemms") == 0 && argc >= 5)
         return bench_gemms(argv[2], atoi(argv[3]), atof(argv[4]));
-    fprintf(stderr, "usage: gpu_bench step DIMS BATCH SECS [tf32] [plain] [local [stage]] | gpu_bench sgemm N SECS | "
-                    "gpu_bench gemms DIMS BATCH SECS\n");
+    fprintf(stderr, USAGE);
     return 2;
 }
