@@ -16,11 +16,14 @@ first, 2 per multiply-add (8.2 GFLOP at batch 100). workerd's steps/s is its
 own figure for the training loop (the final evaluation is not in it).
 """
 import argparse
+import gzip
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -47,6 +50,23 @@ def run_restps(workerd, data_dir, steps, batch):
     return float(rate[-1]), (k.group(1) if k else None), (acc.group(1) if acc else "?")
 
 
+def subset(data_dir, n_train, n_test, out):
+    """The first n_train training and n_test test images as raw IDX files in
+    out: workerd ends a run with an evaluation of the validation set (the
+    first 5,000 training images) and the test set, which for the full CNN
+    takes longer than the timed steps; the step time does not depend on it."""
+    for kind, n in (("train", n_train), ("t10k", n_test)):
+        for part, head, size in (("images-idx3", 16, 784), ("labels-idx1", 8, 1)):
+            name = f"{kind}-{part}-ubyte"
+            path = os.path.join(data_dir, name)
+            raw = gzip.open(path + ".gz").read() if os.path.exists(path + ".gz") else open(path, "rb").read()
+            dims = struct.unpack(">" + "I" * (head // 4), raw[:head])
+            n = min(n, dims[1])
+            with open(os.path.join(out, name), "wb") as f:
+                f.write(struct.pack(">" + "I" * (head // 4), dims[0], n, *dims[2:]) + raw[head:head + n * size])
+    return out
+
+
 def run_torch(steps, batch, coretype):
     env = dict(os.environ)
     if coretype:
@@ -65,6 +85,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--full_data", action="store_true",
+                    help="evaluate on the whole validation and test sets at the end of each workerd run")
     a = ap.parse_args()
     workerd = os.path.join(ROOT, a.bin, "workerd") if not os.path.isabs(a.bin) else os.path.join(a.bin, "workerd")
     h = subprocess.run([workerd, "--help"], capture_output=True, text=True).stdout
@@ -76,11 +98,13 @@ def main():
         raise SystemExit("cnn_compare: python3-torch is not installed (make bench installs it: "
                          "sh scripts/deps.sh python3-torch)")
 
+    tmp = tempfile.TemporaryDirectory(prefix="cnn_compare-")
+    data_dir = a.data_dir if a.full_data else subset(a.data_dir, 5000 + a.steps * a.batch, 100, tmp.name)
     _, step_flops = cnn_ref.Model("cnn").flops(a.batch)
     ours, theirs = [], []
     kernel = acc = None
     for _ in range(a.reps):
-        rate, kernel, acc = run_restps(workerd, a.data_dir, a.steps, a.batch)
+        rate, kernel, acc = run_restps(workerd, data_dir, a.steps, a.batch)
         ours.append(rate)
         theirs.append(run_torch(a.steps, a.batch, kernel))
     best = max(ours)
@@ -91,7 +115,7 @@ def main():
           f"({step_flops / 1e9:.2f} GFLOP per step: conv + dense, forward and backward), best of {a.reps}")
     print(f"restps  workerd --local --model=cnn  {best:7.2f} steps/s  {gflops:6.1f} GFLOP/s   "
           f"OpenBLAS {kernel or '?'} (conv as im2col + sgemm); runs {', '.join(f'{r:.2f}' for r in ours)}; "
-          f"test accuracy after {a.steps} steps {acc}")
+          f"test accuracy after {a.steps} steps {acc}{'' if a.full_data else ' (100 test images)'}")
     runs = ", ".join("%.2f" % d["steps_per_s"] for d in theirs)
     print(f"pytorch {t['torch']} channels-last        {t['steps_per_s']:7.2f} steps/s  {t['gflops']:6.1f} GFLOP/s   "
           f"convolutions {t['conv_kernel']}, matmuls {t['numpy_blas']} "
