@@ -1,5 +1,8 @@
-/* bench_mlp.c - speed of the CPU backend's training step (mlp_forward_backward)
- * against plain cblas_sgemm, on one BLAS thread.
+/* bench_mlp.c - speed of the CPU backend's training step for the MLP
+ * (model_forward_backward on mlp:100 and mlp:1024,1024) against plain
+ * cblas_sgemm, on one BLAS thread. Built with -DBENCH_WITH_MLP (while the
+ * MLP-only client/mlp_cpu.c exists), it also times that code's step in the
+ * same run, interleaved, and prints the ratio.
  *
  *   bench_mlp [--seconds=S] [--reps=N] [--threads=T]
  *
@@ -21,7 +24,10 @@
 #include <time.h>
 
 #include "blas_kernel.h"
+#include "model.h"
+#ifdef BENCH_WITH_MLP
 #include "mlp.h"
+#endif
 
 static double now(void)
 {
@@ -43,7 +49,7 @@ static double median(double *v, int n)
 }
 
 typedef struct bench_case {
-    const char *label;
+    const char *label, *spec;
     int hidden[4], n_hidden, batch;
 } bench_case;
 
@@ -74,30 +80,36 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_mlp: %s\n", kerr);
         return 1;
     }
-    mlp_cpu_set_threads(threads);
+    model_cpu_set_threads(threads);
     const char *ct = getenv("OPENBLAS_CORETYPE");
     printf("OpenBLAS %s, core %s, OPENBLAS_CORETYPE=%s, %d thread(s)\n%s\n", openblas_get_config(),
-           mlp_cpu_blas_core(), ct ? ct : "(unset)", threads, blas_kernel_reason());
+           model_cpu_blas_core(), ct ? ct : "(unset)", threads, blas_kernel_reason());
 
     const bench_case cases[] = {
-        {"784-100-10", {100}, 1, 100},
-        {"784-1024-1024-10", {1024, 1024}, 2, 256},
+        {"784-100-10", "mlp:100", {100}, 1, 100},
+        {"784-1024-1024-10", "mlp:1024,1024", {1024, 1024}, 2, 256},
     };
     int status = 0;
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         const bench_case *bc = &cases[c];
-        mlp_layout ly;
+        model_layout ly;
         char err[256];
-        if (mlp_layout_init(&ly, 784, bc->hidden, bc->n_hidden, 10, err, sizeof(err)) != 0) {
+        if (model_layout_init(&ly, bc->spec, (model_shape){28, 28, 1}, 10, err, sizeof(err)) != 0) {
             fprintf(stderr, "bench_mlp: %s\n", err);
             return 1;
         }
-        const int B = bc->batch, L = ly.n_layers;
+        /* the dense layers: dims[0] inputs, dims[l + 1] layer l's units */
+        int dims[MODEL_MAX_LAYERS + 1], L = 0;
+        dims[0] = (int)ly.n_in;
+        for (int l = 0; l < ly.n_layers; l++)
+            if (ly.layers[l].kind == LAYER_DENSE)
+                dims[++L] = (int)ly.layers[l].out_numel;
+        const int B = bc->batch;
         float *params = malloc(ly.n_params * sizeof(float));
         float *grads = malloc(ly.n_params * sizeof(float));
         float *x = malloc((size_t)B * 784 * sizeof(float));
         uint8_t *labels = malloc((size_t)B);
-        mlp_init_params(&ly, params, 1);
+        model_init_params(&ly, params, 1);
         uint64_t s = 12345;
         for (int i = 0; i < B * 784; i++) {
             s = s * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -105,23 +117,37 @@ int main(int argc, char **argv)
         }
         for (int i = 0; i < B; i++)
             labels[i] = (uint8_t)(i % 10);
-        mlp *m = mlp_new(&mlp_backend_cpu, &ly, B, err, sizeof(err));
+        model *m = model_new(&model_backend_cpu, &ly, B, err, sizeof(err));
         if (!m) {
             fprintf(stderr, "bench_mlp: %s\n", err);
             return 1;
         }
+#ifdef BENCH_WITH_MLP
+        mlp_layout oly;
+        if (mlp_layout_init(&oly, 784, bc->hidden, bc->n_hidden, 10, err, sizeof(err)) != 0) {
+            fprintf(stderr, "bench_mlp: %s\n", err);
+            return 1;
+        }
+        mlp *old = mlp_new(&mlp_backend_cpu, &oly, B, err, sizeof(err));
+        if (!old) {
+            fprintf(stderr, "bench_mlp: %s\n", err);
+            return 1;
+        }
+        double r_old[100];
+#endif
+        const model_ctx ctx = {.seed = 1};
 
         /* The same GEMMs as a step, on scratch buffers of the same sizes. */
-        gemm_call calls[3 * MLP_MAX_LAYERS];
+        gemm_call calls[3 * MODEL_MAX_LAYERS];
         int n_calls = 0;
         double flops = 0;
         size_t dmax = 0;
         for (int l = 1; l <= L; l++)
-            dmax = (size_t)ly.dims[l] > dmax ? (size_t)ly.dims[l] : dmax;
+            dmax = (size_t)dims[l] > dmax ? (size_t)dims[l] : dmax;
         float *scratch = calloc((size_t)B * dmax * (size_t)(L + 3), sizeof(float));
         float *gscratch = calloc(ly.n_params, sizeof(float));
         for (int l = 0; l < L; l++) {
-            int K = ly.dims[l], N = ly.dims[l + 1];
+            int K = dims[l], N = dims[l + 1];
             const float *a = l == 0 ? x : scratch + (size_t)l * B * dmax;
             float *z = scratch + (size_t)(l + 1) * B * dmax;
             const float *W = params + ly.tensors[2 * l].offset;
@@ -149,7 +175,7 @@ int main(int argc, char **argv)
             double t0 = now(), t;
             long k = 0;
             do {
-                if (mlp_forward_backward(m, params, x, labels, B, grads, &loss) != 0) {
+                if (model_forward_backward(m, params, x, labels, B, &ctx, grads, &loss) != 0) {
                     fprintf(stderr, "bench_mlp: forward_backward failed\n");
                     return 1;
                 }
@@ -157,6 +183,20 @@ int main(int argc, char **argv)
             } while ((t = now() - t0) < seconds);
             if (rep >= 0)
                 r_step[rep] = (double)k / t;
+#ifdef BENCH_WITH_MLP
+            t0 = now();
+            k = 0;
+            do {
+                double l2;
+                if (mlp_forward_backward(old, params, x, labels, B, grads, &l2) != 0) {
+                    fprintf(stderr, "bench_mlp: the MLP-only forward_backward failed\n");
+                    return 1;
+                }
+                k++;
+            } while ((t = now() - t0) < seconds);
+            if (rep >= 0)
+                r_old[rep] = (double)k / t;
+#endif
 
             t0 = now();
             k = 0;
@@ -184,8 +224,14 @@ int main(int argc, char **argv)
         double step = median(r_step, reps), gemm = median(r_gemm, reps), sq = median(r_sq, reps);
         double sqflops = 2.0 * n * n * n;
         printf("%s batch %d: %.1f MFLOP/step (GEMMs)\n", bc->label, B, flops / 1e6);
-        printf("  mlp_forward_backward: %9.1f steps/s  %7.3f ms/step  %6.1f GFLOP/s\n", step,
-               1e3 / step, step * flops / 1e9);
+        printf("  model_forward_backward (%s): %9.1f steps/s  %7.3f ms/step  %6.1f GFLOP/s\n", ly.spec,
+               step, 1e3 / step, step * flops / 1e9);
+#ifdef BENCH_WITH_MLP
+        double os = median(r_old, reps);
+        printf("  mlp_forward_backward (the MLP-only code): %9.1f steps/s  %7.3f ms/step  new/old %.3f\n",
+               os, 1e3 / os, step / os);
+        mlp_free(old);
+#endif
         printf("  gemm-only (same calls): %7.1f steps/s  %7.3f ms/step  %6.1f GFLOP/s  step/gemm-only %.2f\n",
                gemm, 1e3 / gemm, gemm * flops / 1e9, step / gemm);
         printf("  square sgemm n=%d:     %7.1f /s        %7.3f ms        %6.1f GFLOP/s  step/square %.2f\n",
@@ -193,7 +239,7 @@ int main(int argc, char **argv)
         printf("  (loss %.4f)\n", loss);
         if (!isfinite(loss))
             status = 1;
-        mlp_free(m);
+        model_free(m);
         free(params);
         free(grads);
         free(x);

@@ -25,7 +25,7 @@ void placement_free(placement *p)
     memset(p, 0, sizeof(*p));
 }
 
-int placement_compute(placement *p, const mlp_layout *L, int n_ps, place_policy policy,
+int placement_compute(placement *p, const model_layout *L, int n_ps, place_policy policy,
                       uint64_t partition_bytes, char *err, size_t errlen)
 {
     memset(p, 0, sizeof(*p));
@@ -44,7 +44,7 @@ int placement_compute(placement *p, const mlp_layout *L, int n_ps, place_policy 
     int n_whole = 0;
     /* partitioned tensors first: part i on ps i */
     for (int t = 0; t < L->n_tensors; t++) {
-        const mlp_tensor *mt = &L->tensors[t];
+        const model_tensor *mt = &L->tensors[t];
         int64_t rows = mt->shape.dims[0];
         uint64_t bytes = (uint64_t)mt->numel * 4;
         int parts = bytes > partition_bytes && n_ps > 1 ? (rows < n_ps ? (int)rows : n_ps) : 1;
@@ -80,7 +80,7 @@ int placement_compute(placement *p, const mlp_layout *L, int n_ps, place_policy 
                 whole[j - 1] = x;
             }
     for (int k = 0; k < n_whole; k++) {
-        const mlp_tensor *mt = &L->tensors[whole[k]];
+        const model_tensor *mt = &L->tensors[whole[k]];
         int ps = k % n_ps;
         if (policy == PLACE_BYTES) {
             ps = 0;
@@ -109,13 +109,13 @@ int placement_compute(placement *p, const mlp_layout *L, int n_ps, place_policy 
     return 0;
 }
 
-json_t *placement_json(const placement *p, const mlp_layout *L)
+json_t *placement_json(const placement *p, const model_layout *L)
 {
     json_t *vars = json_array(), *bytes = json_array();
     for (int i = 0; i < p->n_ps; i++)
         json_array_append_new(bytes, json_integer((json_int_t)p->bytes[i]));
     for (int k = 0; k < p->n;) {
-        const mlp_tensor *mt = &L->tensors[p->pieces[k].tensor];
+        const model_tensor *mt = &L->tensors[p->pieces[k].tensor];
         json_t *shape = json_array(), *parts = json_array();
         for (int d = 0; d < mt->shape.ndim; d++)
             json_array_append_new(shape, json_integer(mt->shape.dims[d]));
@@ -129,7 +129,10 @@ json_t *placement_json(const placement *p, const mlp_layout *L)
         json_array_append_new(vars, json_pack("{s:s,s:o,s:o}", "name", mt->name, "shape", shape,
                                               "parts", parts));
     }
-    return json_pack("{s:s,s:I,s:i,s:o,s:o}", "policy", place_policy_name(p->policy),
+    char shape_s[64];
+    model_shape_format(L->input, shape_s, sizeof(shape_s));
+    return json_pack("{s:s,s:s,s:s,s:I,s:i,s:o,s:o}", "model", L->spec, "input_shape", shape_s,
+                     "policy", place_policy_name(p->policy),
                      "partition_bytes", (json_int_t)p->partition_bytes, "ps_tasks", p->n_ps,
                      "bytes_per_ps", bytes, "variables", vars);
 }

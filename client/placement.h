@@ -20,12 +20,12 @@
 #include <jansson.h>
 #include <stdint.h>
 
-#include "mlp.h"
+#include "model.h"
 
 typedef enum { PLACE_BYTES, PLACE_ROUND_ROBIN } place_policy;
 
 typedef struct place_piece {
-    char name[MLP_NAME_MAX + 16]; /* "hid_w", or "hid_w/part_1" */
+    char name[MODEL_NAME_MAX + 16]; /* "hid_w", or "hid_w/part_1" */
     int tensor;                   /* the layout's tensor */
     int ps;
     int part, parts;              /* parts = 1: not partitioned */
@@ -48,13 +48,14 @@ const char *place_policy_name(place_policy p);
 int place_policy_from_name(const char *name, place_policy *out);
 
 /* 0, or -1 with err (out of memory). Free with placement_free. */
-int placement_compute(placement *p, const mlp_layout *L, int n_ps, place_policy policy,
+int placement_compute(placement *p, const model_layout *L, int n_ps, place_policy policy,
                       uint64_t partition_bytes, char *err, size_t errlen);
 void placement_free(placement *p);
 
 /* The map as GET /v1/placement shows it:
- * {"policy", "partition_bytes", "ps_tasks", "bytes_per_ps": [...],
+ * {"model" (the canonical spec), "input_shape" ("28,28,1"), "policy",
+ *  "partition_bytes", "ps_tasks", "bytes_per_ps": [...],
  *  "variables": [{"name", "shape", "parts": [{"name", "ps", "rows": [begin, end]}...]}...]} */
-json_t *placement_json(const placement *p, const mlp_layout *L);
+json_t *placement_json(const placement *p, const model_layout *L);
 
 #endif

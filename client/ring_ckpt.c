@@ -16,24 +16,27 @@ static const char *const slot_names[OPTIM_KINDS][2] = {
     {NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}, {"adagrad", NULL},
     {"rmsprop_ms", "rmsprop_mom"}};
 
-static void layers_string(const mlp_layout *L, char *out, size_t cap)
+/* "784,100,10": the input and each dense or conv layer's output size (the
+ * older files' model check; "model" is the one that names it) */
+static void layers_string(const model_layout *L, char *out, size_t cap)
 {
-    out[0] = '\0';
-    for (int l = 0; l <= L->n_layers; l++) {
-        size_t k = strlen(out);
-        snprintf(out + k, cap - k, "%s%d", l ? "," : "", L->dims[l]);
-    }
+    snprintf(out, cap, "%zu", L->n_in);
+    for (int l = 0; l < L->n_layers; l++)
+        if (L->layers[l].w >= 0) {
+            size_t k = strlen(out);
+            snprintf(out + k, cap - k, ",%zu", L->layers[l].out_numel);
+        }
 }
 
 /* The tensors in body order and the data's pieces. */
 typedef struct plan {
-    st_desc d[3 * MLP_MAX_TENSORS];
-    char names[3 * MLP_MAX_TENSORS][MLP_NAME_MAX + 16];
+    st_desc d[3 * MODEL_MAX_TENSORS];
+    char names[3 * MODEL_MAX_TENSORS][MODEL_NAME_MAX + 16];
     int n;
     st_part parts[3];
     int n_parts;
-    char step_s[32], layers[128], workers_s[16], when[32], crc_s[16];
-    const char *meta[16];
+    char step_s[32], layers[512], workers_s[16], when[32], crc_s[16], shape_s[64];
+    const char *meta[20];
     int n_meta;
 } plan;
 
@@ -46,7 +49,7 @@ static plan *plan_new(const ring_state *s, int saved_at, char *err, size_t errle
         snprintf(err, errlen, "out of memory");
         return NULL;
     }
-    const mlp_layout *L = s->layout;
+    const model_layout *L = s->layout;
     int ns = optim_slots(s->optimizer);
     float *bufs[3] = {s->params, s->slot0, s->slot1};
     p->n = 0;
@@ -69,9 +72,10 @@ static plan *plan_new(const ring_state *s, int saved_at, char *err, size_t errle
     layers_string(L, p->layers, sizeof(p->layers));
     snprintf(p->workers_s, sizeof(p->workers_s), "%d", s->workers);
     snprintf(p->crc_s, sizeof(p->crc_s), "%08x", crc);
+    model_shape_format(L->input, p->shape_s, sizeof(p->shape_s));
     const char *meta[] = {"format", RING_CKPT_FORMAT, "format_version", "1", "global_step", p->step_s,
-                          "optimizer", optim_name(s->optimizer), "layers", p->layers,
-                          "workers", p->workers_s};
+                          "optimizer", optim_name(s->optimizer), "model", L->spec,
+                          "input_shape", p->shape_s, "layers", p->layers, "workers", p->workers_s};
     memcpy(p->meta, meta, sizeof(meta));
     p->n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2);
     if (saved_at) {
@@ -127,16 +131,25 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
         snprintf(err, errlen, "%s", e2);
         return CKPT_EINVALID;
     }
-    const mlp_layout *L = s->layout;
+    const model_layout *L = s->layout;
     int rc = CKPT_EINVALID, ns = optim_slots(s->optimizer);
     const char *fmt = st_meta_get(&f, "format"), *opt = st_meta_get(&f, "optimizer"),
                *layers = st_meta_get(&f, "layers"), *step_s = st_meta_get(&f, "global_step"),
                *crc_s = st_meta_get(&f, "crc32c"), *workers_s = st_meta_get(&f, "workers");
-    char mine[128];
+    const char *model_s = st_meta_get(&f, "model"), *shape_s = st_meta_get(&f, "input_shape");
+    char mine[512], my_shape[64];
     layers_string(L, mine, sizeof(mine));
+    model_shape_format(L->input, my_shape, sizeof(my_shape));
     if (!fmt || strcmp(fmt, RING_CKPT_FORMAT) != 0 || !opt || !layers || !step_s || !crc_s) {
         snprintf(err, errlen, "not a %s body (format, optimizer, layers, global_step or crc32c missing)",
                  RING_CKPT_FORMAT);
+        goto out;
+    }
+    /* files written before the model had a spec carry layers alone */
+    if ((model_s && strcmp(model_s, L->spec) != 0) || (shape_s && strcmp(shape_s, my_shape) != 0)) {
+        snprintf(err, errlen, "it holds the model %.200s on %.32s inputs; this job: %.200s on %s", model_s ? model_s : "?",
+                 shape_s ? shape_s : "?", L->spec, my_shape);
+        rc = CKPT_EOTHER;
         goto out;
     }
     if (strcmp(layers, mine) != 0 || strcmp(opt, optim_name(s->optimizer)) != 0) {
@@ -167,10 +180,10 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
     float *bufs[3] = {s->params, s->slot0, s->slot1};
     /* check every tensor before copying any: a body refused half-way must
      * leave s as it was (the caller falls back to an older one, or to none) */
-    int at[3][MLP_MAX_TENSORS];
+    int at[3][MODEL_MAX_TENSORS];
     for (int j = 0; j <= ns; j++)
         for (int t = 0; t < L->n_tensors; t++) {
-            char name[MLP_NAME_MAX + 16];
+            char name[MODEL_NAME_MAX + 16];
             if (j == 0)
                 snprintf(name, sizeof(name), "%s", L->tensors[t].name);
             else

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #include "ckptdir.h"
-#include "mlp.h"
+#include "model.h"
 #include "optim.h"
 
 #define RING_CKPT_FORMAT "restps-ring-checkpoint"
@@ -25,7 +25,7 @@
 /* The state's buffers: params, slot0 and slot1 each layout->n_params floats
  * (the slots the optimizer does not use may be NULL). */
 typedef struct ring_state {
-    const mlp_layout *layout;
+    const model_layout *layout;
     optim_kind optimizer;
     float *params, *slot0, *slot1;
     int64_t step;

@@ -70,16 +70,16 @@ int train_ring(const train_config *c)
     if (rc)
         return rc;
     char err[512];
-    const mlp_layout *L = &c->layout;
+    const model_layout *L = &c->layout;
     size_t np = L->n_params;
-    mlp *m = mlp_new(mlp_device_backend(), L, c->batch_size, err, sizeof(err));
+    model *m = model_new(model_device_backend(), L, c->batch_size, err, sizeof(err));
     /* the gradient buffer carries the loss after the gradients: the ring sums both;
      * the step's buffers come from the backend (pinned on a GPU) */
-    float *params = mlp_host_alloc(m, np * sizeof(float));
-    float *grads = mlp_host_alloc(m, (np + 1) * sizeof(float));
+    float *params = model_host_alloc(m, np * sizeof(float));
+    float *grads = model_host_alloc(m, (np + 1) * sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
     /* two batch buffers: after the all-reduce the next batch goes into the
-     * other one and is staged (mlp_stage_batch), its copy to the device
+     * other one and is staged (model_stage_batch), its copy to the device
      * overlapping the optimizer's update */
     batch_pair bp;
     const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
@@ -149,7 +149,7 @@ int train_ring(const train_config *c)
                    (long long)st.step, path, st.workers);
             ring_set_checkpoint(r, st.step, path);
         } else {
-            mlp_init_params(L, params, c->seed);
+            model_init_params(L, params, c->seed);
         }
         st.workers = n;
         void *body;
@@ -196,7 +196,7 @@ int train_ring(const train_config *c)
            "left %s, right %s; %s\n",
            c->name, optim_name(c->optim.kind), n, c->batch_size, (long long)step,
            (long long)c->train_steps, ring_peer(r, (c->trainer + n - 1) % n),
-           ring_peer(r, (c->trainer + 1) % n), mlp_device_describe(c->threads));
+           ring_peer(r, (c->trainer + 1) % n), model_device_describe(c->threads));
     fflush(stdout);
 
     double t_start = clk_mono_secs(), t_log = t_start, t_saved = t_start, t_comm = 0;
@@ -212,10 +212,11 @@ int train_ring(const train_config *c)
             break;
         }
         if (!ready)
-            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
+            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur], &bp.example0[cur]);
         ready = 0;
         double loss;
-        if (mlp_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, grads, &loss) != 0) {
+        const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = bp.example0[cur]};
+        if (model_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, &ctx, grads, &loss) != 0) {
             /* the parameters are intact: the chief still writes its checkpoint */
             progress_clear(&bar);
             fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
@@ -245,14 +246,15 @@ int train_ring(const train_config *c)
          * after the all-reduce, not before, so as not to delay the ring */
         if (step + 1 < c->train_steps) {
             cur ^= 1;
-            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
-            (void)mlp_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size); /* -1: copied then */
+            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur],
+                       &bp.example0[cur]);
+            (void)model_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size); /* -1: copied then */
             ready = 1;
         }
         /* every variable, as the ps applies them: the average of the N gradients */
         float scale = 1.0f / (float)n;
         for (int k = 0; k < L->n_tensors; k++) {
-            const mlp_tensor *t = &L->tensors[k];
+            const model_tensor *t = &L->tensors[k];
             optim_apply(&c->optim, params + t->offset, params + t->offset, grads + t->offset, scale,
                         s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
         }
@@ -330,10 +332,10 @@ out:
     tfevents_close(tb); /* writes what is queued */
     ring_free(r);
     free(b.order);
-    mlp_host_free(m, params); /* before mlp_free */
-    mlp_host_free(m, grads);
+    model_host_free(m, params); /* before model_free */
+    model_host_free(m, grads);
     batch_pair_free(&bp, m);
-    mlp_free(m);
+    model_free(m);
     free(s0);
     free(s1);
     idx_dataset_free(&ds);

@@ -7,7 +7,7 @@
 
 #include "safetensors.h"
 
-int shards_init(shards *sh, ps_client *c, const mlp_layout *L, place_policy policy,
+int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
                 uint64_t partition_bytes, char *err, size_t errlen)
 {
     memset(sh, 0, sizeof(*sh));

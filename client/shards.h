@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 #include "libps.h"
-#include "mlp.h"
+#include "model.h"
 #include "placement.h"
 
 typedef struct shard {
@@ -27,13 +27,13 @@ typedef struct shard {
 
 typedef struct shards {
     ps_client *c;
-    const mlp_layout *L;
+    const model_layout *L;
     placement pl;
     int n;
     shard *s;
 } shards;
 
-int shards_init(shards *sh, ps_client *c, const mlp_layout *L, place_policy policy,
+int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
                 uint64_t partition_bytes, char *err, size_t errlen);
 void shards_free(shards *sh);
 

@@ -83,7 +83,8 @@ int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer,
  * the rounds of N blocks that fit in an epoch (the remainder is left out, as
  * drop_remainder). A function of k alone, so a restarted task (sync: k is the
  * global step) picks up its place in the data where it was. */
-void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y)
+void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y,
+                int64_t *example0)
 {
     int64_t round = (int64_t)b->n_trainers * batch;
     int64_t per_epoch = b->count / round;
@@ -93,6 +94,8 @@ void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint
         idx_epoch_order(b->split->n, b->seed, b->epoch, 0, 1, b->order, &b->count);
     }
     int64_t at = (k % per_epoch) * round + (int64_t)b->trainer * batch;
+    if (example0)
+        *example0 = (int64_t)epoch * b->count + at;
     for (int i = 0; i < batch; i++) {
         uint32_t e = b->order[at + i];
         memcpy(x + (size_t)i * n_features, b->split->images + (size_t)e * n_features,
@@ -102,21 +105,21 @@ void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint
     b->k = k + 1;
 }
 
-int batch_pair_alloc(batch_pair *p, mlp *m, int batch, int n_features)
+int batch_pair_alloc(batch_pair *p, model *m, int batch, int n_features)
 {
     const size_t xbytes = sizeof(float) * (size_t)batch * (size_t)n_features;
     for (int i = 0; i < 2; i++) {
-        p->x[i] = mlp_host_alloc(m, xbytes);
-        p->y[i] = mlp_host_alloc(m, (size_t)batch);
+        p->x[i] = model_host_alloc(m, xbytes);
+        p->y[i] = model_host_alloc(m, (size_t)batch);
     }
     return p->x[0] && p->x[1] && p->y[0] && p->y[1] ? 0 : -1;
 }
 
-void batch_pair_free(batch_pair *p, mlp *m)
+void batch_pair_free(batch_pair *p, model *m)
 {
     for (int i = 0; i < 2; i++) {
-        mlp_host_free(m, p->x[i]);
-        mlp_host_free(m, p->y[i]);
+        model_host_free(m, p->x[i]);
+        model_host_free(m, p->y[i]);
     }
 }
 
@@ -127,9 +130,11 @@ int train_load(const train_config *c, idx_dataset *ds)
         fprintf(stderr, "workerd: %s\n", err);
         return 2;
     }
-    if (ds->n_features != c->layout.dims[0]) {
-        fprintf(stderr, "workerd: %s: images have %d pixels, the model takes %d\n", c->data_dir,
-                ds->n_features, c->layout.dims[0]);
+    if (ds->rows != c->layout.input.h || ds->cols != c->layout.input.w || c->layout.input.c != 1 ||
+        (size_t)ds->n_features != c->layout.n_in) {
+        fprintf(stderr, "workerd: %s: images are %dx%d, the model %s takes %dx%dx%d\n", c->data_dir,
+                ds->rows, ds->cols, c->layout.spec, c->layout.input.h, c->layout.input.w,
+                c->layout.input.c);
         idx_dataset_free(ds);
         return 2;
     }
@@ -145,21 +150,31 @@ int train_load(const train_config *c, idx_dataset *ds)
 
 /* ---- the model at the end ---- */
 
+void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char *layers,
+                     size_t layers_len)
+{
+    model_shape_format(L->input, shape, shape_len);
+    snprintf(layers, layers_len, "%zu", L->n_in);
+    for (int l = 0; l < L->n_layers; l++)
+        if (L->layers[l].w >= 0) {
+            size_t k = strlen(layers);
+            snprintf(layers + k, layers_len - k, ",%zu", L->layers[l].out_numel);
+        }
+}
+
 int export_model(const train_config *c, const float *params, int64_t step)
 {
-    const mlp_layout *L = &c->layout;
-    st_desc d[MLP_MAX_TENSORS];
+    const model_layout *L = &c->layout;
+    st_desc d[MODEL_MAX_TENSORS];
     for (int t = 0; t < L->n_tensors; t++)
         d[t] = (st_desc){L->tensors[t].name, "F32", &L->tensors[t].shape};
-    char step_s[32], dims[128] = "";
+    char step_s[32], shape[64], layers[512];
     snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
-    for (int l = 0; l <= L->n_layers; l++) {
-        size_t k = strlen(dims);
-        snprintf(dims + k, sizeof(dims) - k, "%s%d", l ? "," : "", L->dims[l]);
-    }
-    const char *meta[] = {"global_step", step_s, "layers", dims, "format", "restps-mlp-1"};
+    model_file_meta(L, shape, sizeof(shape), layers, sizeof(layers));
+    const char *meta[] = {"global_step", step_s, "model", L->spec, "input_shape", shape,
+                          "layers", layers, "format", "restps-model-1"};
     char err[512];
-    if (st_write_file(c->export_path, d, L->n_tensors, meta, 3, params, L->n_params * 4, err,
+    if (st_write_file(c->export_path, d, L->n_tensors, meta, 5, params, L->n_params * 4, err,
                       sizeof(err)) != 0) {
         fprintf(stderr, "workerd: export: %s\n", err);
         return -1;
@@ -169,14 +184,14 @@ int export_model(const train_config *c, const float *params, int64_t step)
     return 0;
 }
 
-int final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+int final_report(const train_config *c, model *m, const float *params, const idx_dataset *ds,
                  int64_t step)
 {
     double vloss = 0, vacc = 0, tloss = 0, tacc = 0;
     if ((ds->validation.n > 0 &&
-         mlp_evaluate(m, params, ds->validation.images, ds->validation.labels, ds->validation.n,
+         model_evaluate(m, params, ds->validation.images, ds->validation.labels, ds->validation.n,
                       &vloss, &vacc) != 0) ||
-        mlp_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &tloss, &tacc) != 0) {
+        model_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &tloss, &tacc) != 0) {
         /* the backend printed the call that failed */
         fprintf(stderr, "workerd: the final evaluation failed at global step %lld\n", (long long)step);
         return -1;
@@ -186,6 +201,105 @@ int final_report(const train_config *c, mlp *m, const float *params, const idx_d
            c->name, (long long)step, vloss, tloss, tacc);
     fflush(stdout);
     return 0;
+}
+
+int train_evaluate_file(const train_config *c, const char *path)
+{
+    char err[512];
+    FILE *fp = fopen(path, "rb");
+    if (!fp) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        return 2;
+    }
+    unsigned char *buf = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len == cap) {
+            cap = cap ? 2 * cap : (size_t)1 << 20;
+            unsigned char *nb = realloc(buf, cap);
+            if (!nb) {
+                fclose(fp);
+                free(buf);
+                fprintf(stderr, "workerd: --evaluate_model=%s: out of memory\n", path);
+                return 1;
+            }
+            buf = nb;
+        }
+        size_t got = fread(buf + len, 1, cap - len, fp);
+        len += got;
+        if (got == 0)
+            break;
+    }
+    fclose(fp);
+    st_file f;
+    memset(&f, 0, sizeof(f));
+    int rc = 2;
+    model *m = NULL;
+    float *params = NULL;
+    idx_dataset ds;
+    int have_ds = 0;
+    train_config cc = *c;
+    if (st_parse(buf, len, &f, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: not a safetensors file: %s\n", path, err);
+        goto out;
+    }
+    const char *spec = st_meta_get(&f, "model"), *shape_s = st_meta_get(&f, "input_shape");
+    model_shape shape;
+    if (!spec || !shape_s) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: the file has no model and input_shape in its "
+                        "__metadata__ (exported by an older workerd?): cannot rebuild the model\n",
+                path);
+        goto out;
+    }
+    if (model_shape_parse(shape_s, &shape) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: input_shape \"%.64s\" is not H,W,C\n", path, shape_s);
+        goto out;
+    }
+    if (model_layout_init(&cc.layout, spec, shape, IDX_N_CLASSES, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, err);
+        goto out;
+    }
+    m = model_new(model_device_backend(), &cc.layout, 1000, err, sizeof(err));
+    params = model_host_alloc(m, cc.layout.n_params * sizeof(float));
+    if (!m || !params) {
+        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
+        rc = 1;
+        goto out;
+    }
+    for (int t = 0; t < cc.layout.n_tensors; t++) {
+        const model_tensor *mt = &cc.layout.tensors[t];
+        int i = st_find(&f, mt->name);
+        if (i < 0 || strcmp(f.tensors[i].dtype, "F32") != 0 ||
+            !tensor_shape_equal(&f.tensors[i].shape, &mt->shape)) {
+            fprintf(stderr, "workerd: --evaluate_model=%s: tensor %s is missing or not F32 of the shape %s gives it\n",
+                    path, mt->name, cc.layout.spec);
+            goto out;
+        }
+        memcpy(params + mt->offset, buf + f.data_start + f.tensors[i].begin, mt->numel * sizeof(float));
+    }
+    cc.n_trainers = 1;
+    if ((rc = train_load(&cc, &ds)) != 0)
+        goto out;
+    have_ds = 1;
+    double loss, acc;
+    if (model_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc) != 0) {
+        fprintf(stderr, "workerd: the evaluation failed\n");
+        rc = 1;
+        goto out;
+    }
+    const char *gs = st_meta_get(&f, "global_step");
+    printf("%s: %s (model %s, global step %s): test loss %.4f, test accuracy %.4f on %lld examples\n",
+           c->name, path, cc.layout.spec, gs ? gs : "?", loss, acc, (long long)ds.test.n);
+    fflush(stdout);
+    rc = 0;
+out:
+    if (have_ds)
+        idx_dataset_free(&ds);
+    model_host_free(m, params);
+    model_free(m);
+    st_file_free(&f);
+    free(buf);
+    return rc;
 }
 
 /* ---- the cluster ---- */
@@ -258,7 +372,12 @@ static int check_placement(const train_config *c, ps_client *pc, const shards *s
         json_object_del(theirs, "this_ps");
         bad = !json_equal(theirs, mine);
     }
-    if (bad) {
+    const char *their_model = theirs ? json_string_value(json_object_get(theirs, "model")) : NULL;
+    if (bad && their_model && strcmp(their_model, c->layout.spec) != 0) {
+        fprintf(stderr, "workerd: the chief trains --model=%s; this task was started with --model=%s: "
+                        "start every task with the same --model\n",
+                their_model, c->layout.spec);
+    } else if (bad) {
         const char *pol = theirs ? json_string_value(json_object_get(theirs, "policy")) : NULL;
         json_t *pb = theirs ? json_object_get(theirs, "partition_bytes") : NULL;
         if (rc != PS_OK)
@@ -280,7 +399,7 @@ static int chief_setup(const train_config *c, ps_client *pc, shards *sh, float *
     wait_for_all(c, pc, "/healthz", "the ps tasks");
     if (check_placement(c, pc, sh) != 0) /* a restarted chief with other flags */
         return 2;
-    mlp_init_params(&c->layout, params, c->seed);
+    model_init_params(&c->layout, params, c->seed);
     int created, existing;
     if (shards_create(sh, params, &created, &existing) != PS_OK) {
         fprintf(stderr, "workerd: creating the variables: %s\n", ps_error(pc));
@@ -375,12 +494,12 @@ int train_worker(const train_config *c)
     if (rc)
         return rc;
     char err[512];
-    mlp *m = mlp_new(mlp_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
+    model *m = model_new(model_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
     /* from the backend: pinned on a GPU, so the step's copies skip a memcpy */
-    float *params = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
-    float *grads = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
+    float *params = model_host_alloc(m, c->layout.n_params * sizeof(float));
+    float *grads = model_host_alloc(m, c->layout.n_params * sizeof(float));
     /* two batch buffers: after a push the predicted next batch goes into the
-     * other one and is staged (mlp_stage_batch), its copy to the device
+     * other one and is staged (model_stage_batch), its copy to the device
      * overlapping the pull */
     batch_pair bp;
     const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
@@ -454,7 +573,7 @@ int train_worker(const train_config *c)
                             : -1;
     printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; %s\n",
            c->name, sync ? "sync" : "async", opt_name, c->n_trainers,
-           c->batch_size, (long long)c->train_steps, mlp_device_describe(c->threads));
+           c->batch_size, (long long)c->train_steps, model_device_describe(c->threads));
     fflush(stdout);
 
     unsigned nonce = 0;
@@ -519,13 +638,16 @@ int train_worker(const train_config *c)
         if (next_k == (sync ? step : k))
             cur ^= 1;
         else
-            batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
+            batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur],
+                       &bp.example0[cur]);
         next_k = -1; /* the forward_backward below ends the staging either way */
         k++;
         (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
                          shard that holds ours already answers "duplicate" */
         double loss;
-        if (mlp_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, grads, &loss) != 0) {
+        /* dropout's mask: this step, the seed, the rows' places in the epoch */
+        const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = bp.example0[cur]};
+        if (model_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, &ctx, grads, &loss) != 0) {
             fprintf(stderr, "workerd: forward/backward failed\n");
             goto out;
         }
@@ -580,8 +702,9 @@ int train_worker(const train_config *c)
          * so as not to delay the push the other workers may be waiting for */
         int64_t nk = sync ? step + 1 : k;
         if ((max_local < 0 || local < max_local) && (!sync || nk < c->train_steps)) {
-            batcher_at(&b, nk, c->batch_size, ds.n_features, bp.x[cur ^ 1], bp.y[cur ^ 1]);
-            (void)mlp_stage_batch(m, bp.x[cur ^ 1], bp.y[cur ^ 1], c->batch_size); /* -1: copied then */
+            batcher_at(&b, nk, c->batch_size, ds.n_features, bp.x[cur ^ 1], bp.y[cur ^ 1],
+                       &bp.example0[cur ^ 1]);
+            (void)model_stage_batch(m, bp.x[cur ^ 1], bp.y[cur ^ 1], c->batch_size); /* -1: copied then */
             next_k = nk;
         }
     }
@@ -641,10 +764,10 @@ out:
     free(b.order);
     shards_free(&sh);
     ps_client_free(pc);
-    mlp_host_free(m, params); /* before mlp_free: the memory is m's device's */
-    mlp_host_free(m, grads);
+    model_host_free(m, params); /* before model_free: the memory is m's device's */
+    model_host_free(m, grads);
     batch_pair_free(&bp, m);
-    mlp_free(m);
+    model_free(m);
     idx_dataset_free(&ds);
     return rc;
 }
@@ -656,8 +779,8 @@ int train_evaluator(const train_config *c)
     if (rc)
         return rc;
     char err[512];
-    mlp *m = mlp_new(mlp_device_backend(), &c->layout, 1000, err, sizeof(err));
-    float *params = mlp_host_alloc(m, c->layout.n_params * sizeof(float));
+    model *m = model_new(model_device_backend(), &c->layout, 1000, err, sizeof(err));
+    float *params = model_host_alloc(m, c->layout.n_params * sizeof(float));
     ps_client *pc = connect_ps(c, c->timeout_ms);
     shards sh = {0};
     rc = 1;
@@ -689,7 +812,7 @@ int train_evaluator(const train_config *c)
         }
         if (step != last) {
             double loss, acc;
-            if (mlp_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc) != 0) {
+            if (model_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc) != 0) {
                 fprintf(stderr, "workerd: evaluation failed at global step %lld\n", (long long)step);
                 goto out;
             }
@@ -718,8 +841,8 @@ int train_evaluator(const train_config *c)
 out:
     shards_free(&sh);
     ps_client_free(pc);
-    mlp_host_free(m, params); /* before mlp_free */
-    mlp_free(m);
+    model_host_free(m, params); /* before model_free */
+    model_free(m);
     idx_dataset_free(&ds);
     return rc;
 }
@@ -731,14 +854,14 @@ int train_local(const train_config *c)
     if (rc)
         return rc;
     char err[512];
-    mlp *m = mlp_new(mlp_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
+    model *m = model_new(model_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
     size_t np = c->layout.n_params;
     /* the step's buffers from the backend (pinned on a GPU); the slots are the CPU's */
-    float *params = mlp_host_alloc(m, np * sizeof(float));
-    float *grads = mlp_host_alloc(m, np * sizeof(float));
+    float *params = model_host_alloc(m, np * sizeof(float));
+    float *grads = model_host_alloc(m, np * sizeof(float));
     float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
     /* two batch buffers: step n computes on one while the other is filled
-     * with batch n+1 and staged (mlp_stage_batch), its copy to the device
+     * with batch n+1 and staged (model_stage_batch), its copy to the device
      * overlapping the optimizer's update */
     batch_pair bp;
     const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
@@ -750,10 +873,10 @@ int train_local(const train_config *c)
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
     }
-    mlp_init_params(&c->layout, params, c->seed);
+    model_init_params(&c->layout, params, c->seed);
     printf("%s: training locally (no ps), %s, batch %d, %lld steps; %s\n",
            c->name, optim_name(c->optim.kind), c->batch_size, (long long)c->train_steps,
-           mlp_device_describe(c->threads));
+           model_device_describe(c->threads));
     fflush(stdout);
     double t_log = clk_mono_secs(), t0 = t_log;
     int64_t ex_since = 0;
@@ -761,9 +884,10 @@ int train_local(const train_config *c)
     progress_init(&bar, c->name, c->train_steps, -1);
     for (int64_t step = 0; step < c->train_steps; step++) {
         if (!ready)
-            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
+            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur], &bp.example0[cur]);
         double loss;
-        if (mlp_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, grads, &loss) != 0) {
+        const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = bp.example0[cur]};
+        if (model_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, &ctx, grads, &loss) != 0) {
             /* the backend printed what failed (a CUDA or cuBLAS call) */
             progress_clear(&bar);
             fprintf(stderr, "workerd: forward/backward failed at step %lld\n", (long long)step);
@@ -774,13 +898,14 @@ int train_local(const train_config *c)
         ready = step + 1 < c->train_steps;
         if (ready) {
             cur ^= 1;
-            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur]);
-            (void)mlp_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size);
+            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur],
+                       &bp.example0[cur]);
+            (void)model_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size);
         }
         /* one update per variable, as the ps applies them (clipping is per
          * variable); the slots share the parameters' offsets */
         for (int k = 0; k < c->layout.n_tensors; k++) {
-            const mlp_tensor *t = &c->layout.tensors[k];
+            const model_tensor *t = &c->layout.tensors[k];
             optim_apply(&c->optim, params + t->offset, params + t->offset, grads + t->offset, 1.0f,
                         s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
         }
@@ -805,10 +930,10 @@ int train_local(const train_config *c)
         rc = 1;
 out:
     free(b.order);
-    mlp_host_free(m, params); /* before mlp_free */
-    mlp_host_free(m, grads);
+    model_host_free(m, params); /* before model_free */
+    model_host_free(m, grads);
     batch_pair_free(&bp, m);
-    mlp_free(m);
+    model_free(m);
     free(s0);
     free(s1);
     idx_dataset_free(&ds);

@@ -8,7 +8,7 @@
 
 #include "cluster.h"
 #include "idx.h"
-#include "mlp.h"
+#include "model.h"
 #include "optim.h"
 #include "placement.h"
 
@@ -19,7 +19,7 @@ typedef struct train_config {
     int is_chief;
     const char *name;   /* "worker 1", "chief 0" for log lines */
     const char *data_dir;
-    mlp_layout layout;
+    model_layout layout;    /* from --model (the canonical spec in layout.spec) */
     int batch_size;
     int64_t train_steps;
     optim_config optim;
@@ -78,24 +78,39 @@ typedef struct batcher {
     int trainer, n_trainers;
 } batcher;
 int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer, int n_trainers);
-void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y);
-/* Two batch buffers from mlp_host_alloc (pinned on a GPU): a step computes on
- * one while the next batch is gathered into the other and staged
- * (mlp_stage_batch). alloc: 0, or -1 when out of memory (free it still);
- * free takes what alloc left, before mlp_free(m). */
+/* Batch k into x and y; *example0 gets the index of its first example in the
+ * epoch order (epoch * examples + position; row i is *example0 + i), what
+ * dropout's mask depends on: N tasks x batch b give the rows the indices one
+ * task x N*b gives them. */
+void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y,
+                int64_t *example0);
+/* Two batch buffers from model_host_alloc (pinned on a GPU): a step computes
+ * on one while the next batch is gathered into the other and staged
+ * (model_stage_batch). alloc: 0, or -1 when out of memory (free it still);
+ * free takes what alloc left, before model_free(m). */
 typedef struct batch_pair {
     float *x[2];
     uint8_t *y[2];
+    int64_t example0[2]; /* each buffer's batcher_at example0 */
 } batch_pair;
-int batch_pair_alloc(batch_pair *p, mlp *m, int batch, int n_features);
-void batch_pair_free(batch_pair *p, mlp *m);
+int batch_pair_alloc(batch_pair *p, model *m, int batch, int n_features);
+void batch_pair_free(batch_pair *p, model *m);
 /* Load and check --data_dir; 0 or 2 after a message. */
 int train_load(const train_config *c, idx_dataset *ds);
 /* Write --export (a safetensors file of the model); 0 or -1 after a message. */
 int export_model(const train_config *c, const float *params, int64_t step);
 /* Print the validation and test figures of params; 0, or -1 after a message
  * when the backend failed (a CUDA or cuBLAS call). */
-int final_report(const train_config *c, mlp *m, const float *params, const idx_dataset *ds,
+int final_report(const train_config *c, model *m, const float *params, const idx_dataset *ds,
                  int64_t step);
+/* The metadata every model file carries (export, checkpoints): "model" (the
+ * canonical spec) and "input_shape" ("28,28,1"), and the old "layers" (the
+ * input and each dense or conv layer's output size: "784,100,10" for
+ * mlp:100). shape and layers are the caller's buffers. */
+void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char *layers,
+                     size_t layers_len);
+/* --evaluate_model=FILE: rebuild the model from the file's metadata alone and
+ * print its test loss and accuracy; 0, 1 failed, 2 bad file or data. */
+int train_evaluate_file(const train_config *c, const char *path);
 
 #endif

@@ -12,7 +12,7 @@
 #include "flags.h"
 #include "idx.h"
 #include "libps.h"
-#include "mlp.h"
+#include "model.h"
 #include "ring.h"
 #include "tls_priorities.h"
 #include "token.h"
@@ -65,7 +65,7 @@ int main(int argc, char **argv)
     const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
     const char *ring_tls_cert = NULL, *ring_tls_key = NULL, *ring_tls_prio = NULL;
     const char *token_file = NULL, *tls_ca = NULL, *data_dir = "/usr/share/datasets/fashion-mnist";
-    const char *hidden_s = "100", *optimizer = "adam", *export_path = NULL, *placement_s = "bytes";
+    const char *hidden_s = NULL, *model_s = NULL, *evaluate_path = NULL, *optimizer = "adam", *export_path = NULL, *placement_s = "bytes";
     uint64_t partition_bytes = 4ULL << 20;
     int task_index = -1, timeout_ms = 30000, batch = 100, sync = 0, issync = -1, replicas = 0;
     int log_every = 100, keep_ps = 0, local = 0, threads = 1, tls = 0;
@@ -91,7 +91,9 @@ int main(int argc, char **argv)
         {"worker_hosts", FLAG_STRING, &worker_hosts, "comma-separated host:port of the worker tasks (default localhost:2223)", 0},
         {"chief_hosts", FLAG_STRING, &chief_hosts, "host:port of the chief task, if the cluster has one (else worker 0 is the chief)", 0},
         {"data_dir", FLAG_STRING, &data_dir, "folder of the MNIST-format IDX files, raw or .gz (default /usr/share/datasets/fashion-mnist)", 0},
-        {"hidden_units", FLAG_STRING, &hidden_s, "hidden layer sizes, e.g. 100 or 256,128 (default 100)", 0},
+        {"model", FLAG_STRING, &model_s, "the model (default mlp:100, the example's 784-100-10): mlp:H1,H2,... (dense layers + ReLU, then dense 10), cnn (the TensorFlow layers tutorial's: conv:5x5x32,pool:2,conv:5x5x64,pool:2,dense:1024,dropout:0.4,dense:10), or a layer list of conv:KHxKWxC[/S][:same|:valid] (+ ReLU), pool:K[/S][:same|:valid] (max), dense:N (+ ReLU, except the last, which must be dense:10) and dropout:R; every task must use the same", 0},
+        {"hidden_units", FLAG_STRING, &hidden_s, "the example's name for --model=mlp:H1,H2,...: hidden layer sizes, e.g. 100 or 256,128", 0},
+        {"evaluate_model", FLAG_STRING, &evaluate_path, "evaluate this exported safetensors file (its model from its __metadata__ alone) on the test set of --data_dir, print the test loss and accuracy, and exit", 0},
         {"batch_size", FLAG_INT, &batch, "examples per step on each task (default 100)", 0},
         {"train_steps", FLAG_U64, &train_steps, "train until global_step reaches this (default 10000)", 0},
         {"optimizer", FLAG_STRING, &optimizer, "sgd, momentum, adam, adagrad or rmsprop, as tf.compat.v1.train's (default adam); the chief's choice is used", 0},
@@ -119,7 +121,7 @@ int main(int argc, char **argv)
         {"local", FLAG_BOOL, &local, "train in this process alone, no ps (the reference for correctness and overhead)", 0},
         {"threads", FLAG_INT, &threads, "OpenBLAS threads (default 1: the safe choice beside other busy processes)", 0},
         {"device", FLAG_STRING, &device,
-         mlp_cuda_built() ? "where the model computes: auto (default: cuda when a CUDA device is visible and usable, else cpu; the first line says which), cpu, or cuda (cuBLAS; no device is an error)"
+         model_cuda_built() ? "where the model computes: auto (default: cuda when a CUDA device is visible and usable, else cpu; the first line says which), cpu, or cuda (cuBLAS; no device is an error)"
                           : "where the model computes: auto (default) or cpu; cuda is an error: this workerd was built without CUDA", 0},
         {"gpu", FLAG_INT, &gpu, "cuda: the device to use, counted among those CUDA_VISIBLE_DEVICES leaves (default 0)", 0},
         {"tf32", FLAG_BOOL, &tf32, "cuda: let cuBLAS use TF32 tensor cores for the matrix products (faster, ~1e-3 relative error; default false: full FP32, as the cpu)", 0},
@@ -152,8 +154,9 @@ int main(int argc, char **argv)
     if (fr == 1) {
         flags_help(stdout,
                    "usage: workerd [flags]\n"
-                   "The restps worker: trains an MLP on MNIST-format data against the ps tasks,\n"
-                   "as TensorFlow's distributed MNIST example. The cluster comes from the flags\n"
+                   "The restps worker: trains a model (--model: the example's MLP, a CNN, or a\n"
+                   "list of layers) on MNIST-format data against the ps tasks, as TensorFlow's\n"
+                   "distributed MNIST example. The cluster comes from the flags\n"
                    "or the TF_CONFIG environment variable; flags win. The chief (the chief task,\n"
                    "else worker 0) creates the variables, sends the training configuration,\n"
                    "prints the final accuracy and stops the ps tasks at the end.\n"
@@ -219,10 +222,23 @@ int main(int argc, char **argv)
     if (set_optim_flags(&c.optim, nesterov, rmsprop_decay, init_accum, clip_norm, weight_decay,
                         lr_schedule, decay_steps, decay_rate, staircase, alpha) != 0)
         return 2;
-    int hidden[MLP_MAX_HIDDEN], n_hidden;
-    if (mlp_parse_hidden(hidden_s, hidden, &n_hidden, err, sizeof(err)) != 0 ||
-        mlp_layout_init(&c.layout, 784, hidden, n_hidden, IDX_N_CLASSES, err, sizeof(err)) != 0) {
-        fprintf(stderr, "workerd: --hidden_units: %s\n", err);
+    /* --hidden_units=H is --model=mlp:H; the images are 28 x 28 x 1
+     * (train_load checks the data against it) */
+    char spec[MODEL_SPEC_MAX];
+    if (hidden_s && model_s) {
+        fprintf(stderr, "workerd: --hidden_units and --model both given: --hidden_units=H is --model=mlp:H\n");
+        return 2;
+    }
+    if (hidden_s && strlen(hidden_s) + 5 > sizeof(spec)) {
+        fprintf(stderr, "workerd: --hidden_units is too long\n");
+        return 2;
+    }
+    if (hidden_s)
+        snprintf(spec, sizeof(spec), "mlp:%s", hidden_s);
+    else
+        snprintf(spec, sizeof(spec), "%s", model_s ? model_s : MODEL_DEFAULT_SPEC);
+    if (model_layout_init(&c.layout, spec, (model_shape){28, 28, 1}, IDX_N_CLASSES, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --%s: %s\n", hidden_s ? "hidden_units" : "model", err);
         return 2;
     }
     c.data_dir = data_dir;
@@ -259,9 +275,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "workerd: %s\n", err);
         return 1;
     }
-    mlp_cpu_set_threads(threads);
+    model_cpu_set_threads(threads);
     char device_line[512];
-    if (mlp_device_choose(device, gpu, tf32, device_line, sizeof(device_line), err, sizeof(err)) != 0) {
+    if (model_device_choose(device, gpu, tf32, device_line, sizeof(device_line), err, sizeof(err)) != 0) {
         fprintf(stderr, "workerd: %s\n", err);
         return 2;
     }
@@ -317,6 +333,12 @@ int main(int argc, char **argv)
     c.logdir = logdir;
     c.save_checkpoint_secs = save_ckpt_secs;
     c.log_param_hash = log_param_hash;
+    if (evaluate_path) {
+        c.name = "workerd";
+        int rc = train_evaluate_file(&c, evaluate_path);
+        free((char *)c.token);
+        return rc;
+    }
     if (local) {
         c.name = "local";
         c.n_trainers = 1;

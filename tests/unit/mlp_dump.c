@@ -1,15 +1,17 @@
 /* mlp_dump.c - runs one forward/backward of the CPU backend on inputs read from
  * files and writes the results as raw float32, for tests/system/test_mlp_numpy.py
- * to compare against an independent numpy implementation.
+ * to compare against an independent numpy implementation. The MLP-only
+ * tool's interface kept on the layer library: the model is mlp:HIDDEN on
+ * flat inputs of n_in values with n_out classes (model_dump is the general tool).
  *
  *   mlp_dump --spec=FILE --params=FILE --x=FILE --labels=FILE
  *            --loss_out=FILE --grads_out=FILE [--eval_out=FILE]
  *
  * spec:   one line of text "n_in=7 hidden=5,4 n_out=3 batch=5" (hidden= empty: none)
- * params: n_params little-endian float32 in the layout of mlp.h
+ * params: n_params little-endian float32 in the layout of model.h
  * x:      batch * n_in float32, row-major;  labels: batch bytes
  * loss_out:  one float32, the mean loss;  grads_out: n_params float32
- * eval_out:  two float32, mlp_evaluate's loss and accuracy over the same batch
+ * eval_out:  two float32, model_evaluate's loss and accuracy over the same batch
  * stdout: the layout, one line per tensor: "tensor NAME D0[,D1] OFFSET".
  * stderr: "mlp_dump: OpenBLAS CORE (kernel: ...)", the kernel chosen as workerd
  * chooses it (blas_kernel_choose).
@@ -20,7 +22,7 @@
 #include <string.h>
 
 #include "blas_kernel.h"
-#include "mlp.h"
+#include "model.h"
 
 static void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
 static void die(int code, const char *fmt, ...)
@@ -86,7 +88,7 @@ int main(int argc, char **argv)
     if (!f || !fgets(line, sizeof(line), f))
         die(1, "%s: cannot read", spec);
     fclose(f);
-    int n_in = 0, n_out = 0, batch = 0, hidden[MLP_MAX_HIDDEN], n_hidden = 0;
+    int n_in = 0, n_out = 0, batch = 0;
     char err[512];
     if (blas_kernel_choose(argv, err, sizeof(err)) != 0)
         die(1, "%s", err);
@@ -101,10 +103,12 @@ int main(int argc, char **argv)
         }
         die(1, "%s: unknown item \"%s\"", spec, tok);
     }
-    if (mlp_parse_hidden(hidden_s, hidden, &n_hidden, err, sizeof(err)) != 0)
-        die(1, "%s: %s", spec, err);
-    mlp_layout ly;
-    if (mlp_layout_init(&ly, n_in, hidden, n_hidden, n_out, err, sizeof(err)) != 0)
+    char mspec[600];
+    snprintf(mspec, sizeof(mspec), "mlp:%s", hidden_s);
+    model_layout ly;
+    if (n_in < 1 || n_in > MODEL_MAX_DIM)
+        die(1, "%s: n_in=%d", spec, n_in);
+    if (model_layout_init(&ly, mspec, (model_shape){1, 1, n_in}, n_out, err, sizeof(err)) != 0)
         die(1, "%s: %s", spec, err);
     if (batch < 1)
         die(1, "%s: batch %d", spec, batch);
@@ -113,31 +117,31 @@ int main(int argc, char **argv)
     float *x = read_exact_file(x_p, (size_t)batch * n_in * sizeof(float));
     uint8_t *labels = read_exact_file(labels_p, (size_t)batch);
     float *grads = malloc(ly.n_params * sizeof(float));
-    mlp *m = mlp_new(&mlp_backend_cpu, &ly, batch, err, sizeof(err));
+    model *m = model_new(&model_backend_cpu, &ly, batch, err, sizeof(err));
     if (!grads || !m)
         die(1, "%s", m ? "out of memory" : err);
     double loss;
-    if (mlp_forward_backward(m, params, x, labels, batch, grads, &loss) != 0)
+    if (model_forward_backward(m, params, x, labels, batch, NULL, grads, &loss) != 0)
         die(1, "forward_backward failed (a label >= n_out?)");
     float lf = (float)loss;
     write_file(loss_p, &lf, sizeof(lf));
     write_file(grads_p, grads, ly.n_params * sizeof(float));
     if (eval_p) {
         double el, acc;
-        if (mlp_evaluate(m, params, x, labels, batch, &el, &acc) != 0)
+        if (model_evaluate(m, params, x, labels, batch, &el, &acc) != 0)
             die(1, "evaluate failed");
         float ev[2] = {(float)el, (float)acc};
         write_file(eval_p, ev, sizeof(ev));
     }
     for (int i = 0; i < ly.n_tensors; i++) {
-        const mlp_tensor *t = &ly.tensors[i];
+        const model_tensor *t = &ly.tensors[i];
         if (t->shape.ndim == 2)
             printf("tensor %s %lld,%lld %zu\n", t->name, (long long)t->shape.dims[0],
                    (long long)t->shape.dims[1], t->offset);
         else
             printf("tensor %s %lld %zu\n", t->name, (long long)t->shape.dims[0], t->offset);
     }
-    mlp_free(m);
+    model_free(m);
     free(params);
     free(x);
     free(labels);
