@@ -32,10 +32,10 @@ CLIENT_SRC = client/libps.c client/transfer.c
 WORKER_SRC = client/idx.c client/model.c client/model_spec.c client/model_cpu.c client/blas_kernel.c client/model_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
 
-# The CUDA backend (client/mlp_cuda.cu, cuBLAS) is built when nvcc is found
+# The CUDA backend (client/model_cuda.cu, cuBLAS) is built when nvcc is found
 # ($(CUDA_HOME)/bin/nvcc, else on PATH), for Hopper (sm_90) plus compute_75 PTX
 # that newer and older GPUs JIT-compile; make CUDA=0 forces a CPU-only build
-# (client/mlp_cuda_stub.c). Sanitizer builds (-fsanitize in OPT, make asan) are
+# (client/model_cuda_stub.c). Sanitizer builds (-fsanitize in OPT, make asan) are
 # CPU-only: the CUDA runtime and ASan's shadow memory do not mix. cudart is
 # linked statically and libcublas is dlopen'ed once a device is chosen, so
 # workerd starts on a machine without the NVIDIA driver or cuBLAS (and then
@@ -57,11 +57,13 @@ ifeq ($(NVCC),)
 $(error CUDA=1 but no nvcc in $(CUDA_HOME)/bin or on PATH: install the CUDA toolkit, set CUDA_HOME, or make CUDA=0)
 endif
 CUDA_OBJ = $(BUILD)/client/mlp_cuda.o
+MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda.o
 LDLIBS_CUDA = -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 GPU_BINS = $(BIN)/cuda_vs_cpu $(BIN)/gpu_bench
 $(info restps: CUDA backend on ($(NVCC): sm_90 + compute_75 PTX); make CUDA=0 for a CPU-only build)
 else
 CUDA_OBJ = $(BUILD)/client/mlp_cuda_stub.o
+MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda_stub.o
 LDLIBS_CUDA =
 GPU_BINS =
 $(info restps: CPU-only build (no CUDA backend: CUDA=0 or no nvcc))
@@ -70,9 +72,8 @@ endif
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ) $(ENDPOINT_OBJ)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
-# the model's CUDA helpers: the stub until client/model_cuda.cu replaces it
-# (CUDA_OBJ, mlp_cuda.cu, stays with the GPU tools that still test the MLP-only code)
-MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda_stub.o
+# (MODEL_CUDA_OBJ, above: the model's CUDA backend, or its stub without CUDA;
+# CUDA_OBJ, the MLP-only mlp_cuda.cu, is no longer part of workerd)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(MODEL_CUDA_OBJ)
 LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
 # GnuTLS priority strings (psd's --tls_priorities, the ring's): kept out of
@@ -198,12 +199,12 @@ unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump $(BIN)/model_dump $(BIN)/ps_
 
 # The GPU checks (tests/gpu/): CUDA against the CPU on random inputs, and the
 # step and sgemm benchmarks. gpu-check builds, then runs them where there is a device.
-$(BIN)/cuda_vs_cpu: $(BUILD)/tests/gpu/cuda_vs_cpu.o $(MLP_OBJ) $(CUDA_OBJ) $(BUILD)/common/errmsg.o
+$(BIN)/cuda_vs_cpu: $(BUILD)/tests/gpu/cuda_vs_cpu.o $(MODEL_OBJ) $(MODEL_CUDA_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm $(LDLIBS_CUDA)
-$(BIN)/gpu_bench: $(BUILD)/tests/gpu/gpu_bench.o $(MLP_OBJ) $(CUDA_OBJ) $(BUILD)/common/errmsg.o
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm $(LDLIBS_CUDA)
+$(BIN)/gpu_bench: $(BUILD)/tests/gpu/gpu_bench.o $(MODEL_OBJ) $(MODEL_CUDA_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm $(LDLIBS_CUDA) -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm $(LDLIBS_CUDA) -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas
 $(BUILD)/tests/gpu/gpu_bench.o $(BUILD)/tests/gpu/cuda_vs_cpu.o: CFLAGS += -I$(CUDA_HOME)/include
 
 gpu-check:
