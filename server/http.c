@@ -7,6 +7,7 @@
 #include "jsonmem.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -131,17 +132,74 @@ enum MHD_Result http_reply_parts(request *r, unsigned status, const char *conten
     return queue(r, status, resp);
 }
 
+/* Shared by a request and its streamed answer, which may outlive it. */
+struct http_counter {
+    atomic_int refs;
+    atomic_ullong n;
+};
+
+static void counter_unref(struct http_counter *c)
+{
+    if (c && atomic_fetch_sub(&c->refs, 1) == 1)
+        free(c);
+}
+
+typedef struct stream_ctx {
+    MHD_ContentReaderCallback read;
+    void *cls;
+    MHD_ContentReaderFreeCallback done;
+    struct http_counter *count;
+} stream_ctx;
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    stream_ctx *s = cls;
+    ssize_t n = s->read(s->cls, pos, buf, max);
+    if (n > 0)
+        atomic_fetch_add(&s->count->n, (unsigned long long)n);
+    return n;
+}
+
+static void stream_free(void *cls)
+{
+    stream_ctx *s = cls;
+    s->done(s->cls);
+    counter_unref(s->count);
+    free(s);
+}
+
 enum MHD_Result http_reply_stream(request *r, unsigned status, const char *content_type,
                                   size_t block, MHD_ContentReaderCallback read, void *cls,
                                   MHD_ContentReaderFreeCallback done, const char *const *headers)
 {
-    struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, block, read, cls, done);
-    if (!resp) {
+    stream_ctx *s = malloc(sizeof(*s));
+    struct http_counter *c = calloc(1, sizeof(*c));
+    if (!s || !c || r->streamed) {
+        free(s);
+        free(c);
         done(cls);
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    }
+    atomic_store(&c->refs, 2);
+    *s = (stream_ctx){read, cls, done, c};
+    r->streamed = c;
+    struct MHD_Response *resp =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, block, stream_read, s, stream_free);
+    if (!resp) {
+        stream_free(s);
         return queue(r, status, NULL);
     }
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
     for (int i = 0; headers && headers[i]; i += 2)
         MHD_add_response_header(resp, headers[i], headers[i + 1]);
     return queue(r, status, resp);
+}
+
+void http_request_done(request *r)
+{
+    if (r->streamed) {
+        r->bytes_out = atomic_load(&r->streamed->n);
+        counter_unref(r->streamed);
+        r->streamed = NULL;
+    }
 }

@@ -35,6 +35,7 @@ typedef struct request {
     struct waiters *parked_on;      /* which waiters hold it (long polls on step or clock) */
     int saver_job;                  /* a requested save queued under conn, not collected yet */
     unsigned long json_fail_mark;   /* json_failed_allocs() when the handler was called */
+    struct http_counter *streamed;  /* what a streamed answer sent so far (http_reply_stream) */
 } request;
 
 /* HTTPS (--tls_cert): psd's default GnuTLS priority string is
@@ -65,9 +66,13 @@ enum MHD_Result http_reply_parts(request *r, unsigned status, const char *conten
 
 /* Answer with a body of unknown length (chunked) that read() produces as it
  * is sent, block bytes at a time; done(cls) runs when the response is
- * destroyed (also when it cannot be built). Extra headers as above. */
+ * destroyed (also when it cannot be built). Extra headers as above. The
+ * bytes it sends are counted into bytes_out by http_request_done. */
 enum MHD_Result http_reply_stream(request *r, unsigned status, const char *content_type,
                                   size_t block, MHD_ContentReaderCallback read, void *cls,
                                   MHD_ContentReaderFreeCallback done, const char *const *headers);
+/* The request is over (its completion callback): a streamed answer's bytes
+ * go into bytes_out. */
+void http_request_done(request *r);
 
 #endif

@@ -344,6 +344,7 @@ void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
         waiters_remove(r->parked_on, r->conn);
     if (r->saver_job && srv->saver) /* POST /v1/checkpoint whose client left */
         saver_forget(srv->saver, r->conn);
+    http_request_done(r); /* a streamed answer's bytes, for the metrics */
     metrics_observe(srv->metrics, r, toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
     blob_unref(r->body);
     free(r);
