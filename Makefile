@@ -225,6 +225,7 @@ bench: deps all bench-bins
 	@sh scripts/nginx.sh
 	sh bench/run.sh
 	sh bench/train.sh
+	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
 	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py
