@@ -468,40 +468,40 @@ static __global__ void k_maxpool_back(float *din, const float *dout, const int32
     }
 }
 
-/* One thread per row of logits [B, C], as model_cpu.c's loops: the stable
- * softmax cross-entropy into rowloss[i], argmax == label (the first maximum
- * wins a tie) into rowright[i], and, when dz is not NULL,
+/* One thread per row of logits [B, C] (grid-stride: any B), as model_cpu.c's
+ * loops: the stable softmax cross-entropy into rowloss[i], argmax == label
+ * (the first maximum wins a tie) into rowright[i], and, when dz is not NULL,
  * dz[i] = (softmax - onehot) / B. */
 static __global__ void k_softmax_xent(const float *logits, const uint8_t *y, int B, int C, float invB,
                                       float *dz, double *rowloss, int *rowright)
 {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= B)
-        return;
-    const float *zi = logits + (size_t)i * C;
-    float mx = zi[0];
-    int arg = 0;
-    for (int j = 1; j < C; j++)
-        if (zi[j] > mx) {
-            mx = zi[j];
-            arg = j;
+    FOR_N(i, (size_t)B)
+    {
+        const float *zi = logits + (size_t)i * C;
+        float mx = zi[0];
+        int arg = 0;
+        for (int j = 1; j < C; j++)
+            if (zi[j] > mx) {
+                mx = zi[j];
+                arg = j;
+            }
+        float s = 0.0f;
+        float *di = dz ? dz + (size_t)i * C : NULL;
+        for (int j = 0; j < C; j++) {
+            float e = expf(zi[j] - mx);
+            if (di)
+                di[j] = e;
+            s += e;
         }
-    float s = 0.0f;
-    float *di = dz ? dz + (size_t)i * C : NULL;
-    for (int j = 0; j < C; j++) {
-        float e = expf(zi[j] - mx);
-        if (di)
-            di[j] = e;
-        s += e;
-    }
-    const int yi = y[i];
-    rowloss[i] = (double)logf(s) - (double)(zi[yi] - mx);
-    rowright[i] = arg == yi;
-    if (di) {
-        const float k = invB / s;
-        for (int j = 0; j < C; j++)
-            di[j] *= k;
-        di[yi] -= invB;
+        const int yi = y[i];
+        rowloss[i] = (double)logf(s) - (double)(zi[yi] - mx);
+        rowright[i] = arg == yi;
+        if (di) {
+            const float k = invB / s;
+            for (int j = 0; j < C; j++)
+                di[j] *= k;
+            di[yi] -= invB;
+        }
     }
 }
 
