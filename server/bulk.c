@@ -34,6 +34,17 @@ static int query_int(request *r, const char *key, long long *out)
 #define LONG_POLL_DEFAULT_MS 30000
 #define LONG_POLL_MAX_MS 300000
 
+/* Suspend the request and park it until channel ch of the waiters reaches
+ * min (or timeout_ms passes); the handler runs again once it is resumed. */
+static enum MHD_Result park(request *r, int ch, int64_t min, long long timeout_ms)
+{
+    r->parked = 1;
+    r->parked_on = r->srv->waiters;
+    MHD_suspend_connection(r->conn);
+    waiters_add(r->srv->waiters, ch, r->conn, min, clk_mono_ms() + timeout_ms, &r->resumed);
+    return MHD_YES;
+}
+
 enum MHD_Result h_params_get(request *r)
 {
     server *srv = r->srv;
@@ -73,14 +84,8 @@ enum MHD_Result h_params_get(request *r)
         store_clock_done(&srv->store, (int)worker, clock); /* a raise: the store tells the waiters */
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
-        store_min_clock(&srv->store) < min_clock) {
-        r->parked = 1;
-        r->parked_on = srv->waiters;
-        MHD_suspend_connection(r->conn);
-        waiters_add(srv->waiters, WAIT_CLOCK, r->conn, min_clock, clk_mono_ms() + timeout_ms,
-                    &r->resumed);
-        return MHD_YES;
-    }
+        store_min_clock(&srv->store) < min_clock)
+        return park(r, WAIT_CLOCK, min_clock, timeout_ms);
     /* the worker starts iteration `clock` now (after any wait for the bound) */
     if (worker >= 0 && clock >= 0 && may_write)
         store_clock_start(&srv->store, (int)worker, clock);
@@ -104,12 +109,7 @@ enum MHD_Result h_params_get(request *r)
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */
         store_snaps_release(v, n);
-        r->parked = 1;
-        r->parked_on = srv->waiters;
-        MHD_suspend_connection(r->conn);
-        waiters_add(srv->waiters, WAIT_STEP, r->conn, min_step, clk_mono_ms() + timeout_ms,
-                    &r->resumed);
-        return MHD_YES;
+        return park(r, WAIT_STEP, min_step, timeout_ms);
     }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));

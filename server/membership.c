@@ -1,6 +1,8 @@
 /* membership.c - the sync step's membership (see membership.h). */
 #include "membership.h"
 
+#include <stdlib.h>
+
 #include "clock.h"
 #include "routes.h"
 
@@ -22,42 +24,26 @@ int membership_start(server *srv)
 
 json_t *membership_json(server *srv)
 {
-    store *s = &srv->store;
-    int64_t now = clk_mono_ms();
-    pthread_rwlock_rdlock(&s->lock);
-    int sync = s->configured && s->config.sync;
+    store_sync_view v;
+    if (store_get_sync_view(&srv->store, &v) != STORE_OK)
+        return NULL;
     json_t *have = json_array(), *waiting = json_array(), *dead = json_array(),
            *left = json_array();
-    int live = 0;
-    for (int w = 0; w < s->config.workers; w++) {
-        int pending = 0;
-        for (int i = 0; i < s->n_pending; i++)
-            pending |= s->pending[i].worker == w;
-        int gone = atomic_load(&s->left[w]), alive = atomic_load(&s->lease_until[w]) > now;
-        live += pending || (!gone && alive);
-        if (pending)
-            json_array_append_new(have, json_integer(w));
-        else if (!sync)
-            continue; /* membership means nothing in async mode */
-        else if (gone)
-            json_array_append_new(left, json_integer(w));
-        else if (!alive)
-            json_array_append_new(dead, json_integer(w));
-        else
-            json_array_append_new(waiting, json_integer(w));
-    }
-    int r = s->config.replicas_to_aggregate;
-    int needed = live < r ? live : r;
-    json_t *o = json_pack(
-        "{s:s,s:I,s:i,s:i,s:i,s:i,s:o,s:o,s:o,s:o,s:f,s:f,s:f}", "mode", sync ? "sync" : "async",
-        "global_step", (json_int_t)s->global_step, "workers", s->config.workers,
-        "replicas_to_aggregate", r, "live_workers", live, "needed", needed > 0 ? needed : 1,
-        "have", have, "waiting_for", waiting, "dead", dead, "left", left, "lease_secs",
-        (double)s->lease_ms / 1000.0, "step_secs", (double)(now - s->step_started_ms) / 1000.0,
-        "waiting_secs",
-        s->first_pending_ms ? (double)(now - s->first_pending_ms) / 1000.0 : 0.0);
-    pthread_rwlock_unlock(&s->lock);
-    return o;
+    static const int in_async[4] = {[STORE_MEMBER_HAVE] = 1}; /* membership means nothing in async mode */
+    json_t *const lists[] = {[STORE_MEMBER_HAVE] = have, [STORE_MEMBER_WAITING] = waiting,
+                             [STORE_MEMBER_DEAD] = dead, [STORE_MEMBER_LEFT] = left};
+    for (int w = 0; w < v.workers; w++)
+        if (v.sync || in_async[v.member[w]])
+            json_array_append_new(lists[v.member[w]], json_integer(w));
+    free(v.member);
+    int needed = v.live < v.replicas ? v.live : v.replicas;
+    return json_pack("{s:s,s:I,s:i,s:i,s:i,s:i,s:o,s:o,s:o,s:o,s:f,s:f,s:f}", "mode",
+                     v.sync ? "sync" : "async", "global_step", (json_int_t)v.global_step,
+                     "workers", v.workers, "replicas_to_aggregate", v.replicas, "live_workers",
+                     v.live, "needed", needed > 0 ? needed : 1, "have", have, "waiting_for",
+                     waiting, "dead", dead, "left", left, "lease_secs",
+                     (double)v.lease_ms / 1000.0, "step_secs", v.step_secs, "waiting_secs",
+                     v.waiting_secs);
 }
 
 enum MHD_Result h_sync(request *r)
@@ -84,5 +70,5 @@ enum MHD_Result h_heartbeat(request *r)
     store_totals(&r->srv->store, &n, &bytes, &step, &has_loss, &loss);
     return http_reply_json(r, MHD_HTTP_OK,
                            json_pack("{s:I,s:f}", "global_step", (json_int_t)step, "lease_secs",
-                                     (double)r->srv->store.lease_ms / 1000.0));
+                                     (double)store_lease_ms(&r->srv->store) / 1000.0));
 }

@@ -297,10 +297,10 @@ enum MHD_Result h_metrics(request *r)
     int64_t step;
     double loss;
     store_totals(&srv->store, &n_vars, &bytes, &step, &has_loss, &loss);
-    pthread_rwlock_rdlock(&srv->store.lock);
-    int64_t stale = srv->store.stale_dropped;
-    int pending = srv->store.n_pending, ready = srv->store.configured;
-    pthread_rwlock_unlock(&srv->store.lock);
+    store_counts sc;
+    store_get_counts(&srv->store, &sc);
+    int64_t stale = sc.stale_dropped;
+    int pending = sc.pending, ready = sc.configured;
     double up = clk_mono_since(&srv->started);
 
     gauge(&o, "restps_global_step", "The shard's global step.", (double)step);

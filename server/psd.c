@@ -334,9 +334,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
-    srv->store.lease_ms = (int64_t)(lease_secs * 1000);
+    store_set_lease_ms(&srv->store, (int64_t)(lease_secs * 1000));
     /* RESTPS_TEST_SYNTHETIC_HISTORY (history.h): the run goes on from there */
-    srv->store.global_step = history_last_step(srv->history);
+    store_start_at(&srv->store, history_last_step(srv->history));
     if (logdir[0]) {
         char dir[4096];
         ckpt_info ci = {cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n};

@@ -36,10 +36,10 @@ json_t *status_json(server *srv)
     json_object_set_new(o, "optimizer", json_string(optim_name(c.optim.kind)));
     json_object_set_new(o, "replicas_to_aggregate", json_integer(c.replicas_to_aggregate));
     json_object_set_new(o, "workers", json_integer(c.workers));
-    pthread_rwlock_rdlock(&srv->store.lock);
-    json_object_set_new(o, "stale_dropped", json_integer(srv->store.stale_dropped));
-    json_object_set_new(o, "pending_gradients", json_integer(srv->store.n_pending));
-    pthread_rwlock_unlock(&srv->store.lock);
+    store_counts sc;
+    store_get_counts(&srv->store, &sc);
+    json_object_set_new(o, "stale_dropped", json_integer(sc.stale_dropped));
+    json_object_set_new(o, "pending_gradients", json_integer(sc.pending));
     json_object_set_new(o, "waiting_pulls", json_integer(waiters_count(srv->waiters, WAIT_STEP) + waiters_count(srv->waiters, WAIT_CLOCK)));
     pthread_mutex_lock(&srv->info_mu);
     json_object_set_new(o, "workers_done", json_integer(srv->n_done));

@@ -9,80 +9,117 @@
 #include <time.h>
 
 #include "clock.h"
+#include "sync_agg.h"
+#include "worker_state.h"
 
-static void pending_clear(store *s);
-static int replicas_needed(const store *s);
+_Static_assert(STORE_PUSH_ID_MAX == SYNC_PUSH_ID_MAX, "one push id length");
 
-int store_init(store *s, float learning_rate, bufpool *pool)
+typedef struct store_var {
+    char name[TENSOR_NAME_MAX + 1];
+    tensor_shape shape;
+    int64_t numel;
+    uint64_t version;
+    blob *data; /* the store's reference; len = numel * 4 */
+    float *slots; /* optimizer state, optim_slots() arrays of numel floats, or NULL */
+    int n_slots;
+    int64_t updates; /* updates applied since created (adam's t) */
+} store_var;
+
+/* A sync gradient waiting for its step's other replicas. */
+
+struct store_state {
+    pthread_rwlock_t lock;
+    store_var *vars; /* sorted by name */
+    int n, cap;
+    int64_t global_step;
+    uint64_t bytes;
+    double last_loss;
+    int has_loss;
+    float learning_rate;
+    bufpool *pool;
+    store_config config;
+    int configured;           /* the chief sent the configuration: variables are ready */
+    sync_agg agg;             /* sync: the step's gradients; the push ids (both modes) */
+    int64_t stale_dropped;
+    int64_t pushes_applied;
+    /* told what changed (STORE_CHANGED_*), after the lock is released */
+    void (*on_change)(void *ctx, unsigned what, int64_t step);
+    void *on_change_ctx;
+    uint64_t changes;         /* bumped by every change a checkpoint would hold */
+    worker_state workers;     /* leases, clocks, staleness (worker_state.h) */
+    int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
+    char *placement;          /* the chief's placement map (JSON text), or NULL */
+};
+
+static int replicas_needed(const store_state *s);
+
+int store_init(store *h, float learning_rate, bufpool *pool)
 {
-    memset(s, 0, sizeof(*s));
+    store_state *s = h->st = calloc(1, sizeof(*s));
+    if (!s)
+        return STORE_ENOMEM;
     /* writers first: a stream of pulls must not hold off the pushes */
     pthread_rwlockattr_t a;
     pthread_rwlockattr_init(&a);
     pthread_rwlockattr_setkind_np(&a, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
     int bad = pthread_rwlock_init(&s->lock, &a) != 0;
     pthread_rwlockattr_destroy(&a);
-    if (bad)
+    if (bad) {
+        free(s);
+        h->st = NULL;
         return STORE_ENOMEM;
+    }
     s->learning_rate = learning_rate;
     s->pool = pool;
     optim_defaults(&s->config.optim, OPTIM_SGD, learning_rate);
     s->config.replicas_to_aggregate = 1;
     s->config.workers = 1;
-    atomic_store(&s->n_workers, 1);
+    worker_state_init(&s->workers);
     s->config.max_staleness = -1;
     s->config.staleness = -1;
-    s->lease_ms = 10000;
     s->step_started_ms = clk_mono_ms();
     return STORE_OK;
 }
 
-void store_touch(store *s, int worker)
+void store_touch(store *h, int worker)
 {
-    if (worker < 0 || worker >= STORE_MAX_WORKERS)
-        return;
-    atomic_store(&s->lease_until[worker], clk_mono_ms() + s->lease_ms);
-    atomic_store(&s->left[worker], 0);
+    worker_state_touch(&h->st->workers, worker, clk_mono_ms());
 }
 
-void store_leave(store *s, int worker)
+void store_leave(store *h, int worker)
 {
-    if (worker < 0 || worker >= STORE_MAX_WORKERS)
-        return;
-    atomic_store(&s->left[worker], 1);
+    worker_state_leave(&h->st->workers, worker);
 }
 
 /* Workers of the run whose lease is running, or whose gradient for the
  * current step is in (a worker waiting in a long poll is alive). Caller holds
  * the lock. */
-static int live_workers(const store *s, int64_t now)
+static int live_workers(const store_state *s, int64_t now)
 {
     int live = 0;
     for (int w = 0; w < s->config.workers; w++) {
-        int in = 0;
-        for (int i = 0; i < s->n_pending && !in; i++)
-            in = s->pending[i].worker == w;
-        live += in || (!atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now);
+        live += sync_agg_has(&s->agg, w) || worker_state_alive(&s->workers, w, now);
     }
     return live;
 }
 
-void store_destroy(store *s)
+void store_destroy(store *h)
 {
+    store_state *s = h->st;
     for (int i = 0; i < s->n; i++) {
         blob_unref(s->vars[i].data);
         free(s->vars[i].slots);
     }
     free(s->vars);
-    pending_clear(s);
-    free(s->pending);
-    free(s->scratch);
+    sync_agg_free(&s->agg);
     free(s->placement);
     pthread_rwlock_destroy(&s->lock);
+    free(s);
+    h->st = NULL;
 }
 
 /* Index of name, or -(insertion point) - 1. Caller holds the lock. */
-static int find(const store *s, const char *name)
+static int find(const store_state *s, const char *name)
 {
     int lo = 0, hi = s->n - 1;
     while (lo <= hi) {
@@ -107,8 +144,9 @@ static void snap_of(const store_var *v, store_snap *out)
     out->data = blob_ref(v->data);
 }
 
-int store_get(store *s, const char *name, store_snap *out)
+int store_get(store *h, const char *name, store_snap *out)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
     int i = find(s, name);
     if (i >= 0)
@@ -123,8 +161,9 @@ void store_snap_release(store_snap *snap)
     snap->data = NULL;
 }
 
-int store_peek(store *s, const char *name, tensor_shape *shape)
+int store_peek(store *h, const char *name, tensor_shape *shape)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
     int i = find(s, name);
     if (i >= 0 && shape)
@@ -133,20 +172,18 @@ int store_peek(store *s, const char *name, tensor_shape *shape)
     return i >= 0 ? STORE_OK : STORE_ENOENT;
 }
 
-int store_get_all(store *s, store_snap **out, int *n, int64_t *global_step)
+int store_get_all(store *h, store_snap **out, int *n, int64_t *global_step)
 {
-    return store_get_all_pending(s, out, n, global_step, -1, NULL);
+    return store_get_all_pending(h, out, n, global_step, -1, NULL);
 }
 
-int store_get_all_pending(store *s, store_snap **out, int *n, int64_t *global_step, int worker,
+int store_get_all_pending(store *h, store_snap **out, int *n, int64_t *global_step, int worker,
                           int *pending)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
-    if (pending) {
-        *pending = 0;
-        for (int i = 0; i < s->n_pending; i++)
-            *pending |= s->pending[i].worker == worker;
-    }
+    if (pending)
+        *pending = sync_agg_has(&s->agg, worker);
     store_snap *v = malloc(sizeof(store_snap) * (size_t)(s->n ? s->n : 1));
     if (!v) {
         pthread_rwlock_unlock(&s->lock);
@@ -169,15 +206,16 @@ void store_snaps_release(store_snap *snaps, int n)
 }
 
 /* Idle buffers kept for reuse: at most half the stored bytes plus 16 MiB. */
-static void pool_follow(store *s, uint64_t bytes)
+static void pool_follow(store_state *s, uint64_t bytes)
 {
     if (s->pool)
         bufpool_set_limit(s->pool, (size_t)(bytes / 2) + ((size_t)16 << 20));
 }
 
-int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
+int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
               int only_create, int *created, uint64_t *version)
 {
+    store_state *s = h->st;
     int64_t numel = tensor_shape_numel(shape);
     if (data->len != (size_t)numel * 4)
         return STORE_ESHAPE;
@@ -192,8 +230,8 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
         blob *old = v->data;
         s->bytes = s->bytes - (uint64_t)v->numel * 4 + (uint64_t)numel * 4;
         v->data = data;
-        if (!tensor_shape_equal(shape, &v->shape) && s->n_pending)
-            pending_clear(s); /* sync gradients computed for the old shape */
+        if (!tensor_shape_equal(shape, &v->shape))
+            sync_agg_clear(&s->agg); /* sync gradients computed for the old shape */
         if (numel != v->numel) { /* optimizer state no longer fits */
             free(v->slots);
             v->slots = NULL;
@@ -243,7 +281,7 @@ int store_put(store *s, const char *name, const tensor_shape *shape, blob *data,
 }
 
 /* The blob the next version of v is written into, or NULL when out of memory. */
-static blob *writable(store *s, store_var *v)
+static blob *writable(store_state *s, store_var *v)
 {
     if (atomic_load(&v->data->refs) == 1)
         return v->data;
@@ -251,7 +289,7 @@ static blob *writable(store *s, store_var *v)
 }
 
 /* The optimizer's state for v exists (zeros at first). Caller holds the write lock. */
-static int ensure_slots(store *s, store_var *v)
+static int ensure_slots(store_state *s, store_var *v)
 {
     int need = optim_slots(s->config.optim.kind);
     if (v->n_slots >= need)
@@ -266,7 +304,7 @@ static int ensure_slots(store *s, store_var *v)
 }
 
 /* v's next version into dst (see writable) from gradient g * scale. */
-static void update_into(store *s, store_var *v, blob *dst, const float *g, float scale)
+static void update_into(store_state *s, store_var *v, blob *dst, const float *g, float scale)
 {
     v->updates++;
     float *s0 = v->n_slots > 0 ? v->slots : NULL;
@@ -282,31 +320,23 @@ static void update_into(store *s, store_var *v, blob *dst, const float *g, float
     s->changes++;
 }
 
-void store_on_change(store *s, void (*fn)(void *ctx, unsigned what, int64_t step), void *ctx)
+void store_on_change(store *h, void (*fn)(void *ctx, unsigned what, int64_t step), void *ctx)
 {
+    store_state *s = h->st;
     s->on_change = fn;
     s->on_change_ctx = ctx;
 }
 
-static void notify(store *s, unsigned what, int64_t step)
+static void notify(store_state *s, unsigned what, int64_t step)
 {
     if (s->on_change && what)
         s->on_change(s->on_change_ctx, what, step);
 }
 
-/* max-only: a late or repeated report never lowers it. 1 when raised. */
-static int clock_raise(store *s, int worker, int64_t done)
-{
-    int64_t was = atomic_load(&s->clock_done[worker]);
-    while (done > was)
-        if (atomic_compare_exchange_weak(&s->clock_done[worker], &was, done))
-            return 1;
-    return 0;
-}
-
-int store_apply_grad(store *s, const char *name, const float *g, int64_t numel,
+int store_apply_grad(store *h, const char *name, const float *g, int64_t numel,
                      int64_t *global_step, uint64_t *version)
 {
+    store_state *s = h->st;
     pthread_rwlock_wrlock(&s->lock);
     int i = find(s, name), rc = STORE_OK;
     if (s->config.sync)
@@ -335,27 +365,8 @@ int store_apply_grad(store *s, const char *name, const float *g, int64_t numel,
     return rc;
 }
 
-static int push_seen(const store *s, const char *id, int64_t *step)
-{
-    for (int i = 0; i < STORE_PUSH_IDS; i++)
-        if (s->pushes[i].id[0] && strcmp(s->pushes[i].id, id) == 0) {
-            *step = s->pushes[i].step;
-            return 1;
-        }
-    return 0;
-}
-
-static void push_remember(store *s, const char *id, int64_t step)
-{
-    if (!id)
-        return;
-    snprintf(s->pushes[s->push_next].id, sizeof(s->pushes[0].id), "%s", id);
-    s->pushes[s->push_next].step = step;
-    s->push_next = (s->push_next + 1) % STORE_PUSH_IDS;
-}
-
 /* Every name exists with the same shape; idx[k] = its variable. */
-static int check_grads(const store *s, const st_file *f, int *idx, char *err, size_t errlen)
+static int check_grads(const store_state *s, const st_file *f, int *idx, char *err, size_t errlen)
 {
     for (int k = 0; k < f->n_tensors; k++) {
         const st_tensor *t = &f->tensors[k];
@@ -379,7 +390,7 @@ static int check_grads(const store *s, const st_file *f, int *idx, char *err, si
 
 /* Destinations and optimizer state for variables idx[0..n) first, so running
  * out of memory changes nothing. dst[k] set; on failure all released. */
-static int prepare(store *s, const int *idx, int n, blob **dst)
+static int prepare(store_state *s, const int *idx, int n, blob **dst)
 {
     for (int k = 0; k < n; k++) {
         store_var *v = &s->vars[idx[k]];
@@ -393,94 +404,57 @@ static int prepare(store *s, const int *idx, int n, blob **dst)
     return STORE_OK;
 }
 
-static void pending_clear(store *s)
-{
-    for (int i = 0; i < s->n_pending; i++) {
-        blob_unref(s->pending[i].body);
-        st_file_free(&s->pending[i].f);
-    }
-    s->n_pending = 0;
-    s->first_pending_ms = 0;
-}
-
 /* Sync: the step has its replicas. Sum each variable's gradients in worker
- * order, average, apply once. Caller holds the write lock. */
-static int aggregate(store *s)
+ * order, average, apply once; out of memory changes nothing. Caller holds
+ * the write lock. */
+static int aggregate(store_state *s)
 {
     int *idx = malloc(sizeof(int) * (size_t)(s->n ? s->n : 1));
-    int *cnt = calloc((size_t)(s->n ? s->n : 1), sizeof(int));
     blob **dst = calloc((size_t)(s->n ? s->n : 1), sizeof(blob *));
     int rc = STORE_OK, n = 0;
-    if (!idx || !cnt || !dst) {
+    if (!idx || !dst) {
         rc = STORE_ENOMEM;
         goto out;
     }
     int64_t maxn = 0;
-    for (int p = 0; p < s->n_pending; p++)
-        for (int k = 0; k < s->pending[p].f.n_tensors; k++) {
-            int i = find(s, s->pending[p].f.tensors[k].name);
-            if (i < 0 || !tensor_shape_equal(&s->pending[p].f.tensors[k].shape, &s->vars[i].shape))
-                continue; /* cannot happen: variables are never removed, reshaping drops these */
-            if (cnt[i]++ == 0)
-                idx[n++] = i;
+    for (int i = 0; i < s->n; i++)
+        if (sync_agg_count(&s->agg, s->vars[i].name, &s->vars[i].shape) > 0) {
+            idx[n++] = i;
             if (s->vars[i].numel > maxn)
                 maxn = s->vars[i].numel;
         }
-    if ((size_t)maxn > s->scratch_cap) {
-        float *sc = realloc(s->scratch, (size_t)maxn * sizeof(float));
-        if (!sc) {
-            rc = STORE_ENOMEM;
-            goto out;
-        }
-        s->scratch = sc;
-        s->scratch_cap = (size_t)maxn;
+    if (sync_agg_reserve(&s->agg, maxn) != 0) {
+        rc = STORE_ENOMEM;
+        goto out;
     }
     if ((rc = prepare(s, idx, n, dst)) != STORE_OK)
         goto out;
     for (int k = 0; k < n; k++) {
         store_var *v = &s->vars[idx[k]];
-        int first = 1;
-        for (int p = 0; p < s->n_pending; p++) {
-            int t = st_find(&s->pending[p].f, v->name);
-            if (t < 0 || !tensor_shape_equal(&s->pending[p].f.tensors[t].shape, &v->shape))
-                continue; /* (store_put drops pending gradients of a reshaped variable) */
-            const float *g = (const float *)(s->pending[p].data + s->pending[p].f.tensors[t].begin);
-            if (first)
-                memcpy(s->scratch, g, (size_t)v->numel * 4);
-            else
-                for (int64_t e = 0; e < v->numel; e++)
-                    s->scratch[e] += g[e];
-            first = 0;
-        }
-        update_into(s, v, dst[k], s->scratch, 1.0f / (float)cnt[idx[k]]);
+        int cnt;
+        const float *sum = sync_agg_sum(&s->agg, v->name, &v->shape, v->numel, &cnt);
+        update_into(s, v, dst[k], sum, 1.0f / (float)cnt);
     }
-    double loss = 0;
-    int nl = 0;
-    for (int p = 0; p < s->n_pending; p++)
-        if (s->pending[p].has_loss) {
-            loss += s->pending[p].loss;
-            nl++;
-        }
-    if (nl) {
-        s->last_loss = loss / nl;
+    double loss;
+    if (sync_agg_mean_loss(&s->agg, &loss)) {
+        s->last_loss = loss;
         s->has_loss = 1;
     }
     s->global_step++;
     s->pushes_applied++;
-    pending_clear(s);
+    sync_agg_clear(&s->agg);
     s->step_started_ms = clk_mono_ms();
-    s->first_pending_ms = 0;
 out:
     free(idx);
-    free(cnt);
     free(dst);
     return rc;
 }
 
-int store_sync_tick(store *s)
+int store_sync_tick(store *h)
 {
+    store_state *s = h->st;
     pthread_rwlock_wrlock(&s->lock);
-    int stepped = s->config.sync && s->n_pending > 0 && s->n_pending >= replicas_needed(s) &&
+    int stepped = s->config.sync && s->agg.n > 0 && s->agg.n >= replicas_needed(s) &&
                   aggregate(s) == STORE_OK;
     int64_t step = s->global_step;
     pthread_rwlock_unlock(&s->lock);
@@ -489,7 +463,7 @@ int store_sync_tick(store *s)
 }
 
 /* Gradients a sync step needs right now: min(R, live workers), at least 1. */
-static int replicas_needed(const store *s)
+static int replicas_needed(const store_state *s)
 {
     int r = s->config.replicas_to_aggregate;
     int live = live_workers(s, clk_mono_ms());
@@ -498,10 +472,101 @@ static int replicas_needed(const store *s)
     return r > 0 ? r : 1;
 }
 
-int store_apply_grads(store *s, st_file *f, const unsigned char *data,
+/* What a push did, for store_apply_grads' caller and its notification. */
+typedef struct push_result {
+    int64_t step;  /* the step it reports */
+    int outcome;   /* STORE_PUSH_* */
+    int stepped;   /* global_step moved */
+    int clocked;   /* the worker's clock rose */
+} push_result;
+
+/* Sync: keep the gradient for the current step; complete the step once it
+ * has its replicas. Caller holds the write lock. */
+static int push_sync(store_state *s, const st_file *f, const unsigned char *data,
+                     const store_push_meta *meta, push_result *out, char *err, size_t errlen)
+{
+    if (meta->worker < 0 || meta->step < 0) {
+        snprintf(err, errlen, "sync training needs metadata 'worker' and 'step' with every push");
+        return STORE_EINVAL;
+    }
+    if (meta->worker >= s->config.workers) {
+        snprintf(err, errlen, "worker %lld is not one of the %d workers of this sync run",
+                 meta->worker, s->config.workers);
+        return STORE_EINVAL;
+    }
+    out->step = s->global_step;
+    if (meta->step < s->global_step) {
+        s->stale_dropped++;
+        out->outcome = STORE_PUSH_STALE;
+        return STORE_OK;
+    }
+    if (meta->step > s->global_step) {
+        snprintf(err, errlen, "gradient computed from step %lld, but this shard is at step %lld",
+                 meta->step, (long long)s->global_step);
+        return STORE_EAHEAD;
+    }
+    int added = sync_agg_add(&s->agg, (int)meta->worker, meta->body, f, data, meta->has_loss,
+                             meta->loss);
+    if (added == 1) {
+        out->outcome = STORE_PUSH_DUPLICATE;
+        return STORE_OK;
+    }
+    if (added < 0)
+        return STORE_ENOMEM;
+    sync_agg_remember(&s->agg, meta->push_id, s->global_step);
+    out->outcome = STORE_PUSH_PENDING;
+    /* out of memory aggregating keeps the gradients: the next push retries the step */
+    if (s->agg.n >= replicas_needed(s) && aggregate(s) == STORE_OK) {
+        out->outcome = STORE_PUSH_APPLIED;
+        out->stepped = 1;
+    }
+    out->step = s->global_step;
+    return STORE_OK;
+}
+
+/* Async: apply at once, unless staler than --max_staleness. Caller holds
+ * the write lock; idx from check_grads. */
+static int push_async(store_state *s, const st_file *f, const unsigned char *data,
+                      const store_push_meta *meta, const int *idx, push_result *out)
+{
+    /* the worker completed this iteration, whether its gradient is applied
+     * or dropped below (the stale-synchronous clocks) */
+    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0)
+        out->clocked = worker_state_clock_done(&s->workers, (int)meta->worker, meta->clock + 1);
+    /* how stale is it? Drop it past --max_staleness (DropStaleGradientOptimizer) */
+    int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
+    if (s->config.max_staleness >= 0 && staleness > s->config.max_staleness) {
+        s->stale_dropped++;
+        out->outcome = STORE_PUSH_STALE;
+        out->step = s->global_step;
+        return STORE_OK;
+    }
+    blob **dst = calloc((size_t)f->n_tensors, sizeof(blob *));
+    if (!dst || prepare(s, idx, f->n_tensors, dst) != STORE_OK) {
+        free(dst);
+        return STORE_ENOMEM;
+    }
+    for (int k = 0; k < f->n_tensors; k++)
+        update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
+    free(dst);
+    if (meta->step >= 0)
+        worker_state_staleness(&s->workers, staleness);
+    out->step = ++s->global_step;
+    out->stepped = 1;
+    s->pushes_applied++;
+    if (meta->has_loss) {
+        s->last_loss = meta->loss;
+        s->has_loss = 1;
+    }
+    sync_agg_remember(&s->agg, meta->push_id, out->step);
+    return STORE_OK;
+}
+
+int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
                       const store_push_meta *meta, int64_t *global_step, int *outcome,
                       char *err, size_t errlen)
 {
+    store_state *s = h->st;
     *outcome = STORE_PUSH_APPLIED;
     if (f->n_tensors == 0) {
         snprintf(err, errlen, "push holds no gradients");
@@ -514,137 +579,31 @@ int store_apply_grads(store *s, st_file *f, const unsigned char *data,
             return STORE_EINVAL;
         }
     if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS)
-        store_touch(s, (int)meta->worker); /* a push renews its worker's lease */
+        store_touch(h, (int)meta->worker); /* a push renews its worker's lease */
+    push_result r = {.step = -1, .outcome = STORE_PUSH_APPLIED};
+    int *idx = malloc(sizeof(int) * (size_t)f->n_tensors);
     pthread_rwlock_wrlock(&s->lock);
-    int rc = STORE_OK, stepped = 0, clocked = 0;
-    int *idx = NULL;
-    blob **dst = NULL;
-    if (meta->push_id && push_seen(s, meta->push_id, global_step)) {
-        *outcome = STORE_PUSH_DUPLICATE;
-        goto out;
-    }
-    idx = malloc(sizeof(int) * (size_t)f->n_tensors);
-    dst = calloc((size_t)f->n_tensors, sizeof(blob *));
-    if (!idx || !dst) {
+    int rc = STORE_OK;
+    if (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &r.step))
+        r.outcome = STORE_PUSH_DUPLICATE;
+    else if (!idx)
         rc = STORE_ENOMEM;
-        goto out;
-    }
-    if ((rc = check_grads(s, f, idx, err, errlen)) != STORE_OK)
-        goto out;
-
-    if (s->config.sync) {
-        if (meta->worker < 0 || meta->step < 0) {
-            snprintf(err, errlen, "sync training needs metadata 'worker' and 'step' with every push");
-            rc = STORE_EINVAL;
-            goto out;
-        }
-        if (meta->worker >= s->config.workers) {
-            snprintf(err, errlen, "worker %lld is not one of the %d workers of this sync run",
-                     meta->worker, s->config.workers);
-            rc = STORE_EINVAL;
-            goto out;
-        }
-        *global_step = s->global_step;
-        if (meta->step < s->global_step) {
-            s->stale_dropped++;
-            *outcome = STORE_PUSH_STALE;
-            goto out;
-        }
-        if (meta->step > s->global_step) {
-            snprintf(err, errlen, "gradient computed from step %lld, but this shard is at step %lld",
-                     meta->step, (long long)s->global_step);
-            rc = STORE_EAHEAD;
-            goto out;
-        }
-        int at = 0;
-        while (at < s->n_pending && s->pending[at].worker < meta->worker)
-            at++;
-        if (at < s->n_pending && s->pending[at].worker == meta->worker) {
-            *outcome = STORE_PUSH_DUPLICATE;
-            goto out;
-        }
-        if (s->n_pending == s->cap_pending) {
-            int nc = s->cap_pending ? 2 * s->cap_pending : 8;
-            store_pending *np = realloc(s->pending, sizeof(*np) * (size_t)nc);
-            if (!np) {
-                rc = STORE_ENOMEM;
-                goto out;
-            }
-            s->pending = np;
-            s->cap_pending = nc;
-        }
-        memmove(&s->pending[at + 1], &s->pending[at], sizeof(store_pending) * (size_t)(s->n_pending - at));
-        store_pending *p = &s->pending[at];
-        p->worker = (int)meta->worker;
-        p->body = blob_ref(meta->body);
-        p->f = *f;
-        memset(f, 0, sizeof(*f)); /* the store owns it now */
-        p->data = data;
-        p->has_loss = meta->has_loss;
-        p->loss = meta->loss;
-        if (s->n_pending++ == 0)
-            s->first_pending_ms = clk_mono_ms();
-        push_remember(s, meta->push_id, s->global_step);
-        *outcome = STORE_PUSH_PENDING;
-        if (s->n_pending >= replicas_needed(s)) {
-            if (aggregate(s) != STORE_OK) {
-                /* keep the gradients; the next push retries the step */
-                rc = STORE_OK;
-                goto out;
-            }
-            *outcome = STORE_PUSH_APPLIED;
-            stepped = 1;
-        }
-        *global_step = s->global_step;
-        goto out;
-    }
-
-    /* the worker completed this iteration, whether its gradient is applied
-     * or dropped below (the stale-synchronous clocks) */
-    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0)
-        clocked = clock_raise(s, (int)meta->worker, meta->clock + 1);
-    /* async: how stale is it? Drop it past --max_staleness
-     * (DropStaleGradientOptimizer) */
-    int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
-    if (s->config.max_staleness >= 0 && staleness > s->config.max_staleness) {
-        s->stale_dropped++;
-        *outcome = STORE_PUSH_STALE;
-        *global_step = s->global_step;
-        goto out;
-    }
-    if ((rc = prepare(s, idx, f->n_tensors, dst)) != STORE_OK)
-        goto out;
-    for (int k = 0; k < f->n_tensors; k++)
-        update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
-    if (meta->step >= 0) {
-        int b = staleness < 4 ? (int)staleness : staleness < 8 ? 4 : staleness < 16 ? 5
-              : staleness < 32 ? 6 : staleness < 64 ? 7 : 8;
-        s->staleness_hist[b]++;
-        s->staleness_sum += staleness;
-        s->staleness_count++;
-        if (staleness > s->staleness_max)
-            s->staleness_max = staleness;
-    }
-
-    *global_step = ++s->global_step;
-    s->pushes_applied++;
-    stepped = 1;
-    if (meta->has_loss) {
-        s->last_loss = meta->loss;
-        s->has_loss = 1;
-    }
-    push_remember(s, meta->push_id, *global_step);
-out:;
+    else if ((rc = check_grads(s, f, idx, err, errlen)) == STORE_OK)
+        rc = s->config.sync ? push_sync(s, f, data, meta, &r, err, errlen)
+                            : push_async(s, f, data, meta, idx, &r);
     int64_t step = s->global_step;
     pthread_rwlock_unlock(&s->lock);
     free(idx);
-    free(dst);
-    notify(s, (stepped ? STORE_CHANGED_STEP : 0) | (clocked ? STORE_CHANGED_CLOCK : 0), step);
+    if (r.step >= 0)
+        *global_step = r.step;
+    *outcome = r.outcome;
+    notify(s, (r.stepped ? STORE_CHANGED_STEP : 0) | (r.clocked ? STORE_CHANGED_CLOCK : 0), step);
     return rc;
 }
 
-int store_configure(store *s, const store_config *c, char *err, size_t errlen)
+int store_configure(store *h, const store_config *c, char *err, size_t errlen)
 {
+    store_state *s = h->st;
     pthread_rwlock_wrlock(&s->lock);
     int rc = STORE_OK;
     if (s->configured && s->global_step > 0 && memcmp(&s->config, c, sizeof(*c)) != 0) {
@@ -662,19 +621,14 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
                     s->vars[i].n_slots = 0;
                     s->vars[i].updates = 0;
                 }
-            pending_clear(s);
+            sync_agg_clear(&s->agg);
         }
         if (!s->configured || memcmp(&s->config, c, sizeof(*c)) != 0)
             s->changes++;
         /* every worker of the run starts with a lease, and a step begins */
         s->step_started_ms = clk_mono_ms();
-        int64_t until = s->step_started_ms + s->lease_ms;
-        for (int w = 0; w < c->workers; w++) {
-            atomic_store(&s->lease_until[w], until);
-            atomic_store(&s->left[w], 0);
-        }
+        worker_state_start(&s->workers, c->workers, s->step_started_ms);
         s->config = *c;
-        atomic_store(&s->n_workers, c->workers);
         s->learning_rate = c->optim.learning_rate;
         s->configured = 1;
     }
@@ -682,8 +636,9 @@ int store_configure(store *s, const store_config *c, char *err, size_t errlen)
     return rc;
 }
 
-int store_get_config(store *s, store_config *out)
+int store_get_config(store *h, store_config *out)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
     int ok = s->configured;
     *out = s->config;
@@ -691,9 +646,10 @@ int store_get_config(store *s, store_config *out)
     return ok;
 }
 
-void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,
+void store_totals(store *h, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,
                   double *last_loss)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
     *n_vars = s->n;
     *bytes = s->bytes;
@@ -703,8 +659,9 @@ void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, 
     pthread_rwlock_unlock(&s->lock);
 }
 
-int store_save(store *s, store_saved *out)
+int store_save(store *h, store_saved *out)
 {
+    store_state *s = h->st;
     memset(out, 0, sizeof(*out));
     pthread_rwlock_rdlock(&s->lock);
     out->vars = calloc((size_t)(s->n ? s->n : 1), sizeof(store_saved_var));
@@ -761,16 +718,18 @@ void store_saved_free(store_saved *sv)
     memset(sv, 0, sizeof(*sv));
 }
 
-uint64_t store_changes(store *s)
+uint64_t store_changes(store *h)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
     uint64_t c = s->changes;
     pthread_rwlock_unlock(&s->lock);
     return c;
 }
 
-int store_restore(store *s, store_saved *sv)
+int store_restore(store *h, store_saved *sv)
 {
+    store_state *s = h->st;
     store_var *vars = calloc((size_t)(sv->n ? sv->n : 1), sizeof(store_var));
     if (!vars)
         return STORE_ENOMEM;
@@ -796,7 +755,7 @@ int store_restore(store *s, store_saved *sv)
         free(s->vars[i].slots);
     }
     free(s->vars);
-    pending_clear(s);
+    sync_agg_clear(&s->agg);
     s->vars = vars;
     s->cap = sv->n ? sv->n : 1;
     s->n = sv->n;
@@ -804,7 +763,6 @@ int store_restore(store *s, store_saved *sv)
     s->global_step = sv->global_step;
     if (sv->configured) { /* else the flags' configuration stays, as at start */
         s->config = sv->config;
-        atomic_store(&s->n_workers, sv->config.workers);
         s->learning_rate = sv->config.optim.learning_rate;
     }
     s->configured = sv->configured;
@@ -818,10 +776,7 @@ int store_restore(store *s, store_saved *sv)
     sv->placement = NULL;
     /* the workers get a lease from now, as at configuration */
     int64_t now = clk_mono_ms();
-    for (int w = 0; w < s->config.workers && w < STORE_MAX_WORKERS; w++) {
-        atomic_store(&s->lease_until[w], now + s->lease_ms);
-        atomic_store(&s->left[w], 0);
-    }
+    worker_state_start(&s->workers, s->config.workers, now);
     s->step_started_ms = now;
     pthread_rwlock_unlock(&s->lock);
     pool_follow(s, bytes);
@@ -829,8 +784,9 @@ int store_restore(store *s, store_saved *sv)
 }
 
 
-int store_set_placement(store *s, const char *json_text)
+int store_set_placement(store *h, const char *json_text)
 {
+    store_state *s = h->st;
     char *copy = json_text ? strdup(json_text) : NULL;
     if (json_text && !copy)
         return STORE_ENOMEM;
@@ -843,64 +799,102 @@ int store_set_placement(store *s, const char *json_text)
     return STORE_OK;
 }
 
-char *store_get_placement(store *s)
+char *store_get_placement(store *h)
 {
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
     char *c = s->placement ? strdup(s->placement) : NULL;
     pthread_rwlock_unlock(&s->lock);
     return c;
 }
 
-void store_clock_start(store *s, int worker, int64_t clock)
+void store_clock_start(store *h, int worker, int64_t clock)
 {
-    if (worker >= 0 && worker < STORE_MAX_WORKERS)
-        atomic_store(&s->clock_started[worker], clock);
+    worker_state_clock_start(&h->st->workers, worker, clock);
 }
 
-int store_clock_done(store *s, int worker, int64_t done)
+int store_clock_done(store *h, int worker, int64_t done)
 {
-    if (worker < 0 || worker >= STORE_MAX_WORKERS)
+    if (!worker_state_clock_done(&h->st->workers, worker, done))
         return 0;
-    if (!clock_raise(s, worker, done))
-        return 0;
-    notify(s, STORE_CHANGED_CLOCK, 0);
+    notify(h->st, STORE_CHANGED_CLOCK, 0);
     return 1;
 }
 
-int64_t store_min_clock(store *s)
+int64_t store_min_clock(store *h)
 {
     /* lock-free (atomics only): the clock waiters call it under their mutex,
      * which must not wait behind a writer applying a large gradient */
-    int64_t now = clk_mono_ms(), m = INT64_MAX;
-    int n = atomic_load(&s->n_workers);
-    for (int w = 0; w < n && w < STORE_MAX_WORKERS; w++)
-        if (!atomic_load(&s->left[w]) && atomic_load(&s->lease_until[w]) > now) {
-            int64_t d = atomic_load(&s->clock_done[w]);
-            if (d < m)
-                m = d;
-        }
-    return m;
+    return worker_state_min_clock(&h->st->workers, clk_mono_ms());
 }
 
-json_t *store_staleness_json(store *s)
+json_t *store_staleness_json(store *h)
 {
-    static const char *const le[STORE_STALENESS_BUCKETS] = {"0", "1", "2", "3", "7", "15", "31", "63", "+Inf"};
+    store_state *s = h->st;
     pthread_rwlock_rdlock(&s->lock);
-    json_t *b = json_array(), *clocks = json_object();
-    for (int i = 0; i < STORE_STALENESS_BUCKETS; i++)
-        json_array_append_new(b, json_pack("{s:s,s:I}", "le", le[i], "count",
-                                           (json_int_t)s->staleness_hist[i]));
-    for (int w = 0; w < s->config.workers && w < STORE_MAX_WORKERS; w++) {
-        char k[16];
-        snprintf(k, sizeof(k), "%d", w);
-        json_object_set_new(clocks, k, json_pack("{s:I,s:I}", "started",
-                                                 (json_int_t)atomic_load(&s->clock_started[w]), "done",
-                                                 (json_int_t)atomic_load(&s->clock_done[w])));
-    }
-    json_t *o = json_pack("{s:I,s:f,s:I,s:o,s:i,s:i,s:o}", "count", (json_int_t)s->staleness_count,
-                          "mean", s->staleness_count ? (double)s->staleness_sum / (double)s->staleness_count : 0.0,
-                          "max", (json_int_t)s->staleness_max, "buckets", b, "max_staleness",
-                          s->config.max_staleness, "bound", s->config.staleness, "clocks", clocks);
+    json_t *o = worker_state_staleness_json(&s->workers);
+    json_object_set_new(o, "max_staleness", json_integer(s->config.max_staleness));
+    json_object_set_new(o, "bound", json_integer(s->config.staleness));
+    json_object_set_new(o, "clocks", worker_state_clocks_json(&s->workers, s->config.workers));
     pthread_rwlock_unlock(&s->lock);
     return o;
+}
+
+void store_set_lease_ms(store *h, int64_t ms)
+{
+    h->st->workers.lease_ms = ms;
+}
+
+int64_t store_lease_ms(store *h)
+{
+    return h->st->workers.lease_ms;
+}
+
+void store_start_at(store *h, int64_t step)
+{
+    store_state *s = h->st;
+    pthread_rwlock_wrlock(&s->lock);
+    s->global_step = step;
+    pthread_rwlock_unlock(&s->lock);
+}
+
+void store_get_counts(store *h, store_counts *out)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    out->configured = s->configured;
+    out->stale_dropped = s->stale_dropped;
+    out->pending = s->agg.n;
+    pthread_rwlock_unlock(&s->lock);
+}
+
+int store_get_sync_view(store *h, store_sync_view *v)
+{
+    store_state *s = h->st;
+    memset(v, 0, sizeof(*v));
+    int64_t now = clk_mono_ms();
+    pthread_rwlock_rdlock(&s->lock);
+    int n = s->config.workers;
+    if (n > 0 && !(v->member = malloc((size_t)n))) {
+        pthread_rwlock_unlock(&s->lock);
+        return STORE_ENOMEM;
+    }
+    v->sync = s->configured && s->config.sync;
+    v->workers = n;
+    v->replicas = s->config.replicas_to_aggregate;
+    for (int w = 0; w < n; w++) {
+        int pending = sync_agg_has(&s->agg, w);
+        int gone = worker_state_left(&s->workers, w), alive = worker_state_alive(&s->workers, w, now);
+        v->live += pending || (!gone && alive);
+        v->member[w] = pending ? STORE_MEMBER_HAVE
+                     : gone    ? STORE_MEMBER_LEFT
+                     : !alive  ? STORE_MEMBER_DEAD
+                               : STORE_MEMBER_WAITING;
+    }
+    v->global_step = s->global_step;
+    v->lease_ms = s->workers.lease_ms;
+    v->step_secs = (double)(now - s->step_started_ms) / 1000.0;
+    v->waiting_secs = s->agg.first_ms ? (double)(now - s->agg.first_ms) / 1000.0 : 0.0;
+    pthread_rwlock_unlock(&s->lock);
+    return STORE_OK;
 }

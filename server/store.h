@@ -1,5 +1,8 @@
 /* store.h - the shard's variables: named float32 tensors with versions, the
- * shard's global_step, and the updates applied to them.
+ * shard's global_step, and the updates applied to them. Its state is opaque
+ * (store.c); two modules of its own hold parts of it: sync_agg.h (a sync
+ * step's gradients, the push ids) and worker_state.h (leases, clocks,
+ * staleness). One change hook tells psd what moved (store_on_change).
  *
  * Readers take a reference to a variable's blob under the read lock and then
  * read it without any lock: the store never writes a blob someone else holds
@@ -37,8 +40,6 @@ enum {
 };
 
 #define STORE_MAX_WORKERS 4096
-/* staleness histogram: 0, 1, 2, 3, 4-7, 8-15, 16-31, 32-63, 64 and more */
-#define STORE_STALENESS_BUCKETS 9
 
 /* The training configuration the chief sends (PUT /v1/config). */
 typedef struct store_config {
@@ -50,26 +51,6 @@ typedef struct store_config {
     int staleness;             /* stale-synchronous bound; -1 = none (plain async) */
 } store_config;
 
-typedef struct store_var {
-    char name[TENSOR_NAME_MAX + 1];
-    tensor_shape shape;
-    int64_t numel;
-    uint64_t version;
-    blob *data; /* the store's reference; len = numel * 4 */
-    float *slots; /* optimizer state, optim_slots() arrays of numel floats, or NULL */
-    int n_slots;
-    int64_t updates; /* updates applied since created (adam's t) */
-} store_var;
-
-/* A sync gradient waiting for its step's other replicas. */
-typedef struct store_pending {
-    int worker;
-    blob *body;         /* holds the data */
-    st_file f;          /* moved from the caller */
-    const unsigned char *data;
-    int has_loss;
-    double loss;
-} store_pending;
 
 /* A consistent view of one variable; holds a reference to its data. */
 typedef struct store_snap {
@@ -80,56 +61,13 @@ typedef struct store_snap {
     blob *data;
 } store_snap;
 
-#define STORE_PUSH_IDS 1024
 #define STORE_PUSH_ID_MAX 64
 
+/* The shard's state lives in store.c: nothing outside it reads or locks it.
+ * A handle, so a server can hold one by value. */
+typedef struct store_state store_state;
 typedef struct store {
-    pthread_rwlock_t lock;
-    store_var *vars; /* sorted by name */
-    int n, cap;
-    int64_t global_step;
-    uint64_t bytes;
-    double last_loss;
-    int has_loss;
-    float learning_rate;
-    bufpool *pool;
-    store_config config;
-    int configured;           /* the chief sent the configuration: variables are ready */
-    store_pending *pending;   /* sorted by worker index */
-    int n_pending, cap_pending;
-    int64_t stale_dropped;
-    int64_t pushes_applied;
-    float *scratch;           /* sync sums */
-    size_t scratch_cap;
-    /* told what changed (STORE_CHANGED_*), after the lock is released */
-    void (*on_change)(void *ctx, unsigned what, int64_t step);
-    void *on_change_ctx;
-    /* recently applied push ids, a ring */
-    struct {
-        char id[STORE_PUSH_ID_MAX + 1];
-        int64_t step;
-    } pushes[STORE_PUSH_IDS];
-    int push_next;
-    uint64_t changes;         /* bumped by every change a checkpoint would hold */
-    /* sync membership: each worker's lease (CLOCK_MONOTONIC ms it runs
-     * until), renewed by its requests; a worker that said it finished left */
-    int64_t lease_ms;
-    _Atomic int64_t lease_until[STORE_MAX_WORKERS];
-    _Atomic unsigned char left[STORE_MAX_WORKERS];
-    int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
-    int64_t first_pending_ms; /* when its first gradient came (0 none) */
-    /* async: how stale applied gradients were (global_step when applied
-     * minus the step they were computed from), as a histogram */
-    int64_t staleness_hist[STORE_STALENESS_BUCKETS];
-    int64_t staleness_sum, staleness_max, staleness_count;
-    /* stale-synchronous parallel: each worker's iteration clock: the one it
-     * started (announced by its pull) and the ones it completed (pushed) */
-    _Atomic int64_t clock_started[STORE_MAX_WORKERS];
-    _Atomic int64_t clock_done[STORE_MAX_WORKERS];
-    /* config.workers, set with it (under lock), for store_min_clock, which
-     * reads without the lock: the waiters read it under their own mutex */
-    _Atomic int n_workers;
-    char *placement;          /* the chief's placement map (JSON text), or NULL */
+    store_state *st;
 } store;
 
 /* One variable as a checkpoint holds it. */
@@ -207,10 +145,11 @@ typedef struct store_push_meta {
  * as one update: all names must exist with equal shapes and dtype F32, else
  * nothing changes and err says why. Async: applied at once. Sync: kept until
  * replicas_to_aggregate gradients for the current step are in, then summed in
- * worker-index order, averaged and applied once (the store then takes f's
- * contents: f is left empty). *outcome is a STORE_PUSH_* value. A push_id
- * already seen is not applied again (*global_step is the step it was for). */
-int store_apply_grads(store *s, st_file *f, const unsigned char *data,
+ * worker-index order, averaged and applied once (sync_agg.h). The caller
+ * keeps f on every path (sync keeps a copy of its tensors and a reference to
+ * meta->body). *outcome is a STORE_PUSH_* value. A push_id already seen is
+ * not applied again (*global_step is the step it was for). */
+int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
                       const store_push_meta *meta, int64_t *global_step, int *outcome,
                       char *err, size_t errlen);
 
@@ -269,6 +208,36 @@ int64_t store_min_clock(store *s);
 /* {"count", "mean", "max", "buckets": [{"le": .., "count": ..}...], "clocks": ...} */
 struct json_t;
 struct json_t *store_staleness_json(store *s);
+
+/* The lease a worker's request gives it (default 10 s); set before anyone
+ * is served (psd's --worker_lease_secs). */
+void store_set_lease_ms(store *s, int64_t ms);
+int64_t store_lease_ms(store *s);
+/* Start the run at global_step `step` (before anyone is served: psd's
+ * synthetic-history test hook). */
+void store_start_at(store *s, int64_t step);
+
+/* Counters for /v1/status and /metrics, read in one instant. */
+typedef struct store_counts {
+    int configured;        /* the chief sent the configuration */
+    int64_t stale_dropped; /* gradients dropped as stale */
+    int pending;           /* sync gradients kept for the current step */
+} store_counts;
+void store_get_counts(store *s, store_counts *out);
+
+/* Where the sync step stands, read in one instant (GET /v1/sync). */
+enum { STORE_MEMBER_HAVE, STORE_MEMBER_WAITING, STORE_MEMBER_DEAD, STORE_MEMBER_LEFT };
+typedef struct store_sync_view {
+    int sync;               /* configured, in sync mode */
+    int workers, replicas;  /* of the configuration */
+    int live;               /* workers whose gradient is in or whose lease runs */
+    int64_t global_step, lease_ms;
+    double step_secs;       /* since the step began */
+    double waiting_secs;    /* since its first gradient came (0: none yet) */
+    unsigned char *member;  /* workers entries, STORE_MEMBER_*; malloc'd (free it), or NULL */
+} store_sync_view;
+/* 0, or STORE_ENOMEM. */
+int store_get_sync_view(store *s, store_sync_view *v);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

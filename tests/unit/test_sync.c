@@ -110,7 +110,9 @@ static outcome push(fixture *fx, long long worker, long long step, long long clo
     outcome o = {0, -1, -1};
     char err[256] = "";
     o.rc = store_apply_grads(&fx->s, &f, body->data, &meta, &o.step, &o.outcome, err, sizeof(err));
-    st_file_free(&f); /* emptied when the store kept it */
+    assert_int_equal(f.n_tensors, 1); /* the caller keeps f on every path */
+    assert_string_equal(f.tensors[0].name, "w");
+    st_file_free(&f);
     blob_unref(body); /* the store holds its own reference while pending */
     return o;
 }
@@ -198,7 +200,7 @@ static void test_push_ids_in_sync(void **state)
 static void test_leases(void **state)
 {
     fixture *fx = *state;
-    fx->s.lease_ms = 300;
+    store_set_lease_ms(&fx->s, 300);
     start(fx, 1, 2, 2, -1); /* configuring gives both a lease */
     expect_push(push(fx, 0, 0, -1, NULL, 2, 2), STORE_OK, STORE_PUSH_PENDING, 0);
     assert_int_equal(store_sync_tick(&fx->s), 0); /* worker 1's lease runs: the step waits */
@@ -224,7 +226,7 @@ static void test_leases(void **state)
 static void test_ssp_clocks(void **state)
 {
     fixture *fx = *state;
-    fx->s.lease_ms = 300;
+    store_set_lease_ms(&fx->s, 300);
     start(fx, 0, 2, 1, 1);
     assert_int_equal(store_min_clock(&fx->s), 0);
     assert_int_equal(store_clock_done(&fx->s, 0, 3), 1);
