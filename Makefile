@@ -25,7 +25,6 @@ COMMON_SRC += common/ckptdir.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c server/ticker.c server/changes.c \
-             server/sync_agg.c server/worker_state.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c server/conntrack.c server/summaries.c
@@ -57,11 +56,13 @@ ifeq ($(CUDA),1)
 ifeq ($(NVCC),)
 $(error CUDA=1 but no nvcc in $(CUDA_HOME)/bin or on PATH: install the CUDA toolkit, set CUDA_HOME, or make CUDA=0)
 endif
+CUDA_OBJ = $(BUILD)/client/mlp_cuda.o
 MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda.o
 LDLIBS_CUDA = -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 GPU_BINS = $(BIN)/cuda_vs_cpu $(BIN)/gpu_bench
 $(info restps: CUDA backend on ($(NVCC): sm_90 + compute_75 PTX); make CUDA=0 for a CPU-only build)
 else
+CUDA_OBJ = $(BUILD)/client/mlp_cuda_stub.o
 MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda_stub.o
 LDLIBS_CUDA =
 GPU_BINS =
@@ -71,7 +72,8 @@ endif
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ) $(ENDPOINT_OBJ)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
-# (MODEL_CUDA_OBJ, above: the model's CUDA backend, or its stub without CUDA)
+# (MODEL_CUDA_OBJ, above: the model's CUDA backend, or its stub without CUDA;
+# CUDA_OBJ, the MLP-only mlp_cuda.cu, is no longer part of workerd)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(MODEL_CUDA_OBJ)
 LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
 # GnuTLS priority strings (psd's --tls_priorities, the ring's): kept out of
@@ -133,23 +135,17 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 # Unit tests (cmocka), one binary per module.
-UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_mlp test_tfevents test_blas_kernel
+UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_tfevents test_blas_kernel
 UNIT_TESTS += test_ckptdir
 UNIT_TESTS += test_model
 UNIT_TESTS += test_waiters test_sync
 IDX_OBJ = $(BUILD)/client/idx.o
-MLP_OBJ = $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o $(BUILD)/client/blas_kernel.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
 
 $(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lz -ljansson -lm -lcmocka
-$(BIN)/test_mlp: $(BUILD)/tests/unit/test_mlp.o $(MLP_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
-# (and, while the MLP-only code exists, mlp:100 against it bit for bit)
-$(BUILD)/tests/unit/test_model.o: CFLAGS += -DTEST_MODEL_WITH_MLP
-$(BIN)/test_model: $(BUILD)/tests/unit/test_model.o $(MODEL_OBJ) $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o $(COMMON_OBJ)
+$(BIN)/test_model: $(BUILD)/tests/unit/test_model.o $(MODEL_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
 $(BIN)/test_blas_kernel: $(BUILD)/tests/unit/test_blas_kernel.o $(BUILD)/client/blas_kernel.o
@@ -178,9 +174,7 @@ $(BIN)/bench_pushpull: $(BUILD)/bench/bench_pushpull.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
-# (and, while the MLP-only code exists, its step in the same run: the ratio)
-$(BUILD)/bench/bench_mlp.o: CFLAGS += -DBENCH_WITH_MLP
-$(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MODEL_OBJ) $(BUILD)/client/mlp.o $(BUILD)/client/mlp_cpu.o $(BUILD)/common/errmsg.o
+$(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MODEL_OBJ) $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
 
@@ -223,7 +217,6 @@ bench: deps all bench-bins
 	@sh scripts/nginx.sh
 	sh bench/run.sh
 	sh bench/train.sh
-	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
 	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py

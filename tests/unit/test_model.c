@@ -4,8 +4,9 @@
  * central finite differences of a double-precision forward written here from
  * the formulas of model.h (direct loops: no im2col, no BLAS, no shared code);
  * the dropout mask against values computed by hand from the contract (Python
- * integers); TensorFlow's padding against hand-worked sizes; and, while the
- * MLP-only code exists, mlp:100 against it bit for bit. */
+ * integers); TensorFlow's padding against hand-worked sizes. (mlp:100 was
+ * checked bit for bit against the MLP-only mlp_cpu.c, loss, gradients and
+ * evaluation, before that code was removed: commit 2f07a4e's test.) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -20,9 +21,6 @@
 
 #include "dropout_mask.h"
 #include "model.h"
-#ifdef TEST_MODEL_WITH_MLP
-#include "mlp.h"
-#endif
 
 static const model_shape IMG = {28, 28, 1};
 
@@ -943,75 +941,6 @@ static void test_evaluate(void **state)
     free(z);
 }
 
-#ifdef TEST_MODEL_WITH_MLP
-/* ---- the MLP-only code, bit for bit (while it exists) ---- */
-
-static void compare_mlp(const char *spec, const int *hidden, int n_hidden, int B)
-{
-    model_layout ly;
-    layout_or_fail(&ly, spec, IMG);
-    mlp_layout ml;
-    char err[256];
-    assert_int_equal(mlp_layout_init(&ml, 784, hidden, n_hidden, 10, err, sizeof(err)), 0);
-    assert_int_equal(ml.n_params, ly.n_params);
-    assert_int_equal(ml.n_tensors, ly.n_tensors);
-    for (int t = 0; t < ly.n_tensors; t++) {
-        assert_string_equal(ml.tensors[t].name, ly.tensors[t].name);
-        assert_int_equal(ml.tensors[t].offset, ly.tensors[t].offset);
-        assert_true(tensor_shape_equal(&ml.tensors[t].shape, &ly.tensors[t].shape));
-    }
-    float *p1 = malloc(ly.n_params * sizeof(float)), *p2 = malloc(ly.n_params * sizeof(float));
-    float *g1 = malloc(ly.n_params * sizeof(float)), *g2 = malloc(ly.n_params * sizeof(float));
-    const int n = 2 * B + 7;
-    float *x = malloc((size_t)n * 784 * sizeof(float));
-    uint8_t *labels = malloc((size_t)n);
-    mlp_init_params(&ml, p1, 42);
-    model_init_params(&ly, p2, 42);
-    assert_memory_equal(p1, p2, ly.n_params * sizeof(float));
-    lcg_state = 17;
-    for (size_t i = 0; i < (size_t)n * 784; i++)
-        x[i] = urand() < 0.5 ? 0.0f : (float)(int)(urand() * 256) / 255.0f;
-    for (int i = 0; i < n; i++)
-        labels[i] = (uint8_t)(urand() * 10);
-    mlp *old = mlp_new(&mlp_backend_cpu, &ml, B, err, sizeof(err));
-    model *m = model_new(&model_backend_cpu, &ly, B, err, sizeof(err));
-    assert_non_null(old);
-    assert_non_null(m);
-    for (int step = 0; step < 3; step++) {
-        double l1, l2;
-        assert_int_equal(mlp_forward_backward(old, p1, x + (size_t)step * 784, labels + step, B, g1, &l1), 0);
-        model_ctx ctx = {.seed = 1, .step = step};
-        assert_int_equal(model_forward_backward(m, p1, x + (size_t)step * 784, labels + step, B, &ctx, g2, &l2), 0);
-        assert_true(l1 == l2);
-        assert_memory_equal(g1, g2, ly.n_params * sizeof(float));
-        for (size_t i = 0; i < ly.n_params; i++)
-            p1[i] -= 0.1f * g1[i];
-    }
-    double e1, a1, e2, a2;
-    assert_int_equal(mlp_evaluate(old, p1, x, labels, n, &e1, &a1), 0);
-    assert_int_equal(model_evaluate(m, p1, x, labels, n, &e2, &a2), 0);
-    assert_true(e1 == e2 && a1 == a2);
-    print_message("    %s batch %d: loss, gradients and evaluation bit for bit the MLP-only code's\n",
-                  spec, B);
-    mlp_free(old);
-    model_free(m);
-    free(p1);
-    free(p2);
-    free(g1);
-    free(g2);
-    free(x);
-    free(labels);
-}
-
-static void test_mlp_bit_identical(void **state)
-{
-    (void)state;
-    compare_mlp("mlp:100", (int[]){100}, 1, 100);
-    compare_mlp("mlp:100", (int[]){100}, 1, 7);
-    compare_mlp("mlp:64,32", (int[]){64, 32}, 2, 50);
-    compare_mlp("mlp:", NULL, 0, 20);
-}
-#endif
 
 int main(void)
 {
@@ -1029,9 +958,6 @@ int main(void)
         cmocka_unit_test(test_init),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_evaluate),
-#ifdef TEST_MODEL_WITH_MLP
-        cmocka_unit_test(test_mlp_bit_identical),
-#endif
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
