@@ -202,6 +202,12 @@ $(BUILD)/tests/gpu/gpu_bench.o $(BUILD)/tests/gpu/cuda_vs_cpu.o: CFLAGS += -I$(C
 gpu-check:
 	bash tests/gpu/check.sh
 
+# The CUDA backend's host logic and kernel indexing without a GPU: cuda_vs_cpu
+# on a host emulation of the CUDA runtime and cuBLAS (tests/gpu/emu/run.sh).
+.PHONY: gpu-emu
+gpu-emu:
+	bash tests/gpu/emu/run.sh
+
 deps:
 	@sh scripts/deps.sh
 	@sh scripts/pydeps.sh
