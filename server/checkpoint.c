@@ -144,6 +144,15 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
     s_vars = dump(vars);
     vars = NULL;
     json_t *map = sv->placement ? json_loads(sv->placement, 0, NULL) : NULL;
+    /* the model the chief's placement names (h_placement_put checked both:
+     * short printable strings), so a reader rebuilds it from this file */
+    char model_s[512] = "", shape_s[64] = "";
+    const char *ms = json_string_value(json_object_get(map, "model")),
+               *ss = json_string_value(json_object_get(map, "input_shape"));
+    if (ms && ss && strlen(ms) < sizeof(model_s) && strlen(ss) < sizeof(shape_s)) {
+        snprintf(model_s, sizeof(model_s), "%s", ms);
+        snprintf(shape_s, sizeof(shape_s), "%s", ss);
+    }
     s_place = dump(json_pack("{s:i,s:i,s:o,s:o}", "ps_task", info->task_index, "ps_tasks",
                              info->ps_tasks, "variables", placed, "map", map ? map : json_null()));
     placed = NULL;
@@ -166,8 +175,9 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
     const char *meta[] = {"format", CKPT_FORMAT, "format_version", CKPT_FORMAT_VERSION,
                           "global_step", step, "task", task, "ps_tasks", nps, "saved_at", when,
                           "config", s_config, "variables", s_vars, "placement", s_place,
-                          "state", s_state, "crc32c", s_crc, "meta_crc32c", mcrc};
-    int n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2);
+                          "state", s_state, "crc32c", s_crc, "meta_crc32c", mcrc,
+                          "model", model_s, "input_shape", shape_s};
+    int n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2) - (model_s[0] ? 0 : 2);
     snprintf(mcrc, sizeof(mcrc), "%08x", meta_crc(meta, n_meta));
     rc = st_write_file_parts(path, d, nt, meta, n_meta, parts, nt, after_part, ctx, err, errlen);
     goto out;

@@ -368,6 +368,25 @@ enum MHD_Result h_placement_put(request *r)
                                 "placement is for %lld ps tasks, this cluster has %d",
                                 (long long)got, ps);
     }
+    /* the model the chief trains (client/model.h's canonical spec) and its
+     * input shape: they go into every checkpoint's __metadata__ */
+    static const struct { const char *key; size_t max; } named[] = {{"model", 511}, {"input_shape", 63}};
+    for (size_t i = 0; i < sizeof(named) / sizeof(named[0]); i++) {
+        json_t *v = json_object_get(j, named[i].key);
+        if (!v)
+            continue;
+        const char *t = json_string_value(v);
+        size_t len = t ? json_string_length(v) : 0;
+        int ok = t && len >= 1 && len <= named[i].max;
+        for (size_t k = 0; ok && k < len; k++)
+            ok = t[k] > ' ' && t[k] <= '~'; /* printable, no space: also no NUL inside */
+        if (!ok) {
+            json_decref(j);
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                    "placement %s must be a string of 1 to %zu printable characters",
+                                    named[i].key, named[i].max);
+        }
+    }
     json_object_del(j, "this_ps"); /* psd's own, added on GET */
     char *text = json_dumps_checked(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
     json_decref(j);
