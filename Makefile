@@ -56,13 +56,11 @@ ifeq ($(CUDA),1)
 ifeq ($(NVCC),)
 $(error CUDA=1 but no nvcc in $(CUDA_HOME)/bin or on PATH: install the CUDA toolkit, set CUDA_HOME, or make CUDA=0)
 endif
-CUDA_OBJ = $(BUILD)/client/mlp_cuda.o
 MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda.o
 LDLIBS_CUDA = -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 GPU_BINS = $(BIN)/cuda_vs_cpu $(BIN)/gpu_bench
 $(info restps: CUDA backend on ($(NVCC): sm_90 + compute_75 PTX); make CUDA=0 for a CPU-only build)
 else
-CUDA_OBJ = $(BUILD)/client/mlp_cuda_stub.o
 MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda_stub.o
 LDLIBS_CUDA =
 GPU_BINS =
@@ -72,8 +70,7 @@ endif
 COMMON_OBJ = $(COMMON_SRC:%.c=$(BUILD)/%.o)
 SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ) $(ENDPOINT_OBJ)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
-# (MODEL_CUDA_OBJ, above: the model's CUDA backend, or its stub without CUDA;
-# CUDA_OBJ, the MLP-only mlp_cuda.cu, is no longer part of workerd)
+# (MODEL_CUDA_OBJ, above: the model's CUDA backend, or its stub without CUDA)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(MODEL_CUDA_OBJ)
 LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
 # GnuTLS priority strings (psd's --tls_priorities, the ring's): kept out of
