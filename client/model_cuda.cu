@@ -30,9 +30,13 @@
  * synchronization per call; two more streams overlap copies with compute:
  *  - out: with pinned gradients, each layer's gradient leaves as soon as the
  *    backward pass has computed it (an event per layer);
- *  - in: the next batch, when the caller stages it ahead (stage_batch) into a
- *    second device batch buffer (slot 1; slot 0 takes every batch a call
- *    copies itself), with an event the step that uses it waits for.
+ *  - in: with pinned parameters, forward_backward's uploads of every layer's
+ *    parameters but the first one's, layer by layer after the step's first
+ *    copies, each with an event the compute stream waits for just before that
+ *    layer, so the layers before it hide its upload; and the next batch, when
+ *    the caller stages it ahead (stage_batch) into a second device batch
+ *    buffer (slot 1; slot 0 takes every batch a call copies itself), with an
+ *    event the step that uses it waits for.
  * Every function returns with every stream idle, failures included, so no DMA
  * touches a caller's buffer after the call; the one exception is stage_batch,
  * whose copy from the caller's pinned batch may run until the call that ends
@@ -229,7 +233,9 @@ typedef struct model_cuda {
     cudaEvent_t piece_done[OUT_PIECES];   /* copy_out's pieces */
     int n_events;
     cudaEvent_t layer_done[MODEL_MAX_LAYERS]; /* layer l's gradients are computed */
+    cudaEvent_t param_ready[MODEL_MAX_LAYERS]; /* layer l's W and b are on the device (in stream) */
     int n_layer_events;
+    cudaEvent_t in0_done;                 /* the step's first copies are queued on the compute stream */
     cudaEvent_t staged_ev;                /* the staged batch is in slot 1 */
     int staged;                           /* stage_batch's batch: in or on its way to slot 1 */
     const float *st_x;                    /* ... from these host buffers, this batch */
@@ -790,8 +796,18 @@ static model *cuda_create(const model_layout *layout, int max_batch, char *err, 
     CK(cudaStreamCreateWithFlags(&c->out, cudaStreamNonBlocking));
     for (; c->n_events < OUT_PIECES; c->n_events++)
         CK(cudaEventCreateWithFlags(&c->piece_done[c->n_events], cudaEventDisableTiming));
-    for (; c->n_layer_events < L; c->n_layer_events++)
+    for (; c->n_layer_events < L; c->n_layer_events++) {
         CK(cudaEventCreateWithFlags(&c->layer_done[c->n_layer_events], cudaEventDisableTiming));
+        if (cudaEventCreateWithFlags(&c->param_ready[c->n_layer_events], cudaEventDisableTiming) !=
+            cudaSuccess) {
+            cudaEventDestroy(c->layer_done[c->n_layer_events]);
+            (void)cudaGetLastError();
+            errmsg(err, errlen, "%s:%d: cudaEventCreateWithFlags (param_ready) failed", __FILE__,
+                   __LINE__);
+            goto fail;
+        }
+    }
+    CK(cudaEventCreateWithFlags(&c->in0_done, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&c->staged_ev, cudaEventDisableTiming));
     CKB(blas.Create(&c->blas));
     CKB(blas.SetStream(c->blas, c->stream));
@@ -823,8 +839,12 @@ static void cuda_destroy(model *m)
         blas.Destroy(c->blas);
     for (int i = 0; i < c->n_events; i++)
         (void)cudaEventDestroy(c->piece_done[i]);
-    for (int i = 0; i < c->n_layer_events; i++)
+    for (int i = 0; i < c->n_layer_events; i++) {
         (void)cudaEventDestroy(c->layer_done[i]);
+        (void)cudaEventDestroy(c->param_ready[i]);
+    }
+    if (c->in0_done)
+        (void)cudaEventDestroy(c->in0_done);
     if (c->staged_ev)
         (void)cudaEventDestroy(c->staged_ev);
     if (c->in)
@@ -1034,10 +1054,13 @@ fail:
 }
 
 /* Queue layers first..last on device input x [B, layers[first].in_numel]
- * with the parameters already on the device (c->params) and, for dropout,
- * the row hashes (queue_rowhash); c->y_last gets the last layer's output. */
+ * with the parameters on the device (c->params), or, for the layers with
+ * parameters after layer wait_after, on their way there on the in stream
+ * (each waited for with its param_ready event just before its layer; pass
+ * last to wait for none), and, for dropout, the row hashes (queue_rowhash);
+ * c->y_last gets the last layer's output. */
 static int forward(model_cuda *c, int first, int last, const float *x, int B, const model_ctx *ctx,
-                   char *err, size_t errlen)
+                   int wait_after, char *err, size_t errlen)
 {
     const model_layout *ly = &c->base.layout;
     const float one = 1.0f, zero = 0.0f;
@@ -1046,6 +1069,8 @@ static int forward(model_cuda *c, int first, int last, const float *x, int B, co
         float *y = c->act[li];
         const size_t n_out = (size_t)B * l->out_numel;
         c->inp[li] = x;
+        if (li > wait_after && l->w >= 0)
+            CK(cudaStreamWaitEvent(c->stream, c->param_ready[li], 0));
         switch (l->kind) {
         case LAYER_DENSE: {
             const int K = (int)l->in_numel, N = (int)l->out_numel;
@@ -1291,17 +1316,45 @@ static int cuda_forward_backward(model *m, const float *params, const float *x, 
     const float *dx = c->xs[staged];
     const uint8_t *dy = c->ys[staged];
     const int direct_out = is_pinned(c, grads, P * sizeof(float));
+    /* params pinned: the first layer with parameters (p0) comes in on the
+     * compute stream, ahead of the batch; the other layers' on the in stream
+     * after it, each awaited just before its layer (forward), so a layer's
+     * compute hides the next ones' upload */
+    const int direct_in = is_pinned(c, params, P * sizeof(float));
+    int p0 = 0;
+    while (p0 < L - 1 && ly->layers[p0].w < 0)
+        p0++;
     CK(cudaSetDevice(c->device));
-    if (params_in(c, params, 0, L - 1, err, errlen) != 0)
+    if (direct_in) {
+        const model_layer *l0 = &ly->layers[p0];
+        const size_t hi0 = ly->tensors[l0->b].offset + ly->tensors[l0->b].numel; /* from 0 */
+        CK(cudaMemcpyAsync(c->params, params, hi0 * sizeof(float), cudaMemcpyHostToDevice, c->stream));
+    } else if (params_in(c, params, 0, L - 1, err, errlen) != 0) {
         goto fail;
+    }
     if (staged)
         CK(cudaStreamWaitEvent(c->stream, c->staged_ev, 0));
     else if (copy_in(c, c->stream, c->xs[0], c->h_x, x, (size_t)B * ly->n_in * sizeof(float), err,
                      errlen) != 0 ||
              copy_in(c, c->stream, c->ys[0], c->h_y, labels, (size_t)B, err, errlen) != 0)
         goto fail;
-    if (queue_rowhash(c, 0, L - 1, B, ctx, err, errlen) != 0 ||
-        forward(c, 0, L - 1, dx, B, ctx, err, errlen) != 0)
+    if (queue_rowhash(c, 0, L - 1, B, ctx, err, errlen) != 0)
+        goto fail;
+    if (direct_in && p0 < L - 1) {
+        CK(cudaEventRecord(c->in0_done, c->stream));
+        CK(cudaStreamWaitEvent(c->in, c->in0_done, 0));
+        for (int li = p0 + 1; li < L; li++) {
+            const model_layer *l = &ly->layers[li];
+            if (l->w < 0)
+                continue;
+            const size_t lo = ly->tensors[l->w].offset;
+            const size_t hi = ly->tensors[l->b].offset + ly->tensors[l->b].numel;
+            CK(cudaMemcpyAsync(c->params + lo, params + lo, (hi - lo) * sizeof(float),
+                               cudaMemcpyHostToDevice, c->in));
+            CK(cudaEventRecord(c->param_ready[li], c->in));
+        }
+    }
+    if (forward(c, 0, L - 1, dx, B, ctx, direct_in ? p0 : L - 1, err, errlen) != 0)
         goto fail;
     /* d[0] [B, C] = (softmax - onehot) / B, the row losses */
     k_softmax_xent<<<grid_for((size_t)B, 128), 128, 0, c->stream>>>(c->y_last, dy, B, C, 1.0f / (float)B,
@@ -1313,7 +1366,8 @@ static int cuda_forward_backward(model *m, const float *params, const float *x, 
     if (backward(c, 0, L - 1, c->d[0], B, 0, NULL, direct_out ? grads : NULL, err, errlen) != 0 ||
         grads_out(c, grads, direct_out, 0, L - 1, err, errlen) != 0)
         goto fail;
-    /* a staged batch this call did not use may still be coming in */
+    /* the parameter uploads on in are done (the compute waited for each); a
+     * staged batch this call did not use may still be coming in */
     CK(cudaStreamSynchronize(c->in));
     c->staged = 0;
     *loss = c->h_sums[0] / B;
@@ -1355,7 +1409,7 @@ static int cuda_evaluate(model *m, const float *params, const float *x, const ui
                     err, errlen) != 0 ||
             copy_in(c, c->stream, c->ys[0], c->h_y, labels + start, (size_t)B, err, errlen) != 0)
             goto fail;
-        if (forward(c, 0, L - 1, c->xs[0], B, &inference, err, errlen) != 0)
+        if (forward(c, 0, L - 1, c->xs[0], B, &inference, L - 1, err, errlen) != 0)
             goto fail;
         k_softmax_xent<<<grid_for((size_t)B, 128), 128, 0, c->stream>>>(
             c->y_last, c->ys[0], B, C, 1.0f, NULL, c->rowloss, c->rowright);
@@ -1392,7 +1446,7 @@ static int cuda_forward_range(model *m, int first, int last, const float *params
         copy_in(c, c->stream, c->rin, c->h_x, in, (size_t)B * ly->layers[first].in_numel * sizeof(float),
                 err, errlen) != 0 ||
         queue_rowhash(c, first, last, B, ctx, err, errlen) != 0 ||
-        forward(c, first, last, c->rin, B, ctx, err, errlen) != 0 ||
+        forward(c, first, last, c->rin, B, ctx, last, err, errlen) != 0 ||
         copy_out(c, out, c->h_out, c->y_last, (size_t)B * ly->layers[last].out_numel * sizeof(float),
                  err, errlen) != 0)
         goto fail;
