@@ -16,8 +16,9 @@
  *     interface on a split (layers 0..k-1 on one instance, k..L-1 on
  *     another, as model parallelism runs them) equal to the whole step;
  *     evaluate's loss and accuracy in uneven chunks;
- *  4. MLPs (mlp:, mlp:100, mlp:1024,1024, ...) with the buffers from malloc and
- *     from model_host_alloc (pinned: direct DMA; checked zeroed and
+ *  4. MLPs (mlp:, mlp:100, mlp:1024,1024, ...), a small CNN and the cnn with
+ *     the buffers from malloc and from model_host_alloc (pinned: direct DMA,
+ *     the parameters uploaded layer by layer; checked zeroed and
  *     page-locked), and the staged batches of model_stage_batch (used,
  *     replaced, refilled, of another size, ended by evaluate);
  *  5. bad arguments (a label >= n_classes, a backward that pairs with no
@@ -609,7 +610,7 @@ static void step_check(model *mc, model *mg, const model_layout *ly, const float
     result(nan_at < 0 && worst <= LIMIT, w, d);
 }
 
-static void mlp_modes(const char *spec, int mb, int B, int n_eval, uint64_t seed, int mode)
+static void modes(const char *spec, int mb, int B, int n_eval, uint64_t seed, int mode)
 {
     char what[192];
     model_layout ly;
@@ -785,14 +786,16 @@ int main(int argc, char **argv)
             whole("cnn", IMG, 100, 100, 250, &k, 1, seed + 63);
         }
     }
-    /* 4: MLPs in every buffer mode, with staging */
+    /* 4: MLPs and CNNs in every buffer mode, with staging */
     for (int mode = PLAIN; mode <= MIXED; mode++) {
-        mlp_modes("mlp:", 64, 64, 150, seed + 71, mode);
-        mlp_modes("mlp:100", 100, 100, 1000, seed + 72, mode);
-        mlp_modes("mlp:64,33", 8, 5, 21, seed + 73, mode);
-        mlp_modes("mlp:1024,1024", 256, 256, 600, seed + 74, mode);
-        mlp_modes("mlp:12,12,12,12,12,12,12,12", 40, 33, 100, seed + 75, mode);
+        modes("mlp:", 64, 64, 150, seed + 71, mode);
+        modes("mlp:100", 100, 100, 1000, seed + 72, mode);
+        modes("mlp:64,33", 8, 5, 21, seed + 73, mode);
+        modes("mlp:1024,1024", 256, 256, 600, seed + 74, mode);
+        modes("mlp:12,12,12,12,12,12,12,12", 40, 33, 100, seed + 75, mode);
+        modes("conv:3x3x8,pool:2,dense:32,dropout:0.5,dense:10", 12, 11, 30, seed + 76, mode);
     }
+    modes("cnn", 20, 20, 45, seed + 77, PINNED);
     ties();
     printf("cuda_vs_cpu: %d passed, %d failed in %ld s\n", passes, failures, (long)(time(NULL) - t0));
     printf("cuda_vs_cpu: %s\n", failures ? "FAILED" : "all agree");
