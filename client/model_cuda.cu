@@ -234,7 +234,7 @@ typedef struct model_cuda {
     int n_events;
     cudaEvent_t layer_done[MODEL_MAX_LAYERS]; /* layer l's gradients are computed */
     cudaEvent_t param_ready[MODEL_MAX_LAYERS]; /* layer l's W and b are on the device (in stream) */
-    int n_layer_events;
+    int n_layer_events, n_param_events;
     cudaEvent_t in0_done;                 /* the step's first copies are queued on the compute stream */
     cudaEvent_t staged_ev;                /* the staged batch is in slot 1 */
     int staged;                           /* stage_batch's batch: in or on its way to slot 1 */
@@ -796,17 +796,10 @@ static model *cuda_create(const model_layout *layout, int max_batch, char *err, 
     CK(cudaStreamCreateWithFlags(&c->out, cudaStreamNonBlocking));
     for (; c->n_events < OUT_PIECES; c->n_events++)
         CK(cudaEventCreateWithFlags(&c->piece_done[c->n_events], cudaEventDisableTiming));
-    for (; c->n_layer_events < L; c->n_layer_events++) {
+    for (; c->n_layer_events < L; c->n_layer_events++)
         CK(cudaEventCreateWithFlags(&c->layer_done[c->n_layer_events], cudaEventDisableTiming));
-        if (cudaEventCreateWithFlags(&c->param_ready[c->n_layer_events], cudaEventDisableTiming) !=
-            cudaSuccess) {
-            cudaEventDestroy(c->layer_done[c->n_layer_events]);
-            (void)cudaGetLastError();
-            errmsg(err, errlen, "%s:%d: cudaEventCreateWithFlags (param_ready) failed", __FILE__,
-                   __LINE__);
-            goto fail;
-        }
-    }
+    for (; c->n_param_events < L; c->n_param_events++)
+        CK(cudaEventCreateWithFlags(&c->param_ready[c->n_param_events], cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&c->in0_done, cudaEventDisableTiming));
     CK(cudaEventCreateWithFlags(&c->staged_ev, cudaEventDisableTiming));
     CKB(blas.Create(&c->blas));
@@ -839,10 +832,10 @@ static void cuda_destroy(model *m)
         blas.Destroy(c->blas);
     for (int i = 0; i < c->n_events; i++)
         (void)cudaEventDestroy(c->piece_done[i]);
-    for (int i = 0; i < c->n_layer_events; i++) {
+    for (int i = 0; i < c->n_layer_events; i++)
         (void)cudaEventDestroy(c->layer_done[i]);
+    for (int i = 0; i < c->n_param_events; i++)
         (void)cudaEventDestroy(c->param_ready[i]);
-    }
     if (c->in0_done)
         (void)cudaEventDestroy(c->in0_done);
     if (c->staged_ev)
