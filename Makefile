@@ -25,6 +25,7 @@ COMMON_SRC += common/ckptdir.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c server/ticker.c server/changes.c \
+             server/sync_agg.c server/worker_state.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
              server/membership.c server/conntrack.c server/summaries.c
