@@ -84,7 +84,7 @@ ENDPOINT_OBJ = $(BUILD)/common/endpoint.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test hostile unit-bins bench bench-bins deps demo gpu-check clean
+.PHONY: all asan test coverage hostile unit-bins bench bench-bins deps demo gpu-check clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # client/ never includes server/ (common/ holds what both use)
@@ -136,6 +136,7 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_tfevents test_blas_kernel
 UNIT_TESTS += test_ckptdir
 UNIT_TESTS += test_model
+UNIT_TESTS += test_retry
 UNIT_TESTS += test_waiters test_sync
 IDX_OBJ = $(BUILD)/client/idx.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
@@ -162,6 +163,16 @@ $(BIN)/model_dump: $(BUILD)/tests/unit/model_dump.o $(MODEL_OBJ) $(COMMON_OBJ)
 $(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
+# A unit test links what it tests: the common/ modules alone; libps (against
+# the fake server in test_retry.c); placement alone. Only the tests of server
+# modules (store, saver) link the server's objects.
+COMMON_UNIT_TESTS = test_tensor test_safetensors test_cluster test_flags test_tfevents test_ckptdir
+$(COMMON_UNIT_TESTS:%=$(BIN)/%): $(BIN)/%: $(BUILD)/tests/unit/%.o $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
+$(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
@@ -211,10 +222,20 @@ deps:
 	@sh scripts/pydeps.sh
 	@sh scripts/promtool.sh
 
+# make test: both builds (and the fuzzers' clang build, where clang is) at
+# once over the cores, then tests/run.sh (the two system runs side by side).
+JOBS ?= $(shell nproc)
 test: deps
-	$(MAKE) all unit-bins
-	$(MAKE) asan
+	$(MAKE) -j$(JOBS) all unit-bins asan $(if $(shell command -v $(FUZZ_CC) 2>/dev/null),fuzz-bins)
 	sh tests/run.sh
+
+# Line coverage of the C code (gcovr) under the full normal run and under the
+# sanitizer run's subset, on a --coverage build (COV_BUILD); prints both line
+# sets and the ratio, and writes tests/coverage.txt. Slow: not part of make test.
+COV_BUILD ?= build/cov
+coverage: deps
+	$(MAKE) -j$(JOBS) BUILD=$(COV_BUILD) BIN=$(COV_BUILD)/bin CUDA=0 OPT="-O1 -g --coverage" LDFLAGS="--coverage" all unit-bins
+	sh tests/coverage.sh $(COV_BUILD)
 
 bench: deps all bench-bins
 	@sh scripts/deps.sh python3-torch

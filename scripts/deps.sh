@@ -6,6 +6,8 @@
 # clang-14, libclang-rt-14-dev: the libFuzzer harnesses (tests/fuzz/, make fuzz).
 # wrk: the load test and bench (tests/system/test_load.py, bench/load.sh);
 # valgrind: tests/system/test_valgrind.py.
+# python3-pytest-xdist: the system tests' parallel workers (tests/run.sh);
+# gcovr: line coverage of the C code (make coverage).
 # Arguments name more packages: make bench passes its own (python3-torch, the
 # peer of bench/train.sh and bench/cnn_compare.py), which make test does not need.
 # nginx (make bench's peer) is not installed, which would enable a server on
@@ -17,7 +19,8 @@ libcmocka-dev python3 python3-venv python3-pytest python3-numpy python3-yaml pyt
 dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \
 clang-14 libclang-rt-14-dev \
-wrk valgrind $*"
+wrk valgrind \
+python3-pytest-xdist gcovr $*"
 missing=""
 for p in $PKGS; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
