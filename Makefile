@@ -28,7 +28,7 @@ SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/r
              server/sync_agg.c server/worker_state.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c server/conntrack.c server/summaries.c
+             server/membership.c server/summaries.c
 CLIENT_SRC = client/libps.c client/transfer.c
 WORKER_SRC = client/idx.c client/model.c client/model_spec.c client/model_cpu.c client/blas_kernel.c client/model_device.c client/shards.c client/train.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
@@ -80,7 +80,7 @@ TLS_OBJ = $(BUILD)/common/tls_priorities.o
 # The monitoring page (common/web_assets.h): the lookup and the generated table
 WEB_OBJ = $(BUILD)/common/web_assets.o $(BUILD)/common/web_assets_table.o
 # What psd and the ring's endpoint answer with (libmicrohttpd: also kept out of COMMON_OBJ)
-ENDPOINT_OBJ = $(BUILD)/common/endpoint.o
+ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "conntrack.h"
 #include "endpoint.h"
 #include "errmsg.h"
 #include "pem.h"
@@ -31,6 +32,11 @@
 
 #define PEER_MAX (CLUSTER_HOST_MAX + 16)
 #define RING_MISMATCH_LINGER_MS 3000
+/* The endpoint's connections: a neighbour or two, the chief's page and
+ * curl; a thread each (MHD_USE_THREAD_PER_CONNECTION). A head must arrive
+ * within RING_HEADER_SECS, as psd's --connection_timeout default. */
+#define RING_MAX_CONNS 256
+#define RING_HEADER_SECS 60
 
 struct ring {
     int n, rank;
@@ -54,6 +60,7 @@ struct ring {
         char cert[48], key[48], ca[48], prio[48];
     } names; /* what messages call the TLS settings (ring_tls_names) */
     struct MHD_Daemon *d;
+    struct conntrack *conns; /* header deadlines, and room kept for a new peer */
     struct timespec started;
 
     /* receive slots: [parity][k] a buffer of chunk_max floats, and per piece
@@ -403,6 +410,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     req *q = *req_cls;
     if (!q) {
         char msg[ENDPOINT_ERROR_MAX];
+        conntrack_request_begins(c); /* its head is in: no longer cut for waiting */
         unsigned bad = endpoint_check_framing(c, method, url, version, msg, sizeof(msg));
         if (bad)
             return endpoint_reply_close(c, bad, msg);
@@ -437,8 +445,8 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
                          enum MHD_RequestTerminationCode toe)
 {
     ring *r = cls;
-    (void)c;
     (void)toe;
+    conntrack_request_ends(c);
     if (*req_cls)
         atomic_fetch_sub(&r->uploads, 1);
     free(*req_cls);
@@ -1092,12 +1100,24 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     };
     if (!r->tls)
         tls_opts[0].option = MHD_OPTION_END;
+    /* as psd: a connection that has not sent a whole head within
+     * RING_HEADER_SECS is cut, and near RING_MAX_CONNS each new one cuts the
+     * one that has waited longest for its head, so idle or half-sent
+     * connections cannot lock the neighbours out */
+    if (!(r->conns = conntrack_start(RING_HEADER_SECS, RING_MAX_CONNS))) {
+        errmsg(err, errlen, "cannot start the ring endpoint's connection tracker: %s", strerror(errno));
+        ring_free(r);
+        return NULL;
+    }
     errno = 0;
     r->d = MHD_start_daemon(mflags, (uint16_t)self->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
                             v6 ? (struct sockaddr *)&sa6 : (struct sockaddr *)&sa,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
                             MHD_OPTION_CONNECTION_TIMEOUT, 120u,
                             MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)RING_MAX_CONNS,
+                            MHD_OPTION_NOTIFY_CONNECTION, conntrack_notify, r->conns,
+                            MHD_OPTION_URI_LOG_CALLBACK, endpoint_uri_guard, NULL, /* 414 before the query is parsed */
                             MHD_OPTION_ARRAY, tls_opts, MHD_OPTION_END);
     if (!r->d) {
         int e = errno;
@@ -1132,6 +1152,8 @@ void ring_free(ring *r)
             sleep_ms(RING_MISMATCH_LINGER_MS);
         MHD_stop_daemon(r->d);
     }
+    if (r->conns)
+        conntrack_stop(r->conns); /* after the daemon: every connection closed */
     if (r->curl)
         curl_easy_cleanup(r->curl);
     curl_slist_free_all(r->hdrs);
