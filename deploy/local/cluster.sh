@@ -131,7 +131,7 @@ while [ $i -lt "$NWORKERS" ]; do
 done
 if [ "$EVAL" = 1 ]; then
   # shellcheck disable=SC2086
-  "$BINDIR/workerd" --job_name=evaluator --task_index=0 $CLUSTER $MODE "$@" --eval_secs=5 \
+  "$BINDIR/workerd" --job_name=evaluator --task_index=0 $CLUSTER $MODE --eval_secs=5 "$@" \
     >"$LOGDIR/evaluator.log" 2>&1 &
   started evaluator $! "-"
 fi
