@@ -137,6 +137,7 @@ UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver tes
 UNIT_TESTS += test_ckptdir
 UNIT_TESTS += test_model
 UNIT_TESTS += test_retry
+UNIT_TESTS += test_placement
 UNIT_TESTS += test_waiters test_sync
 IDX_OBJ = $(BUILD)/client/idx.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
@@ -173,6 +174,9 @@ $(COMMON_UNIT_TESTS:%=$(BIN)/%): $(BIN)/%: $(BUILD)/tests/unit/%.o $(COMMON_OBJ)
 $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
+$(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/placement.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
