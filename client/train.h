@@ -11,6 +11,7 @@
 #include "model.h"
 #include "optim.h"
 #include "placement.h"
+#include "shards.h"
 
 typedef struct train_config {
     const cluster_spec *cluster;
@@ -112,5 +113,23 @@ void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char 
 /* --evaluate_model=FILE: rebuild the model from the file's metadata alone and
  * print its test loss and accuracy; 0, 1 failed, 2 bad file or data. */
 int train_evaluate_file(const train_config *c, const char *path);
+
+/* Shared by the role files (train.c, chief.c, evaluator.c, local.c). */
+/* Sleep secs, or less when a stop was requested. */
+void train_sleep(double secs);
+/* A libps client of the cluster's ps tasks; NULL after a message. */
+ps_client *train_connect_ps(const train_config *c, long timeout_ms);
+/* Poll path on every ps until each answers 200, saying what it waits for
+ * (exits on a wrong token or certificate, or on a stop). */
+void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, const char *what);
+/* The chief's placement (GET /v1/placement on ps 0) must be this task's: the
+ * same model, --placement and --partition_bytes. 0 when it is, else -1
+ * after a message (naming both models when they differ). */
+int train_check_placement(const train_config *c, ps_client *pc, const shards *sh);
+/* The chief (chief.c): create the variables, send the placement and the
+ * configuration (0, 1 failed, 2 other flags than the ps have); at the end,
+ * wait (bounded) for the other tasks to say they finished. */
+int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params);
+void train_chief_wait_others(const train_config *c, ps_client *pc);
 
 #endif
