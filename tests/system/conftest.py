@@ -37,6 +37,21 @@ def gpu_env():
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
+# The sanitizer run: a build folder whose path names asan (tests/run.sh's
+# build/asan/bin, and the coverage build standing in for it in make coverage).
+SANITIZER_RUN = "asan" in BIN
+
+
+def pytest_collection_modifyitems(config, items):
+    """On the sanitizer build, the tests tests/system/sanitizer_subset.py
+    leaves to the normal build are skipped, each with its reason."""
+    if not SANITIZER_RUN:
+        return
+    from sanitizer_subset import normal_build_only
+    for item in items:
+        reason = normal_build_only(item)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason="normal build only: " + reason))
 
 
 @pytest.fixture(autouse=True)

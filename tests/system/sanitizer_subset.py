@@ -1,0 +1,76 @@
+"""What the sanitizer build's system run leaves to the normal build, and why.
+
+tests/run.sh runs every system test on the normal build, and on the
+AddressSanitizer + UBSan build every test this module does not name here:
+conftest.py marks those skipped there, with the reason, so the run's summary
+counts them. The rule for this list: a test leaves the sanitizer run only when
+no C code path depends on it there: pure file, spec and Python-side checks,
+timing or rate measurements whose code paths other tests reach under the
+sanitizer, and the repetitions of a matrix whose C path does not change along
+the axis left out. Every path reached only through a process (signals, crash
+recovery, TLS, checkpoints) stays. `make coverage` measures what this costs:
+the lines of C the sanitizer run still reaches, against the full normal run
+(tests/coverage.txt; it must stay at 95% or more). Tests that skip themselves
+under ASan (LD_PRELOAD shims, valgrind, the container build, timing tests)
+say so in their own files.
+"""
+import os
+
+# whole files: file name -> reason
+FILES = {
+    "test_deploy_files.py": "lints the deploy files (YAML, Dockerfiles, units, scripts): no C code runs",
+    "test_deploy_run.py": "checks the deploy scripts' mapping of TF_CONFIG and Slurm tasks to flags; "
+                          "the psd and workerd they start run the training paths that test_train and "
+                          "test_cluster_sh run under the sanitizer",
+    "test_safetensors_py.py": "reads psd's files with Python's safetensors (the file format); psd's "
+                              "writers run under the sanitizer in test_checkpoint and test_recovery",
+}
+
+# single tests: (file name, function name) -> reason
+TESTS = {
+    ("test_openapi.py", "test_spec_is_valid_openapi"): "validates the spec file with the OpenAPI "
+        "validator: no C code runs (the live answers are checked under the sanitizer)",
+    ("test_openapi.py", "test_route_table_matches_spec"): "compares psd --routes (which test_auth runs "
+        "under the sanitizer) with the spec: no request is made",
+    ("test_openapi.py", "test_event_data_is_status"): "a check of the spec's schemas: no C code runs",
+    ("test_history.py", "test_steps_per_sec"): "a rate measured over 7.5 s of pushes and waiting; the "
+        "rate's code runs under the sanitizer in every /v1/status read",
+}
+
+# matrices: (file name, function name) -> (keep(params) -> bool, reason)
+WRITE_KEPT = "/v1/grads"
+READ_KEPT = "/v1/params"
+MATRICES = {
+    ("test_auth.py", "test_write_without_the_right_token_is_401"): (
+        lambda p: p["auth"] == "none" or p["route"][1] == WRITE_KEPT,
+        f"the sanitizer build runs every bad token on POST {WRITE_KEPT} and every write route "
+        "without a token; the token check (server/auth.c, common/token.c) runs before any route "
+        "and does not depend on it"),
+    ("test_auth.py", "test_auth_reads_closes_every_route_not_open"): (
+        lambda p: p["auth"] == "none" or p["route"][1] == READ_KEPT,
+        f"the sanitizer build runs every bad token on GET {READ_KEPT} and every route without a "
+        "token; the token check runs before any route and does not depend on it"),
+    ("test_history.py", "test_events_at_most_ten_a_second"): (
+        lambda p: "--http_threads=2" in p["mode"],
+        "a rate limit measured over seconds of pushes; the event stream runs under the sanitizer "
+        "with the default pool (epoll-pool) here and with every threading in the other event tests"),
+}
+
+
+def normal_build_only(item):
+    """The reason item runs on the normal build only, or None."""
+    fname = os.path.basename(str(item.fspath))
+    func = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
+    if fname in FILES:
+        return FILES[fname]
+    if (fname, func) in TESTS:
+        return TESTS[(fname, func)]
+    m = MATRICES.get((fname, func))
+    if m and hasattr(item, "callspec"):
+        try:
+            keep = m[0](item.callspec.params)
+        except (KeyError, IndexError, TypeError):
+            keep = True  # the matrix changed shape: run it all rather than guess
+        if not keep:
+            return m[1]
+    return None
