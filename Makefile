@@ -25,9 +25,10 @@ COMMON_SRC += common/ckptdir.c
 SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c server/ticker.c server/changes.c \
+             server/sync_agg.c server/worker_state.c \
              server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
              server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c server/conntrack.c server/summaries.c
+             server/membership.c server/summaries.c
 CLIENT_SRC = client/libps.c client/transfer.c
 WORKER_SRC = client/idx.c client/model.c client/model_spec.c client/model_cpu.c client/blas_kernel.c client/model_device.c client/shards.c client/train.c client/batcher.c client/chief.c client/evaluator.c client/local.c client/model_file.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c
@@ -79,11 +80,11 @@ TLS_OBJ = $(BUILD)/common/tls_priorities.o
 # The monitoring page (common/web_assets.h): the lookup and the generated table
 WEB_OBJ = $(BUILD)/common/web_assets.o $(BUILD)/common/web_assets_table.o
 # What psd and the ring's endpoint answer with (libmicrohttpd: also kept out of COMMON_OBJ)
-ENDPOINT_OBJ = $(BUILD)/common/endpoint.o
+ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test hostile unit-bins bench bench-bins deps demo gpu-check clean
+.PHONY: all asan test coverage hostile unit-bins bench bench-bins deps demo gpu-check clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # client/ never includes server/ (common/ holds what both use)
@@ -135,6 +136,8 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_tfevents test_blas_kernel
 UNIT_TESTS += test_ckptdir
 UNIT_TESTS += test_model
+UNIT_TESTS += test_retry
+UNIT_TESTS += test_placement
 UNIT_TESTS += test_waiters test_sync
 IDX_OBJ = $(BUILD)/client/idx.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
@@ -161,6 +164,19 @@ $(BIN)/model_dump: $(BUILD)/tests/unit/model_dump.o $(MODEL_OBJ) $(COMMON_OBJ)
 $(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
+# A unit test links what it tests: the common/ modules alone; libps (against
+# the fake server in test_retry.c); placement alone. Only the tests of server
+# modules (store, saver) link the server's objects.
+COMMON_UNIT_TESTS = test_tensor test_safetensors test_cluster test_flags test_tfevents test_ckptdir
+$(COMMON_UNIT_TESTS:%=$(BIN)/%): $(BIN)/%: $(BUILD)/tests/unit/%.o $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
+$(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
+$(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/placement.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
@@ -210,16 +226,27 @@ deps:
 	@sh scripts/pydeps.sh
 	@sh scripts/promtool.sh
 
+# make test: both builds (and the fuzzers' clang build, where clang is) at
+# once over the cores, then tests/run.sh (the two system runs side by side).
+JOBS ?= $(shell nproc)
 test: deps
-	$(MAKE) all unit-bins
-	$(MAKE) asan
+	$(MAKE) -j$(JOBS) all unit-bins asan $(if $(shell command -v $(FUZZ_CC) 2>/dev/null),fuzz-bins)
 	sh tests/run.sh
+
+# Line coverage of the C code (gcovr) under the full normal run and under the
+# sanitizer run's subset, on a --coverage build (COV_BUILD); prints both line
+# sets and the ratio, and writes tests/coverage.txt. Slow: not part of make test.
+COV_BUILD ?= build/cov
+coverage: deps
+	$(MAKE) -j$(JOBS) BUILD=$(COV_BUILD) BIN=$(COV_BUILD)/bin CUDA=0 OPT="-O1 -g --coverage" LDFLAGS="--coverage" all unit-bins
+	sh tests/coverage.sh $(COV_BUILD)
 
 bench: deps all bench-bins
 	@sh scripts/deps.sh python3-torch
 	@sh scripts/nginx.sh
 	sh bench/run.sh
 	sh bench/train.sh
+	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
 	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py
