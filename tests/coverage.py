@@ -23,13 +23,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLD = 0.95
 
 
+def full_root_of(prefix_root):
+    """The folder holding both runs' GCOV_PREFIX folders."""
+    return os.path.dirname(os.path.abspath(prefix_root))
+
+
 def covered(build, prefix_root, out_json):
     """(covered lines, instrumented lines) as sets of (file, line)."""
     build_abs = os.path.abspath(build)
     tree = prefix_root + build_abs  # where GCOV_PREFIX put this build's .gcda files
     if not os.path.isdir(tree):
         sys.exit(f"coverage: no .gcda files under {tree}: did the run use the coverage build?")
-    for d, _, files in os.walk(build_abs):
+    skip = (os.path.abspath(full_root_of(prefix_root)), os.path.abspath(prefix_root))
+    for d, dirs, files in os.walk(build_abs):
+        # not into the GCOV_PREFIX folders themselves (coverage.sh keeps them in the build)
+        dirs[:] = [x for x in dirs if not os.path.join(d, x).startswith(skip)]
         for f in files:
             if f.endswith(".gcno"):
                 dst = os.path.join(tree, os.path.relpath(d, build_abs))
