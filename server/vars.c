@@ -102,7 +102,6 @@ static int wants_json(request *r, int *bad)
     return acc && strstr(acc, "application/json") && !strstr(acc, "application/octet-stream");
 }
 
-/* values[] as JSON text: %.9g round-trips a float32; NaN and Inf become null. */
 /* A JSON answer costs ~16 bytes per value, twice: cap what one request can ask. */
 #define JSON_MAX_VALUES (1 << 20)
 
