@@ -24,8 +24,12 @@
 
 #include "dropout_mask.h"
 
-/* The column buffer holds at most this many floats (16 MiB), or one example's. */
-#define COL_BUDGET ((size_t)1 << 22)
+/* The column buffer holds at most this many floats (1 MiB), or one example's:
+ * measured with the cnn at batch 100 (one OpenBLAS Zen thread), conv 1's three
+ * products ran at 17-19 GFLOP/s in chunks of 26 examples (16 MiB) and 22-26 in
+ * chunks of one (627 KB): a chunk this size stays in L2/L3 between im2col, the
+ * packing and the kernel. */
+#define COL_BUDGET ((size_t)1 << 18)
 
 typedef struct model_cpu {
     model base; /* first: a model_cpu * is a model * */
@@ -109,6 +113,8 @@ static void dense_backward(float *din, float *dW, float *db, const float *dout, 
                     K);
 }
 
+static void relu_forward(float *restrict out, const float *restrict in, size_t n);
+
 /* col[nb * OH * OW, KH * KW * C] from in[nb, H, W, C]: row (e, oy, ox), column
  * (ky, kx, c), zero where the window is over the padding. */
 static void im2col(float *restrict col, const float *restrict in, int nb, const model_layer *l)
@@ -182,9 +188,11 @@ static int conv_chunk(const model_layer *l, int B)
     return nb > (size_t)B ? B : (int)nb;
 }
 
-/* out[B, OH, OW, Cout] = conv(in[B, H, W, Cin], W[KH, KW, Cin, Cout]) + b */
-static void conv_forward(float *out, float *col, const float *in, const float *W, const float *b,
-                         int B, const model_layer *l)
+/* out[B, OH, OW, Cout] = conv(in[B, H, W, Cin], W[KH, KW, Cin, Cout]) + b, and
+ * relu_out (NULL: none) = max(out, 0), the ReLU that follows, computed chunk by
+ * chunk while the chunk is in the cache (the same floats as relu_forward's). */
+static void conv_forward(float *out, float *relu_out, float *col, const float *in, const float *W,
+                         const float *b, int B, const model_layer *l)
 {
     const int K = l->kh * l->kw * l->in.c, N = l->out.c, P = l->out.h * l->out.w;
     const int nb_max = conv_chunk(l, B);
@@ -194,8 +202,147 @@ static void conv_forward(float *out, float *col, const float *in, const float *W
         float *o = out + (size_t)e0 * l->out_numel;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb * P, N, K, 1.0f, col, K, W, N, 0.0f,
                     o, N);
+        bias_add(o, b, (size_t)nb * P, N);
+        if (relu_out)
+            relu_forward(relu_out + (size_t)e0 * l->out_numel, o, (size_t)nb * l->out_numel);
     }
-    bias_add(out, b, (size_t)B * P, N);
+}
+
+/* conv2d with C_in = 1 (the first layer of an image model), computed directly:
+ * im2col's rows would be only KH * KW floats long, too short for sgemm (2-3
+ * GFLOP/s measured for conv 0 of the cnn). The output channels in blocks of
+ * C1_BLOCK held in four vector accumulators (GCC's vector extension: plain
+ * arrays were kept on the stack), the rest one at a time. */
+typedef float v4f __attribute__((vector_size(16)));
+#define C1_BLOCK 32
+/* X(i) for the eight 4-float parts of a block */
+#define C1_PARTS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+static inline v4f v4_load(const float *p)
+{
+    v4f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void v4_store(float *p, v4f v)
+{
+    memcpy(p, &v, sizeof(v));
+}
+
+/* out[p, n] = (sum over the taps in the input, row-major, of in[tap] * W[tap, n]) + b[n] */
+static void conv1_forward(float *out, float *relu_out, const float *in, const float *W,
+                          const float *b, int B, const model_layer *l)
+{
+    const int H = l->in.h, Wd = l->in.w, OH = l->out.h, OW = l->out.w, N = l->out.c;
+    const int KH = l->kh, KW = l->kw, S = l->stride;
+    for (int e = 0; e < B; e++) {
+        const float *ie = in + (size_t)e * l->in_numel;
+        float *oe = out + (size_t)e * l->out_numel;
+        for (int oy = 0; oy < OH; oy++)
+            for (int ox = 0; ox < OW; ox++) {
+                float *o = oe + ((size_t)oy * OW + ox) * N;
+                const int y0 = oy * S - l->pad_top, x0 = ox * S - l->pad_left;
+                const int ky0 = y0 < 0 ? -y0 : 0, ky1 = H - y0 < KH ? H - y0 : KH;
+                const int kx0 = x0 < 0 ? -x0 : 0, kx1 = Wd - x0 < KW ? Wd - x0 : KW;
+                int n0 = 0;
+                for (; n0 + C1_BLOCK <= N; n0 += C1_BLOCK) {
+#define C1_ZERO(i) v4f a##i = {0};
+#define C1_FMA(i) a##i += v * v4_load(w + 4 * (i));
+#define C1_OUT(i) v4_store(o + n0 + 4 * (i), a##i + v4_load(b + n0 + 4 * (i)));
+                    C1_PARTS(C1_ZERO)
+                    for (int ky = ky0; ky < ky1; ky++)
+                        for (int kx = kx0; kx < kx1; kx++) {
+                            const float v = ie[(size_t)(y0 + ky) * Wd + x0 + kx];
+                            const float *w = W + (size_t)(ky * KW + kx) * N + n0;
+                            C1_PARTS(C1_FMA)
+                        }
+                    C1_PARTS(C1_OUT)
+                }
+                for (; n0 < N; n0++) {
+                    float acc = 0.0f;
+                    for (int ky = ky0; ky < ky1; ky++)
+                        for (int kx = kx0; kx < kx1; kx++)
+                            acc += ie[(size_t)(y0 + ky) * Wd + x0 + kx] * W[(size_t)(ky * KW + kx) * N + n0];
+                    o[n0] = acc + b[n0];
+                }
+            }
+        if (relu_out)
+            relu_forward(relu_out + (size_t)e * l->out_numel, oe, l->out_numel);
+    }
+}
+
+/* The backward of conv1_forward: db = column sums of dout; dW = sum over the
+ * examples (in order) of each example's sum over its pixels (row-major) of
+ * in[tap] * dout[p, :], that sum in acc [KH * KW * N] (per tap, the channels
+ * in vector accumulators); din (NULL: not wanted) += dout[p, :] . W[tap, :]
+ * for each pixel and tap. */
+static void conv1_backward(float *din, float *dW, float *db, float *acc, const float *dout,
+                           const float *in, const float *W, int B, const model_layer *l)
+{
+    const int H = l->in.h, Wd = l->in.w, OH = l->out.h, OW = l->out.w, N = l->out.c;
+    const int KH = l->kh, KW = l->kw, S = l->stride;
+    const size_t nw = (size_t)KH * KW * N;
+    col_sums(db, dout, (size_t)B * OH * OW, N);
+    if (din)
+        memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
+    for (int e = 0; e < B; e++) {
+        const float *ie = in + (size_t)e * l->in_numel;
+        const float *de = dout + (size_t)e * l->out_numel;
+        float *g = e == 0 ? dW : acc;
+        for (int ky = 0; ky < KH; ky++)
+            for (int kx = 0; kx < KW; kx++) {
+                float *gt = g + (size_t)(ky * KW + kx) * N;
+                /* the outputs whose window puts this tap inside the input */
+                int oy0 = 0, oy1 = OH, ox0 = 0, ox1 = OW;
+                while (oy0 < OH && oy0 * S - l->pad_top + ky < 0)
+                    oy0++;
+                while (oy1 > oy0 && (oy1 - 1) * S - l->pad_top + ky >= H)
+                    oy1--;
+                while (ox0 < OW && ox0 * S - l->pad_left + kx < 0)
+                    ox0++;
+                while (ox1 > ox0 && (ox1 - 1) * S - l->pad_left + kx >= Wd)
+                    ox1--;
+                int n0 = 0;
+                for (; n0 + C1_BLOCK <= N; n0 += C1_BLOCK) {
+#define C1_ACC(i) a##i += v * v4_load(w + 4 * (i));
+#define C1_SAVE(i) v4_store(gt + n0 + 4 * (i), a##i);
+                    C1_PARTS(C1_ZERO)
+                    for (int oy = oy0; oy < oy1; oy++) {
+                        const float *row = ie + (size_t)(oy * S - l->pad_top + ky) * Wd;
+                        for (int ox = ox0; ox < ox1; ox++) {
+                            const float v = row[ox * S - l->pad_left + kx];
+                            const float *w = de + ((size_t)oy * OW + ox) * N + n0;
+                            C1_PARTS(C1_ACC)
+                        }
+                    }
+                    C1_PARTS(C1_SAVE)
+                }
+                for (; n0 < N; n0++) {
+                    float a = 0.0f;
+                    for (int oy = oy0; oy < oy1; oy++)
+                        for (int ox = ox0; ox < ox1; ox++)
+                            a += ie[(size_t)(oy * S - l->pad_top + ky) * Wd + ox * S - l->pad_left + kx] *
+                                 de[((size_t)oy * OW + ox) * N + n0];
+                    gt[n0] = a;
+                }
+                if (din) {
+                    float *dine = din + (size_t)e * l->in_numel;
+                    const float *w = W + (size_t)(ky * KW + kx) * N;
+                    for (int oy = oy0; oy < oy1; oy++)
+                        for (int ox = ox0; ox < ox1; ox++) {
+                            const float *d = de + ((size_t)oy * OW + ox) * N;
+                            float s = 0.0f;
+                            for (int m = 0; m < N; m++)
+                                s += d[m] * w[m];
+                            dine[(size_t)(oy * S - l->pad_top + ky) * Wd + ox * S - l->pad_left + kx] += s;
+                        }
+                }
+            }
+        if (e > 0)
+            for (size_t j = 0; j < nw; j++)
+                dW[j] += acc[j];
+    }
 }
 
 /* dW = sum over chunks col^T @ dout, db = column sums of dout, din = col2im(dout @ W^T). */
@@ -383,6 +530,8 @@ static model *cpu_create(const model_layout *layout, int max_batch, char *err, s
         }
         if (l->kind == LAYER_CONV2D) {
             size_t f = (size_t)conv_chunk(l, max_batch) * l->out.h * l->out.w * l->kh * l->kw * l->in.c;
+            if (l->in.c == 1) /* conv1_backward's per-example dW */
+                f = (size_t)l->kh * l->kw * l->out.c;
             if (f > c->col_floats)
                 c->col_floats = f;
         }
@@ -410,19 +559,35 @@ static const float *forward(model_cpu *c, int first, int last, const float *para
 {
     const model_layout *ly = &c->base.layout;
     const float *x = in;
+    int relu_done = 0; /* layer li is a ReLU its conv computed */
     for (int li = first; li <= last; li++) {
         const model_layer *l = &ly->layers[li];
         float *y = c->act[li];
         c->in[li] = x;
+        if (relu_done) {
+            relu_done = 0;
+            x = y;
+            continue;
+        }
         switch (l->kind) {
         case LAYER_DENSE:
             dense_forward(y, x, params + ly->tensors[l->w].offset, params + ly->tensors[l->b].offset, B,
                           (int)l->in_numel, (int)l->out_numel);
             break;
-        case LAYER_CONV2D:
-            conv_forward(y, c->col, x, params + ly->tensors[l->w].offset,
-                         params + ly->tensors[l->b].offset, B, l);
+        case LAYER_CONV2D: {
+            float *r = NULL; /* the ReLU that follows, in the same pass */
+            if (li < last && ly->layers[li + 1].kind == LAYER_RELU) {
+                r = c->act[li + 1];
+                relu_done = 1;
+            }
+            if (l->in.c == 1)
+                conv1_forward(y, r, x, params + ly->tensors[l->w].offset,
+                              params + ly->tensors[l->b].offset, B, l);
+            else
+                conv_forward(y, r, c->col, x, params + ly->tensors[l->w].offset,
+                             params + ly->tensors[l->b].offset, B, l);
             break;
+        }
         case LAYER_MAXPOOL:
             maxpool_forward(y, c->argmax[li], x, B, l);
             break;
@@ -481,7 +646,11 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
                            (int)l->out_numel);
             break;
         case LAYER_CONV2D:
-            conv_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, c->col,
+            if (l->in.c == 1)
+                conv1_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset,
+                               c->col, g, c->in[li], params + ly->tensors[l->w].offset, B, l);
+            else
+                conv_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, c->col,
                           g, c->in[li], params + ly->tensors[l->w].offset, B, l);
             break;
         case LAYER_MAXPOOL:
