@@ -84,7 +84,7 @@ ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test coverage hostile unit-bins bench bench-bins deps demo gpu-check clean
+.PHONY: all asan test coverage hostile unit-bins bench bench-cnn bench-bins deps demo gpu-check clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # client/ never includes server/ (common/ holds what both use)
@@ -160,10 +160,6 @@ $(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MODEL_OBJ) $(BUILD)/common/err
 $(BIN)/model_dump: $(BUILD)/tests/unit/model_dump.o $(MODEL_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm
-# the parked requests and the ticker alone, against fake libmicrohttpd calls in the test
-$(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
 # A unit test links what it tests: the common/ modules alone; libps (against
 # the fake server in test_retry.c); placement alone. Only the tests of server
 # modules (store, saver) link the server's objects.
@@ -177,6 +173,10 @@ $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
 $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/placement.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
+# the parked requests and the ticker alone, against fake libmicrohttpd calls in the test
+$(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
@@ -247,6 +247,7 @@ bench: deps all bench-bins
 	sh bench/run.sh
 	sh bench/train.sh
 	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
+	BIN=$(BIN) sh bench/cnn_accuracy.sh
 	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py
@@ -263,8 +264,13 @@ hostile: all
 	/usr/bin/python3 tests/hostile/campaign.py --long --bin build/asan/bin
 	RESTPS_HOSTILE_LONG=1 RESTPS_BIN_DIR=$(BIN) pytest-3 -q -rs -p no:cacheprovider tests/system/test_hostile_exhaustion.py
 
+# MODEL=cnn make demo trains the CNN instead (deploy/local/demo.sh says how long)
 demo: deps all
-	sh deploy/local/demo.sh
+	RESTPS_BIN_DIR=$(BIN) sh deploy/local/demo.sh
+
+# The CNN's accuracy target alone (issue 19; also in make bench): EPOCHS=, MODE=sync
+bench-cnn: all
+	BIN=$(BIN) sh bench/cnn_accuracy.sh
 
 clean:
 	rm -rf build bin
