@@ -144,7 +144,11 @@ started worker0 $CHIEF "-"
 URL="http://${PS_HOSTS%%,*}"
 var=hid_w
 for a in "$@"; do
-  case "$a" in --hidden_units=*,*) var=hid0_w;; --hidden_units=*) var=hid_w;; esac
+  case "$a" in
+    --hidden_units=*,*|--model=mlp:*,*) var=hid0_w;;
+    --hidden_units=*|--model=mlp:?*) var=hid_w;;
+    --model=*) var=sm_w;;  # every model ends in the logits layer sm_w sm_b
+  esac
 done
 mode=async; [ "$SYNC" = 1 ] && mode=sync
 cat <<MSG
