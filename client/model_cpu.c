@@ -368,6 +368,25 @@ static void conv_backward(float *din, float *dW, float *db, float *col, const fl
     }
 }
 
+/* Where p[c] > o[c] (strictly: the first maximum stays): o[c] = p[c], a[c] =
+ * base + c. Branch-free, in chunks of VEC, so that GCC vectorizes it. */
+static void maxpool_merge(float *restrict o, int32_t *restrict a, const float *restrict p,
+                          int32_t base, int C)
+{
+    int c = 0;
+    for (; c + VEC <= C; c += VEC)
+        for (int k = 0; k < VEC; k++) {
+            const int gt = p[c + k] > o[c + k];
+            o[c + k] = gt ? p[c + k] : o[c + k];
+            a[c + k] = gt ? base + c + k : a[c + k];
+        }
+    for (; c < C; c++)
+        if (p[c] > o[c]) {
+            o[c] = p[c];
+            a[c] = base + c;
+        }
+}
+
 /* out[B, OH, OW, C] = the window maxima of in[B, H, W, C] (padding ignored);
  * argmax gets the input index (within the example) of the first maximum. */
 static void maxpool_forward(float *out, int32_t *argmax, const float *in, int B, const model_layer *l)
@@ -399,11 +418,7 @@ static void maxpool_forward(float *out, int32_t *argmax, const float *in, int B,
                             }
                             first = 0;
                         } else {
-                            for (int c = 0; c < C; c++)
-                                if (p[c] > o[c]) {
-                                    o[c] = p[c];
-                                    a[c] = base + c;
-                                }
+                            maxpool_merge(o, a, p, base, C);
                         }
                     }
                 }
@@ -411,16 +426,26 @@ static void maxpool_forward(float *out, int32_t *argmax, const float *in, int B,
     }
 }
 
-static void maxpool_backward(float *din, const float *dout, const int32_t *argmax, int B,
-                             const model_layer *l)
+/* din = the gradient of each output at its argmax; relu_out (NULL: none): the
+ * output of a ReLU right below, whose backward this does too (the same floats
+ * as relu_backward on the result: a position's sum is kept whole or zeroed). */
+static void maxpool_backward(float *din, const float *dout, const int32_t *argmax,
+                             const float *relu_out, int B, const model_layer *l)
 {
     memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
     for (int e = 0; e < B; e++) {
         float *de = din + (size_t)e * l->in_numel;
         const float *d = dout + (size_t)e * l->out_numel;
         const int32_t *a = argmax + (size_t)e * l->out_numel;
-        for (size_t k = 0; k < l->out_numel; k++)
-            de[a[k]] += d[k];
+        if (relu_out) {
+            const float *r = relu_out + (size_t)e * l->in_numel;
+            for (size_t k = 0; k < l->out_numel; k++)
+                if (r[a[k]] > 0.0f)
+                    de[a[k]] += d[k];
+        } else {
+            for (size_t k = 0; k < l->out_numel; k++)
+                de[a[k]] += d[k];
+        }
     }
 }
 
@@ -630,8 +655,13 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
     if (c->fwd_first != first || c->fwd_last != last || c->fwd_batch != B)
         return -1;
     const float *g = dout;
+    int relu_skip = 0; /* layer li is a ReLU whose backward the maxpool above did */
     for (int li = last; li >= first; li--) {
         const model_layer *l = &ly->layers[li];
+        if (relu_skip) {
+            relu_skip = 0;
+            continue; /* g already is this layer's input gradient */
+        }
         const int want = din != NULL || params_below(ly, first, li);
         if (!want && l->w < 0)
             break; /* nothing below needs a gradient, and this layer has no parameters */
@@ -654,7 +684,13 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
                           g, c->in[li], params + ly->tensors[l->w].offset, B, l);
             break;
         case LAYER_MAXPOOL:
-            maxpool_backward(dx, g, c->argmax[li], B, l);
+            if (li - 1 > first && ly->layers[li - 1].kind == LAYER_RELU && dx) {
+                /* the ReLU below in the same pass: its gradient lands in dx too */
+                maxpool_backward(dx, g, c->argmax[li], c->act[li - 1], B, l);
+                relu_skip = 1;
+            } else {
+                maxpool_backward(dx, g, c->argmax[li], NULL, B, l);
+            }
             break;
         case LAYER_RELU:
             relu_backward(dx, g, c->act[li], n_in);
