@@ -15,12 +15,18 @@ The example's settings (784-100-10, truncated-normal init, Adam 0.01, batch
      the other worker's update sees), or a random mix with the measured
      staleness (delay 1 with probability p).
 
+  3. the async cluster again with `--moving_average_decay=D` (the ps keeps
+     tf.train.ExponentialMovingAverage shadows; the chief's final evaluation
+     reads them), against issue 19's target: mean >= 0.86 over >= 10 seeds,
+     no run below 0.85.
+
 It prints one line per run, then a table of mean/min/max test accuracy and how
 many runs reach 0.85, and writes the table to bench/out/async_accuracy.md.
 Exit status non-zero only when something broke, never for a figure.
 
-Environment: ASYNC_SEEDS (default "1 2 3 4 5 6"), ASYNC_STEPS (10000),
-ASYNC_NUMPY=0 skips the numpy part, RESTPS_BIN_DIR (default bin).
+Environment: ASYNC_SEEDS (default "1 2 ... 10"), ASYNC_STEPS (10000),
+ASYNC_NUMPY=0 skips the numpy part, ASYNC_EMA (the decay of the EMA arm,
+default 0.99; 0 skips it), RESTPS_BIN_DIR (default bin).
 """
 import gzip
 import json
@@ -39,7 +45,8 @@ from benchlib import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 DATA = "/usr/share/datasets/fashion-mnist"
-SEEDS = [int(s) for s in os.environ.get("ASYNC_SEEDS", "1 2 3 4 5 6").split()]
+SEEDS = [int(s) for s in os.environ.get("ASYNC_SEEDS", "1 2 3 4 5 6 7 8 9 10").split()]
+EMA = float(os.environ.get("ASYNC_EMA", "0.99"))
 STEPS = int(os.environ.get("ASYNC_STEPS", "10000"))
 EXAMPLE = ["--hidden_units=100", "--optimizer=adam", "--learning_rate=0.01", "--batch_size=100",
            f"--train_steps={STEPS}", "--log_every=0", f"--data_dir={DATA}"]
@@ -62,7 +69,7 @@ def run_local(seed):
     return accuracy(r.stdout)
 
 
-def run_async(seed, n_workers=2):
+def run_async(seed, n_workers=2, extra=()):
     """1 psd + n async workers; returns (accuracy, mean staleness)."""
     port = free_port()
     psd = subprocess.Popen([os.path.join(BIN, "psd"), f"--ps_hosts=127.0.0.1:{port}", "--logdir="],
@@ -71,7 +78,7 @@ def run_async(seed, n_workers=2):
     try:
         workers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n_workers))
         common = [f"--ps_hosts=127.0.0.1:{port}", f"--worker_hosts={workers}", "--sync=0",
-                  f"--seed={seed}", "--keep_ps"] + EXAMPLE
+                  f"--seed={seed}", "--keep_ps"] + EXAMPLE + list(extra)
         logs = [tempfile.TemporaryFile("w+") for _ in range(n_workers)]
         for i in range(n_workers):
             procs.append(subprocess.Popen([os.path.join(BIN, "workerd"), f"--task_index={i}"] + common,
@@ -196,7 +203,12 @@ def main():
         b, st = run_async(s)
         rows.setdefault("restps 1 ps + 2 async workers", []).append(b)
         stal.append(st)
-        print(f"seed {s}: --local {a:.4f}   2 async workers {b:.4f} (mean staleness {st:.2f})   "
+        e = ""
+        if EMA > 0:
+            c, _ = run_async(s, extra=[f"--moving_average_decay={EMA}"])
+            rows.setdefault(f"restps 1 ps + 2 async workers, --moving_average_decay={EMA}", []).append(c)
+            e = f"   with EMA {EMA} {c:.4f}"
+        print(f"seed {s}: --local {a:.4f}   2 async workers {b:.4f} (mean staleness {st:.2f}){e}   "
               f"{time.time() - t:.0f} s", flush=True)
     p = float(np.mean(stal)) if stal else 0.5
     if os.environ.get("ASYNC_NUMPY", "1") != "0":
@@ -215,6 +227,13 @@ def main():
                      f"{int((a >= 0.85).sum())} of {len(a)} |")
     table = "\n".join(lines)
     print(table)
+    if EMA > 0:
+        plain = np.array(rows["restps 1 ps + 2 async workers"])
+        ema = np.array(rows[f"restps 1 ps + 2 async workers, --moving_average_decay={EMA}"])
+        ok = len(ema) >= 10 and ema.mean() >= 0.86 and ema.min() >= 0.85
+        print(f"async without EMA: mean {plain.mean():.4f} min {plain.min():.4f}; "
+              f"with --moving_average_decay={EMA}: mean {ema.mean():.4f} min {ema.min():.4f} over {len(ema)} "
+              f"seeds: {'meets' if ok else 'misses'} the target (mean >= 0.86 over >= 10 seeds, none below 0.85)")
     print("(the issue's target for the async example: >= 0.85; numpy's rows share no code with restps: "
           "the gap between its delay-0 and delay-1 rows is what a one-update-old gradient costs this model "
           "at Adam 0.01, independent of the implementation)")

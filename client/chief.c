@@ -71,6 +71,8 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
         json_object_set_new(cfg, "max_staleness", json_integer(c->max_staleness));
     if (c->staleness >= 0)
         json_object_set_new(cfg, "staleness", json_integer(c->staleness));
+    if (c->moving_average_decay > 0)
+        json_object_set_new(cfg, "moving_average_decay", json_real(c->moving_average_decay));
     for (int i = 0; i < ps_shards(pc); i++)
         if (ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL) != PS_OK) {
             fprintf(stderr, "workerd: sending the training configuration: %s\n", ps_error(pc));

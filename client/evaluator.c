@@ -157,6 +157,11 @@ int train_evaluator(const train_config *c)
      * restart, but does not outlive a job that ended by much */
     double budget = c->eval_secs * 2 > 10 ? c->eval_secs * 2 : 10;
     ps_set_retry_ms(pc, (long)((budget < c->retry_secs ? budget : c->retry_secs) * 1000));
+    /* as variables_to_restore(): the moving averages when the chief keeps them */
+    ps_set_moving_average(pc, c->moving_average_decay > 0);
+    if (c->moving_average_decay > 0)
+        printf("%s: evaluating the moving averages (--moving_average_decay=%g)\n", c->name,
+               (double)c->moving_average_decay);
     int64_t last = -1;
     for (;;) {
         int64_t step;

@@ -217,7 +217,8 @@ int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n)
             if (r[i].timeout_ms > extra)
                 extra = r[i].timeout_ms;
         } else {
-            snprintf(paths[i], sizeof(paths[i]), "/v1/params");
+            snprintf(paths[i], sizeof(paths[i]), "%s",
+                     c->moving_average ? "/v1/params?moving_average=1" : "/v1/params");
         }
         ss[i] = (sink){.buf = r[i].buf, .cap = r[i].cap};
         xs[i] = (xfer){.shard = r[i].shard, .method = "GET", .path = paths[i], .s = &ss[i],

@@ -94,6 +94,9 @@ void ps_set_abort(ps_client *c, int (*fn)(void));
 
 /* Change the retry time budget (ps_options.retry_ms) from now on. */
 void ps_set_retry_ms(ps_client *c, long retry_ms);
+/* on: a pull that does not wait (min_step < 0) reads the moving averages
+ * (GET /v1/params?moving_average=1, --moving_average_decay) */
+void ps_set_moving_average(ps_client *c, int on);
 
 /* What became of a bulk push (ps_push_req.outcome). */
 enum { PS_PUSH_APPLIED, PS_PUSH_DUPLICATE, PS_PUSH_STALE, PS_PUSH_PENDING };

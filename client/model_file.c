@@ -29,10 +29,16 @@ int export_model(const train_config *c, const float *params, int64_t step)
     char step_s[32], shape[64], layers[512];
     snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
     model_file_meta(L, shape, sizeof(shape), layers, sizeof(layers));
+    /* with --moving_average_decay the parameters are the averages (the
+     * caller pulled them so), and the metadata says so */
+    char decay_s[32];
+    snprintf(decay_s, sizeof(decay_s), "%.9g", (double)c->moving_average_decay);
     const char *meta[] = {"global_step", step_s, "model", L->spec, "input_shape", shape,
-                          "layers", layers, "format", "restps-model-1"};
+                          "layers", layers, "format", "restps-model-1",
+                          "moving_average_decay", decay_s};
+    int n_meta = c->moving_average_decay > 0 ? 6 : 5;
     char err[512];
-    if (st_write_file(c->export_path, d, L->n_tensors, meta, 5, params, L->n_params * 4, err,
+    if (st_write_file(c->export_path, d, L->n_tensors, meta, n_meta, params, L->n_params * 4, err,
                       sizeof(err)) != 0) {
         fprintf(stderr, "workerd: export: %s\n", err);
         return -1;

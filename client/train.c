@@ -430,6 +430,8 @@ int train_worker(const train_config *c)
     if (c->is_chief) {
         train_chief_wait_others(c, pc);
         int64_t final_step;
+        /* the report and the export read the moving averages when on */
+        ps_set_moving_average(pc, c->moving_average_decay > 0);
         if (shards_pull(&sh, params, -1, 0, &final_step) != PS_OK) {
             fprintf(stderr, "workerd: final pull: %s\n", ps_error(pc));
             rc = 1;

@@ -43,6 +43,7 @@ typedef struct train_config {
     uint64_t partition_bytes;
     int max_staleness;      /* async: drop gradients staler than this; -1 none */
     int staleness;          /* stale-synchronous bound; -1 none */
+    float moving_average_decay; /* the ps keeps moving averages (0: off); the evaluator and the export read them */
     double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
     int step_delay_ms;      /* test hook: sleep this long in each step */
     /* --allreduce=ring (ring_train.c): workers as peers, no ps */

@@ -220,6 +220,7 @@ static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, cu
 void ps_set_abort(ps_client *c, int (*fn)(void)) { c->abort_fn = fn; }
 
 void ps_set_retry_ms(ps_client *c, long retry_ms) { c->opt.retry_ms = retry_ms > 0 ? retry_ms : 0; }
+void ps_set_moving_average(ps_client *c, int on) { c->moving_average = on != 0; }
 
 static void sleep_ms(long ms)
 {

@@ -26,6 +26,7 @@ struct ps_client {
     char err[1024];
     long status;
     long extra_timeout_ms; /* added to the next request's limit (long polls) */
+    int moving_average;    /* a plain GET /v1/params reads the moving averages */
     unsigned seed;         /* backoff jitter */
     CURLM *multi;          /* requests to every shard at once */
     char *ca_file;         /* HTTPS: the CAs to trust, or NULL (the system's) */

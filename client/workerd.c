@@ -74,6 +74,7 @@ int main(int argc, char **argv)
     int backoff_ms = 100, backoff_max_ms = 2000, step_delay_ms = 0;
     float num_epochs = 0;
     int max_staleness = -1, staleness = -1;
+    float moving_average_decay = 0;
     const char *lr_schedule = "constant";
     int nesterov = 0, staircase = 0, decay_steps = 0;
     float clip_norm = 0, weight_decay = 0, decay_rate = 0, alpha = 0, rmsprop_decay = 0.9f,
@@ -131,6 +132,7 @@ int main(int argc, char **argv)
         {"timeout_ms", FLAG_INT, &timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
         {"placement", FLAG_STRING, &placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
         {"partition_bytes", FLAG_U64, &partition_bytes, "a variable larger than this is split by rows over the ps tasks (default 4194304)", 0},
+        {"moving_average_decay", FLAG_FLOAT, &moving_average_decay, "(chief) the ps keeps an exponential moving average of each variable, shadow = D * shadow + (1 - D) * variable after each update, as tf.train.ExponentialMovingAverage(D) (constant decay, no num_updates); the evaluator and --export use the averages (default 0: off; else 0 < D < 1)", 0},
         {"max_staleness", FLAG_INT, &max_staleness, "async (chief): the ps drops gradients computed more than this many steps ago, as DropStaleGradientOptimizer (default -1: never)", 0},
         {"staleness", FLAG_INT, &staleness, "async (chief): stale-synchronous parallel: a worker runs at most this many iterations ahead of the slowest live worker (default -1: no bound; 0 waits for everyone like sync)", 0},
         {"num_epochs", FLAG_FLOAT, &num_epochs, "leave the job after this many epochs of this task's own batches, as an input pipeline that runs out (default 0: no end; the others go on)", 0},
@@ -262,6 +264,11 @@ int main(int argc, char **argv)
     c.num_epochs = num_epochs;
     c.max_staleness = max_staleness;
     c.staleness = staleness;
+    if (moving_average_decay != 0 && !optim_ema_decay_ok(moving_average_decay)) {
+        fprintf(stderr, "workerd: --moving_average_decay must be 0 (off) or between 0 and 1, both excluded, as a float32\n");
+        return 2;
+    }
+    c.moving_average_decay = moving_average_decay;
     if (max_staleness < -1 || staleness < -1 || max_staleness > 1000000 || staleness > 1000000) {
         fprintf(stderr, "workerd: --max_staleness and --staleness must be -1 (none) or 0 to 1000000\n");
         return 2;
@@ -338,6 +345,12 @@ int main(int argc, char **argv)
         int rc = train_evaluate_file(&c, evaluate_path);
         free((char *)c.token);
         return rc;
+    }
+    if (c.moving_average_decay > 0 && (local || c.ring)) {
+        fprintf(stderr, "workerd: --moving_average_decay needs the ps tasks (they keep the averages): not with --%s\n",
+                local ? "local" : "allreduce=ring");
+        free((char *)c.token);
+        return 2;
     }
     if (local) {
         c.name = "local";

@@ -245,3 +245,16 @@ void optim_apply(const optim_config *c, const float *w, float *out, const float 
     }
     }
 }
+
+void optim_ema(float *restrict shadow, const float *restrict w, float decay, size_t n)
+{
+    const float k = 1.0f - decay;
+    for (size_t i = 0; i < n; i++)
+        shadow[i] -= k * (shadow[i] - w[i]);
+}
+
+int optim_ema_decay_ok(double d)
+{
+    /* NaN fails the first test; rounding to float32 may give 0 or 1 */
+    return d > 0.0 && d < 1.0 && (float)d > 0.0f && (float)d < 1.0f;
+}

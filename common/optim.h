@@ -71,4 +71,12 @@ float optim_learning_rate(const optim_config *c, int64_t step);
 void optim_apply(const optim_config *c, const float *w, float *out, const float *g, float scale,
                  float *slot0, float *slot1, int64_t t, int64_t step, size_t n);
 
+/* tf.train.ExponentialMovingAverage's update of a shadow copy after an apply,
+ * with a constant decay (TF's default, num_updates=None):
+ * shadow -= (1 - decay) * (shadow - w), i.e. decay * shadow + (1 - decay) * w,
+ * in float32 as TF's assign_moving_average computes it. */
+void optim_ema(float *shadow, const float *w, float decay, size_t n);
+/* A usable decay: a finite float32 with 0 < d < 1. */
+int optim_ema_decay_ok(double d);
+
 #endif

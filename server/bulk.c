@@ -57,7 +57,15 @@ enum MHD_Result h_params_get(request *r)
     if (query_int(r, "timeout_ms", &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
-    long long min_clock = -1, clock = -1;
+    long long min_clock = -1, clock = -1, avg = 0;
+    if (query_int(r, "moving_average", &avg) < 0 || avg > 1)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "moving_average must be 0 or 1");
+    if (avg) {
+        store_config mc;
+        if (!store_get_config(&srv->store, &mc) || !(mc.moving_average_decay > 0))
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                    "moving_average=1: the training configuration has no moving_average_decay");
+    }
     if (query_int(r, "min_clock", &min_clock) < 0 || query_int(r, "clock", &clock) < 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_clock and clock must be non-negative integers");
     if (min_step > META_INT_MAX || min_clock > META_INT_MAX || clock > META_INT_MAX)
@@ -111,6 +119,15 @@ enum MHD_Result h_params_get(request *r)
         store_snaps_release(v, n);
         return park(r, WAIT_STEP, min_step, timeout_ms);
     }
+    if (avg) { /* the shadow copies, in the same format */
+        store_snaps_release(v, n);
+        int ar = store_get_all_average(&srv->store, &v, &n, &step);
+        if (ar == STORE_EMODE)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                    "moving_average=1: the training configuration has no moving_average_decay");
+        if (ar != STORE_OK)
+            return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));
     blob **hold = malloc(sizeof(blob *) * (size_t)(n ? n : 1));
@@ -128,10 +145,10 @@ enum MHD_Result h_params_get(request *r)
     snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
     snprintf(task_s, sizeof(task_s), "%s:%d", cluster_job_name(srv->cfg.cluster.job),
              srv->cfg.cluster.task_index);
-    const char *meta[] = {"global_step", step_s, "task", task_s};
+    const char *meta[] = {"global_step", step_s, "task", task_s, "moving_average", "1"};
     char *head, err[256];
     size_t head_len;
-    if (st_header_build(d, n, meta, 2, &head, &head_len, err, sizeof(err)) != 0) {
+    if (st_header_build(d, n, meta, avg ? 3 : 2, &head, &head_len, err, sizeof(err)) != 0) {
         rc = http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "%s", err);
         goto out;
     }

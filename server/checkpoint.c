@@ -73,8 +73,15 @@ static json_t *config_to_json(const store_saved *sv)
         json_decref(o);
         o = NULL;
     }
+    if (o && c->moving_average_decay > 0)
+        json_object_set_new(o, "moving_average_decay", json_real(c->moving_average_decay));
     return o;
 }
+
+/* A variable's moving average is the tensor "<name>:" EMA_SLOT: ':' is not
+ * in a variable's name, so it cannot be one (TF names it
+ * "<name>/ExponentialMovingAverage"). */
+#define EMA_SLOT "ExponentialMovingAverage"
 
 static char *dump(json_t *j)
 {
@@ -88,7 +95,7 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
 {
     int nt = 0;
     for (int i = 0; i < sv->n; i++)
-        nt += 1 + sv->vars[i].n_slots;
+        nt += 1 + sv->vars[i].n_slots + (sv->vars[i].shadow != NULL);
     st_desc *d = calloc((size_t)(nt ? nt : 1), sizeof(st_desc));
     st_part *parts = calloc((size_t)(nt ? nt : 1), sizeof(st_part));
     char **names = calloc((size_t)(nt ? nt : 1), sizeof(char *));
@@ -131,13 +138,26 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
             json_array_append_new(slots, json_string(sn));
             k++;
         }
+        if (v->shadow) {
+            if (asprintf(&names[k], "%s:%s", v->name, EMA_SLOT) < 0) {
+                names[k] = NULL;
+                json_decref(slots);
+                goto oom;
+            }
+            d[k] = (st_desc){names[k], "F32", &v->shape};
+            parts[k] = (st_part){v->shadow, nb};
+            snprintf(hex, sizeof(hex), "%08x", crc32c(v->shadow, nb));
+            json_object_set_new(crcs, names[k], json_string(hex));
+            k++;
+        }
         json_t *shape = json_array();
         for (int d2 = 0; d2 < v->shape.ndim; d2++)
             json_array_append_new(shape, json_integer(v->shape.dims[d2]));
-        json_object_set_new(vars, v->name,
-                            json_pack("{s:I,s:I,s:o,s:o}", "version", (json_int_t)v->version,
-                                      "updates", (json_int_t)v->updates, "slots", slots, "shape",
-                                      shape));
+        json_t *vinfo = json_pack("{s:I,s:I,s:o,s:o}", "version", (json_int_t)v->version,
+                                  "updates", (json_int_t)v->updates, "slots", slots, "shape", shape);
+        if (vinfo && v->shadow)
+            json_object_set_new(vinfo, "moving_average", json_true());
+        json_object_set_new(vars, v->name, vinfo);
         json_array_append_new(placed, json_string(v->name));
     }
     s_config = dump(config_to_json(sv));
@@ -313,6 +333,12 @@ static int parse_config(json_t *j, store_saved *out, char *err, size_t errlen)
     json_t *ms = json_object_get(j, "max_staleness"), *sb = json_object_get(j, "staleness");
     c->max_staleness = json_is_integer(ms) ? (int)json_integer_value(ms) : -1;
     c->staleness = json_is_integer(sb) ? (int)json_integer_value(sb) : -1;
+    json_t *ma = json_object_get(j, "moving_average_decay");
+    if (ma && !(json_is_number(ma) && optim_ema_decay_ok(json_number_value(ma)))) {
+        snprintf(err, errlen, "metadata 'config' has a moving_average_decay outside (0, 1)");
+        return -1;
+    }
+    c->moving_average_decay = ma ? (float)json_number_value(ma) : 0.0f;
     if (!(c->optim.learning_rate > 0)) {
         snprintf(err, errlen, "metadata 'config' has no positive learning_rate");
         return -1;
@@ -529,6 +555,29 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
                 goto out;
             rc = CKPT_EINVALID;
             used++;
+        }
+        json_t *has_ma = json_object_get(info, "moving_average");
+        if (json_is_true(has_ma)) {
+            char tn[TENSOR_NAME_MAX + 32];
+            snprintf(tn, sizeof(tn), "%s:%s", name, EMA_SLOT);
+            int st = st_find(&f, tn);
+            if (st < 0 || !tensor_shape_equal(&f.tensors[st].shape, &v->shape)) {
+                snprintf(err, errlen, "variable '%s': its moving average is missing or has another shape",
+                         name);
+                goto out;
+            }
+            if (!(v->shadow = malloc(nb))) {
+                snprintf(err, errlen, "out of memory");
+                rc = CKPT_EREAD;
+                goto out;
+            }
+            if ((rc = read_tensor(fd, &f, &f.tensors[st], crcs, v->shadow, err, errlen)) != 0)
+                goto out;
+            rc = CKPT_EINVALID;
+            used++;
+        } else if (has_ma && !json_is_false(has_ma)) {
+            snprintf(err, errlen, "variable '%s': moving_average must be true or false", name);
+            goto out;
         }
     }
     if (used != f.n_tensors) {

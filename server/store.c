@@ -23,6 +23,7 @@ typedef struct store_var {
     float *slots; /* optimizer state, optim_slots() arrays of numel floats, or NULL */
     int n_slots;
     int64_t updates; /* updates applied since created (adam's t) */
+    float *shadow; /* moving average (numel floats), or NULL: not updated since EMA started */
 } store_var;
 
 /* A sync gradient waiting for its step's other replicas. */
@@ -109,6 +110,7 @@ void store_destroy(store *h)
     for (int i = 0; i < s->n; i++) {
         blob_unref(s->vars[i].data);
         free(s->vars[i].slots);
+        free(s->vars[i].shadow);
     }
     free(s->vars);
     sync_agg_free(&s->agg);
@@ -153,6 +155,62 @@ int store_get(store *h, const char *name, store_snap *out)
         snap_of(&s->vars[i], out);
     pthread_rwlock_unlock(&s->lock);
     return i >= 0 ? STORE_OK : STORE_ENOENT;
+}
+
+/* snap_of with the moving average: a fresh blob holding v's shadow, or v's
+ * data when it has none yet. -1 when out of memory. Caller holds the lock. */
+static int average_of(store_state *s, const store_var *v, store_snap *out)
+{
+    snap_of(v, out);
+    if (!v->shadow)
+        return 0;
+    blob *b = blob_new(s->pool, (size_t)v->numel * sizeof(float));
+    blob_unref(out->data);
+    out->data = b;
+    if (!b)
+        return -1;
+    memcpy(b->data, v->shadow, (size_t)v->numel * sizeof(float));
+    return 0;
+}
+
+int store_get_average(store *h, const char *name, store_snap *out)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    int i = find(s, name), rc = STORE_OK;
+    if (!(s->config.moving_average_decay > 0))
+        rc = STORE_EMODE;
+    else if (i < 0)
+        rc = STORE_ENOENT;
+    else if (average_of(s, &s->vars[i], out) != 0)
+        rc = STORE_ENOMEM;
+    pthread_rwlock_unlock(&s->lock);
+    return rc;
+}
+
+int store_get_all_average(store *h, store_snap **out, int *n, int64_t *global_step)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    if (!(s->config.moving_average_decay > 0)) {
+        pthread_rwlock_unlock(&s->lock);
+        return STORE_EMODE;
+    }
+    store_snap *v = calloc((size_t)(s->n ? s->n : 1), sizeof(store_snap));
+    int k = 0;
+    while (v && k < s->n && average_of(s, &s->vars[k], &v[k]) == 0)
+        k++;
+    if (!v || k < s->n) {
+        pthread_rwlock_unlock(&s->lock);
+        if (v)
+            store_snaps_release(v, k);
+        return STORE_ENOMEM;
+    }
+    *n = s->n;
+    *global_step = s->global_step;
+    pthread_rwlock_unlock(&s->lock);
+    *out = v;
+    return STORE_OK;
 }
 
 void store_snap_release(store_snap *snap)
@@ -238,6 +296,8 @@ int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
             v->n_slots = 0;
             v->updates = 0;
         }
+        free(v->shadow); /* a new value: its average starts from it */
+        v->shadow = NULL;
         v->shape = *shape;
         v->numel = numel;
         v->version++;
@@ -288,9 +348,16 @@ static blob *writable(store_state *s, store_var *v)
     return blob_new(s->pool, (size_t)v->numel * 4);
 }
 
-/* The optimizer's state for v exists (zeros at first). Caller holds the write lock. */
+/* The optimizer's state for v exists (zeros at first), and with a moving
+ * average its shadow (the value before this update). Caller holds the write lock. */
 static int ensure_slots(store_state *s, store_var *v)
 {
+    if (s->config.moving_average_decay > 0 && !v->shadow) {
+        /* the average starts from the value before this update, as TF's */
+        if (!(v->shadow = malloc((size_t)v->numel * sizeof(float))))
+            return -1;
+        memcpy(v->shadow, v->data->data, (size_t)v->numel * sizeof(float));
+    }
     int need = optim_slots(s->config.optim.kind);
     if (v->n_slots >= need)
         return 0;
@@ -312,6 +379,9 @@ static void update_into(store_state *s, store_var *v, blob *dst, const float *g,
     /* the schedule reads global_step before this update */
     optim_apply(&s->config.optim, (const float *)v->data->data, (float *)dst->data, g, scale, s0,
                 s1, v->updates, s->global_step, (size_t)v->numel);
+    if (v->shadow && s->config.moving_average_decay > 0)
+        optim_ema(v->shadow, (const float *)dst->data, s->config.moving_average_decay,
+                  (size_t)v->numel);
     if (dst != v->data) {
         blob_unref(v->data);
         v->data = dst;
@@ -621,6 +691,12 @@ int store_configure(store *h, const store_config *c, char *err, size_t errlen)
                     s->vars[i].n_slots = 0;
                     s->vars[i].updates = 0;
                 }
+            /* another decay (or none): the averages start from the variables */
+            if (s->config.moving_average_decay != c->moving_average_decay)
+                for (int i = 0; i < s->n; i++) {
+                    free(s->vars[i].shadow);
+                    s->vars[i].shadow = NULL;
+                }
             sync_agg_clear(&s->agg);
         }
         if (!s->configured || memcmp(&s->config, c, sizeof(*c)) != 0)
@@ -689,6 +765,15 @@ int store_save(store *h, store_saved *out)
             memcpy(o->slots, v->slots, nb);
             o->n_slots = v->n_slots;
         }
+        if (v->shadow) {
+            size_t nb = (size_t)v->numel * sizeof(float);
+            if (!(o->shadow = malloc(nb))) {
+                pthread_rwlock_unlock(&s->lock);
+                store_saved_free(out);
+                return STORE_ENOMEM;
+            }
+            memcpy(o->shadow, v->shadow, nb);
+        }
     }
     out->global_step = s->global_step;
     out->config = s->config;
@@ -712,6 +797,7 @@ void store_saved_free(store_saved *sv)
     for (int i = 0; i < sv->n; i++) {
         blob_unref(sv->vars[i].data);
         free(sv->vars[i].slots);
+        free(sv->vars[i].shadow);
     }
     free(sv->vars);
     free(sv->placement);
@@ -745,14 +831,20 @@ int store_restore(store *h, store_saved *sv)
         v->data = o->data;
         v->slots = o->slots;
         v->n_slots = o->n_slots;
+        /* a checkpoint without averages: they start from the variables */
+        v->shadow = sv->configured && sv->config.moving_average_decay > 0 ? o->shadow : NULL;
+        if (!v->shadow)
+            free(o->shadow);
         o->data = NULL;
         o->slots = NULL;
+        o->shadow = NULL;
         bytes += (uint64_t)v->numel * 4;
     }
     pthread_rwlock_wrlock(&s->lock);
     for (int i = 0; i < s->n; i++) {
         blob_unref(s->vars[i].data);
         free(s->vars[i].slots);
+        free(s->vars[i].shadow);
     }
     free(s->vars);
     sync_agg_clear(&s->agg);

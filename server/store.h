@@ -49,6 +49,7 @@ typedef struct store_config {
     int workers;               /* how many workers train */
     int max_staleness;         /* async: drop gradients staler than this; -1 = no limit */
     int staleness;             /* stale-synchronous bound; -1 = none (plain async) */
+    float moving_average_decay; /* 0: off; else 0 < D < 1, a shadow copy of each variable */
 } store_config;
 
 
@@ -80,6 +81,7 @@ typedef struct store_saved_var {
     blob *data;   /* a reference */
     float *slots; /* n_slots arrays of numel floats, malloc'd (a copy), or NULL */
     int n_slots;
+    float *shadow; /* the moving average, numel floats, malloc'd (a copy), or NULL (= data) */
 } store_saved_var;
 
 /* What a checkpoint of the shard holds: taken at one instant, or read back. */
@@ -111,6 +113,13 @@ void store_on_change(store *s, void (*fn)(void *ctx, unsigned what, int64_t step
 /* Snapshot one variable (reference taken; release with store_snap_release). */
 int store_get(store *s, const char *name, store_snap *out);
 void store_snap_release(store_snap *snap);
+
+/* The moving averages (--moving_average_decay) instead of the variables:
+ * store_get_all's and store_get's snapshots whose blobs hold the shadow
+ * copies (fresh blobs; a variable not updated since EMA started is its own
+ * average). STORE_EMODE when the configuration has no moving average. */
+int store_get_all_average(store *s, store_snap **out, int *n, int64_t *global_step);
+int store_get_average(store *s, const char *name, store_snap *out);
 
 /* Whether a variable exists and its shape (for checks before a body arrives). */
 int store_peek(store *s, const char *name, tensor_shape *shape);

@@ -54,6 +54,8 @@ static json_t *config_json(const store_config *c)
     }
     if (p->lr_schedule == OPTIM_LR_COSINE)
         json_object_set_new(o, "alpha", json_real(p->alpha));
+    if (c->moving_average_decay > 0)
+        json_object_set_new(o, "moving_average_decay", json_real(c->moving_average_decay));
     return o;
 }
 
@@ -104,6 +106,7 @@ static int positive(double x) { return x > 0 && (float)x > 0; }
 static int non_negative(double x) { return x >= 0; }
 static int fraction(double x) { return x >= 0 && (float)x < 1; }
 static int unit(double x) { return x >= 0 && x <= 1; }
+static int ema_decay(double x) { return x == 0 || optim_ema_decay_ok(x); }
 
 /* Nesterov, adagrad's and rmsprop's settings, clipping, weight decay and the
  * learning-rate schedule into c (its kind already set, defaults in place). */
@@ -169,7 +172,7 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
                                         "max_staleness", "staleness", "nesterov",
                                         "initial_accumulator_value", "rmsprop_decay", "clip_norm",
                                         "weight_decay", "lr_schedule", "decay_steps", "decay_rate",
-                                        "staircase", "alpha"};
+                                        "staircase", "alpha", "moving_average_decay"};
     const char *key;
     json_t *val;
     json_object_foreach(j, key, val) {
@@ -234,6 +237,12 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
         }
         *into[b] = v && json_is_integer(v) ? (int)json_integer_value(v) : -1;
     }
+    /* tf.train.ExponentialMovingAverage's decay: 0 (absent) is off */
+    c->moving_average_decay = 0;
+    if (float_field(j, "moving_average_decay", ema_decay,
+                    "0 (off) or between 0 and 1, both excluded, as a float32",
+                    &c->moving_average_decay, err, errlen) < 0)
+        return -1;
     /* settings the optimizer does not use are zero, so equal configurations compare equal */
     optim_clear_unused(&c->optim);
     return 0;

@@ -178,8 +178,17 @@ enum MHD_Result h_var_get(request *r)
     if (off == -2 || cnt == -2)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "offset and count must be non-negative integers");
+    int64_t avg = query_count(r, "moving_average");
+    if (avg == -2 || avg > 1)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "moving_average must be 0 or 1");
     store_snap v;
-    if (store_get(&srv->store, r->name, &v) != STORE_OK)
+    int got = avg == 1 ? store_get_average(&srv->store, r->name, &v) : store_get(&srv->store, r->name, &v);
+    if (got == STORE_EMODE)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "moving_average=1: the training configuration has no moving_average_decay");
+    if (got == STORE_ENOMEM)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    if (got != STORE_OK)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
     int sliced = off >= 0 || cnt >= 0;
     if (off < 0)
@@ -197,10 +206,12 @@ enum MHD_Result h_var_get(request *r)
                                 "offset %lld + count %lld is past the %lld elements of '%s'",
                                 (long long)off, (long long)cnt, (long long)v.numel, r->name);
     }
-    char etag[96], shape[160], version[32];
+    char etag[112], shape[160], version[32];
     int el = snprintf(etag, sizeof(etag), "\"%s-%llu", srv->instance, (unsigned long long)v.version);
     if (json)
         el += snprintf(etag + el, sizeof(etag) - (size_t)el, "-json");
+    if (avg == 1) /* the average of a version is another entity than its value */
+        el += snprintf(etag + el, sizeof(etag) - (size_t)el, "-avg");
     if (sliced)
         el += snprintf(etag + el, sizeof(etag) - (size_t)el, "-%lld-%lld", (long long)off,
                        (long long)cnt);

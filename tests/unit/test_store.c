@@ -871,6 +871,88 @@ static void test_adagrad_schedule_and_decay(void **state)
     assert_int_equal(store_configure(s, &d, err, sizeof(err)), STORE_ECONFLICT);
 }
 
+/* --moving_average_decay, values exact in float32: sgd lr 1, decay 0.75.
+ * The average starts from the value before the first update and follows
+ * shadow = 0.75 shadow + 0.25 w after each; off, reading it is STORE_EMODE;
+ * it survives a save and restore, and a restore without it starts it from
+ * the variable. Then optim_ema itself against a double reference and
+ * optim_ema_decay_ok's edges. */
+static void test_moving_average(void **state)
+{
+    fixture *fx = *state;
+    store *s = &fx->s;
+    const float w[2] = {1, 2};
+    put_new(s, fx->pool, "w", shape1(2), w);
+    store_snap sn;
+    store_config c;
+    memset(&c, 0, sizeof(c));
+    optim_defaults(&c.optim, OPTIM_SGD, 1.0f);
+    c.workers = c.replicas_to_aggregate = 1;
+    c.max_staleness = c.staleness = -1;
+    char err[256];
+    assert_int_equal(store_configure(s, &c, err, sizeof(err)), STORE_OK);
+    assert_int_equal(store_get_average(s, "w", &sn), STORE_EMODE);
+    c.moving_average_decay = 0.75f;
+    assert_int_equal(store_configure(s, &c, err, sizeof(err)), STORE_OK);
+    assert_int_equal(store_get_average(s, "nope", &sn), STORE_ENOENT);
+    int64_t gs;
+    uint64_t ver;
+    /* w = {1, 2} - {4, 8} = {-3, -6}; shadow = 0.75 {1, 2} + 0.25 {-3, -6} = {0, 0} */
+    const float g1[2] = {4, 8}, g2[2] = {-3, 2};
+    assert_int_equal(store_apply_grad(s, "w", g1, 2, &gs, &ver), STORE_OK);
+    assert_int_equal(store_get_average(s, "w", &sn), STORE_OK);
+    const float *a = (const float *)sn.data->data;
+    assert_true(a[0] == 0.0f && a[1] == 0.0f);
+    store_snap_release(&sn);
+    /* w = {0, -8}; shadow = 0.75 {0, 0} + 0.25 {0, -8} = {0, -2} */
+    assert_int_equal(store_apply_grad(s, "w", g2, 2, &gs, &ver), STORE_OK);
+    store_snap *all;
+    int n;
+    int64_t step;
+    assert_int_equal(store_get_all_average(s, &all, &n, &step), STORE_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(step, 2);
+    a = (const float *)all[0].data->data;
+    assert_true(a[0] == 0.0f && a[1] == -2.0f);
+    store_snaps_release(all, n);
+    store_saved sv;
+    assert_int_equal(store_save(s, &sv), STORE_OK);
+    assert_non_null(sv.vars[0].shadow);
+    assert_true(sv.vars[0].shadow[1] == -2.0f);
+    assert_int_equal(store_restore(s, &sv), STORE_OK);
+    store_saved_free(&sv);
+    assert_int_equal(store_get_average(s, "w", &sn), STORE_OK);
+    a = (const float *)sn.data->data;
+    assert_true(a[0] == 0.0f && a[1] == -2.0f);
+    store_snap_release(&sn);
+    /* a checkpoint without the averages: they start from the variable {0, -8} */
+    assert_int_equal(store_save(s, &sv), STORE_OK);
+    free(sv.vars[0].shadow);
+    sv.vars[0].shadow = NULL;
+    assert_int_equal(store_restore(s, &sv), STORE_OK);
+    store_saved_free(&sv);
+    assert_int_equal(store_get_average(s, "w", &sn), STORE_OK);
+    a = (const float *)sn.data->data;
+    assert_true(a[0] == 0.0f && a[1] == -8.0f);
+    store_snap_release(&sn);
+
+    float sh[37], x[37];
+    double ref[37];
+    for (int i = 0; i < 37; i++) {
+        sh[i] = (float)(i * 0.37 - 3);
+        x[i] = (float)(1.5 - i * 0.11);
+        ref[i] = 0.99 * (double)sh[i] + 0.01 * (double)x[i];
+    }
+    optim_ema(sh, x, 0.99f, 37);
+    for (int i = 0; i < 37; i++)
+        assert_true(fabs((double)sh[i] - ref[i]) <= 1e-6 * (1 + fabs(ref[i])));
+    assert_true(optim_ema_decay_ok(0.99) && optim_ema_decay_ok(1e-30));
+    assert_false(optim_ema_decay_ok(0) || optim_ema_decay_ok(1) || optim_ema_decay_ok(-0.5) ||
+                 optim_ema_decay_ok(0.99999999999) || optim_ema_decay_ok(1e-50) ||
+                 optim_ema_decay_ok(NAN) || optim_ema_decay_ok(INFINITY) ||
+                 optim_ema_decay_ok(1e300));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -884,6 +966,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_push_id_duplicates, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_snapshot_isolation, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_concurrent_push_and_read, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_moving_average, setup_one, teardown),
     };
     return cmocka_run_group_tests_name("store", tests, NULL, NULL);
 }
