@@ -48,7 +48,10 @@ json_t *membership_json(server *srv)
 
 enum MHD_Result h_sync(request *r)
 {
-    return http_reply_json(r, MHD_HTTP_OK, membership_json(r->srv));
+    json_t *m = membership_json(r->srv);
+    if (!m)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the sync state");
+    return http_reply_json(r, MHD_HTTP_OK, m);
 }
 
 enum MHD_Result h_heartbeat(request *r)

@@ -53,6 +53,10 @@ json_t *status_json(server *srv)
         json_object_set_new(o, "eval", json_null());
     pthread_mutex_unlock(&srv->info_mu);
     json_t *sync = membership_json(srv);
+    if (!sync) { /* out of memory (its member list): no status without it */
+        json_decref(o);
+        return NULL;
+    }
     /* the workers a sync step waits for: live, not yet in (as /v1/sync) */
     json_object_set_new(o, "waiting_for", json_deep_copy(json_object_get(sync, "waiting_for")));
     json_object_set_new(o, "sync", sync);
@@ -65,5 +69,8 @@ json_t *status_json(server *srv)
 
 enum MHD_Result h_status(request *r)
 {
-    return http_reply_json(r, MHD_HTTP_OK, status_json(r->srv));
+    json_t *st = status_json(r->srv);
+    if (!st)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the status");
+    return http_reply_json(r, MHD_HTTP_OK, st);
 }

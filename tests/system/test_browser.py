@@ -583,16 +583,24 @@ def test_million_step_history_stays_fast(start_psd, trainer, browser):
     lags = check_follows(b, p.url, rounds=3)
     # responsiveness: timers fire on time while updates flow in, a script
     # answers at once, and a full redraw (forced by a resize) is quick
-    lag = b.driver.execute_async_script("""
-        var done = arguments[arguments.length - 1], worst = 0, n = 0, t = performance.now();
-        function next() {
-          var now = performance.now();
-          worst = Math.max(worst, now - t - 50);
-          t = now;
-          if (++n < 40) setTimeout(next, 50); else done(worst);
-        }
-        setTimeout(next, 50);""")
-    assert lag < 500, f"the page's main thread stalled {lag:.0f} ms"
+    # a 2 s window, and up to two more if it stalled: a page whose own work
+    # stalls it stalls in every window, while a busy machine (make test runs
+    # both builds' suites side by side on 2 cores) may preempt the browser
+    # in one. (Only on a stall: more time here lets the trainer add points,
+    # which moves what the feed below keeps.)
+    lags_ms = []
+    while len(lags_ms) < 3 and (not lags_ms or min(lags_ms) >= 500):
+        lags_ms.append(b.driver.execute_async_script("""
+            var done = arguments[arguments.length - 1], worst = 0, n = 0, t = performance.now();
+            function next() {
+              var now = performance.now();
+              worst = Math.max(worst, now - t - 50);
+              t = now;
+              if (++n < 40) setTimeout(next, 50); else done(worst);
+            }
+            setTimeout(next, 50);"""))
+    lag = min(lags_ms)
+    assert lag < 500, f"the page's main thread stalled {lag:.0f} ms in each of {len(lags_ms)} windows: {lags_ms}"
     rtt = []
     for _ in range(5):
         t1 = time.monotonic()
