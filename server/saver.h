@@ -13,8 +13,9 @@
  * ones handed to it with saver_save_async (POST /v1/checkpoint suspends its
  * connection until its save is done, so no HTTP thread waits for the disk,
  * however long the save takes). A request that could not be queued (out of
- * memory) saves on its own thread instead, with saver_save_requested. At a stop, saver_drain lets the requested saves of
- * both kinds finish and answers them before psd stops its HTTP server.
+ * memory) saves with saver_save_requested on the HTTP thread that took the
+ * request (the one blocking path left there). At a stop, saver_drain lets
+ * the requested saves of both kinds finish and answers them before psd stops its HTTP server.
  *
  * Test hook: RESTPS_TEST_SAVE_PAUSE_MS=N pauses each write for N ms half-way
  * through its data (the crash tests kill psd inside a write). */

@@ -26,8 +26,6 @@ typedef struct store_var {
     float *shadow; /* moving average (numel floats), or NULL: not updated since EMA started */
 } store_var;
 
-/* A sync gradient waiting for its step's other replicas. */
-
 struct store_state {
     pthread_rwlock_t lock;
     store_var *vars; /* sorted by name */
