@@ -81,6 +81,8 @@ TLS_OBJ = $(BUILD)/common/tls_priorities.o
 WEB_OBJ = $(BUILD)/common/web_assets.o $(BUILD)/common/web_assets_table.o
 # What psd and the ring's endpoint answer with (libmicrohttpd: also kept out of COMMON_OBJ)
 ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o
+# The one HTTP endpoint layer (common/http_server.h): workerd for now, psd once it moves onto it
+HTTP_SERVER_OBJ = $(BUILD)/common/http_server.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
@@ -118,7 +120,7 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(HTTP_SERVER_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
