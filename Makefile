@@ -141,6 +141,7 @@ UNIT_TESTS += test_model
 UNIT_TESTS += test_retry
 UNIT_TESTS += test_placement
 UNIT_TESTS += test_waiters test_sync
+UNIT_TESTS += test_pipeline
 IDX_OBJ = $(BUILD)/client/idx.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
 
@@ -175,6 +176,10 @@ $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
 $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/placement.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
+# model parallelism's split, tables and receive buffer (the layout from model_spec.o)
+$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lm -lpthread -lcmocka
 # the parked requests and the ticker alone, against fake libmicrohttpd calls in the test
 $(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
 	@mkdir -p $(dir $@)

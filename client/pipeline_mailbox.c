@@ -1,0 +1,242 @@
+/* pipeline_mailbox.c - the receive buffer of a pipeline stage (see
+ * pipeline_mailbox.h): a slot per (step parity, direction, micro-batch),
+ * each stamped with the step it was filled for. */
+#include "pipeline_mailbox.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "clock.h"
+
+enum { SLOT_EMPTY, SLOT_FULL, SLOT_TAKEN };
+
+typedef struct mslot {
+    int64_t step; /* what it was filled for; -1 never */
+    int state;
+    float *data;  /* malloc'd while full */
+} mslot;
+
+struct pipe_mailbox {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int micro, stages;
+    size_t act, grad;
+    size_t params[PIPE_MAX_STAGES];
+    int has_params;
+    int64_t step;
+    mslot *slots; /* [2 parities][2 dirs][micro], then [PIPE_MAX_STAGES] params */
+};
+
+const char *pipe_dir_name(pipe_dir d)
+{
+    return d == PIPE_ACT ? "activations" : d == PIPE_GRAD ? "gradients" : "parameters";
+}
+
+const char *pipe_dir_wire(pipe_dir d)
+{
+    return d == PIPE_ACT ? "act" : d == PIPE_GRAD ? "grad" : "params";
+}
+
+int pipe_dir_from_wire(const char *s, pipe_dir *out)
+{
+    for (int d = PIPE_ACT; d <= PIPE_PARAMS; d++)
+        if (s && strcmp(s, pipe_dir_wire((pipe_dir)d)) == 0) {
+            *out = (pipe_dir)d;
+            return 0;
+        }
+    return -1;
+}
+
+pipe_mailbox *pipe_mailbox_new(int micro, size_t act_floats, size_t grad_floats, int stages,
+                               const size_t *param_floats)
+{
+    if (micro < 1 || stages < 1 || stages > PIPE_MAX_STAGES)
+        return NULL;
+    pipe_mailbox *m = calloc(1, sizeof(*m));
+    if (!m)
+        return NULL;
+    size_t n = 4 * (size_t)micro + PIPE_MAX_STAGES;
+    m->slots = calloc(n, sizeof(mslot));
+    if (!m->slots) {
+        free(m);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++)
+        m->slots[i].step = -1;
+    pthread_mutex_init(&m->mu, NULL);
+    pthread_cond_init(&m->cv, NULL);
+    m->micro = micro;
+    m->stages = stages;
+    m->act = act_floats;
+    m->grad = grad_floats;
+    if (param_floats) {
+        m->has_params = 1;
+        memcpy(m->params, param_floats, sizeof(size_t) * (size_t)stages);
+    }
+    return m;
+}
+
+void pipe_mailbox_free(pipe_mailbox *m)
+{
+    if (!m)
+        return;
+    for (size_t i = 0; i < 4 * (size_t)m->micro + PIPE_MAX_STAGES; i++)
+        free(m->slots[i].data);
+    pthread_mutex_destroy(&m->mu);
+    pthread_cond_destroy(&m->cv);
+    free(m->slots);
+    free(m);
+}
+
+void pipe_mailbox_set_step(pipe_mailbox *m, int64_t step)
+{
+    pthread_mutex_lock(&m->mu);
+    m->step = step;
+    pthread_mutex_unlock(&m->mu);
+}
+
+/* The slot of k and its expected size, or the refusal (mu held). */
+static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot **out,
+                       size_t *want, char *msg, size_t cap)
+{
+    if (k->dir == PIPE_PARAMS) {
+        if (!m->has_params || k->mb < 1 || k->mb >= m->stages) {
+            snprintf(msg, cap, "this stage takes no parameters from stage %d", k->mb);
+            return 400;
+        }
+        *want = m->params[k->mb];
+        *out = &m->slots[4 * (size_t)m->micro + (size_t)k->mb];
+    } else {
+        size_t w = k->dir == PIPE_ACT ? m->act : m->grad;
+        if (w == 0) {
+            snprintf(msg, cap, "this stage takes no %s", pipe_dir_name(k->dir));
+            return 400;
+        }
+        if (k->mb < 0 || k->mb >= m->micro) {
+            snprintf(msg, cap, "micro-batch %d: this pipeline has micro-batches 0 to %d", k->mb,
+                     m->micro - 1);
+            return 400;
+        }
+        *want = w;
+        *out = &m->slots[((size_t)(k->step & 1) * 2 + (size_t)k->dir) * (size_t)m->micro + (size_t)k->mb];
+    }
+    if (k->step != m->step && k->step != m->step + 1) {
+        snprintf(msg, cap, "%s for step %lld: this stage is at step %lld (it takes that step and the next)",
+                 pipe_dir_name(k->dir), (long long)k->step, (long long)m->step);
+        return 409;
+    }
+    if ((*out)->step == k->step && (*out)->state != SLOT_EMPTY) {
+        snprintf(msg, cap, "%s of step %lld, %s %d: received already (a duplicate)",
+                 pipe_dir_name(k->dir), (long long)k->step,
+                 k->dir == PIPE_PARAMS ? "stage" : "micro-batch", k->mb);
+        return 409;
+    }
+    if (floats > *want) {
+        snprintf(msg, cap, "%zu floats of %s: more than the %zu expected", floats,
+                 pipe_dir_name(k->dir), *want);
+        return 413;
+    }
+    if (floats != *want) {
+        snprintf(msg, cap, "%zu floats of %s: %zu expected", floats, pipe_dir_name(k->dir), *want);
+        return 400;
+    }
+    return 0;
+}
+
+unsigned pipe_mailbox_check(pipe_mailbox *m, const pipe_key *k, size_t floats, char *msg, size_t cap)
+{
+    mslot *s;
+    size_t want;
+    pthread_mutex_lock(&m->mu);
+    unsigned st = locate(m, k, floats, &s, &want, msg, cap);
+    pthread_mutex_unlock(&m->mu);
+    return st;
+}
+
+unsigned pipe_mailbox_put(pipe_mailbox *m, const pipe_key *k, const void *data, size_t floats,
+                          char *msg, size_t cap)
+{
+    /* copy outside the lock, into memory of the expected size */
+    float *copy = malloc(floats ? floats * sizeof(float) : 1);
+    if (!copy) {
+        snprintf(msg, cap, "out of memory");
+        return 503;
+    }
+    if (floats)
+        memcpy(copy, data, floats * sizeof(float));
+    mslot *s;
+    size_t want;
+    pthread_mutex_lock(&m->mu);
+    unsigned st = locate(m, k, floats, &s, &want, msg, cap);
+    if (st == 0) {
+        free(s->data);
+        s->data = copy;
+        copy = NULL;
+        s->step = k->step;
+        s->state = SLOT_FULL;
+        pthread_cond_broadcast(&m->cv);
+    }
+    pthread_mutex_unlock(&m->mu);
+    free(copy);
+    return st;
+}
+
+int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, double deadline,
+                      int (*abort)(void))
+{
+    mslot *s;
+    size_t want;
+    int rc = 0;
+    pthread_mutex_lock(&m->mu);
+    /* the slot the key names (a message for it may be there already) */
+    if (k->dir == PIPE_PARAMS)
+        s = &m->slots[4 * (size_t)m->micro + (size_t)k->mb];
+    else
+        s = &m->slots[((size_t)(k->step & 1) * 2 + (size_t)k->dir) * (size_t)m->micro + (size_t)k->mb];
+    want = k->dir == PIPE_PARAMS ? m->params[k->mb] : k->dir == PIPE_ACT ? m->act : m->grad;
+    while (!(s->step == k->step && s->state == SLOT_FULL)) {
+        double now = clk_mono_secs();
+        if (abort && abort()) {
+            rc = -2;
+            break;
+        }
+        if (now >= deadline) {
+            rc = -1;
+            break;
+        }
+        double until = now + 0.05 < deadline ? now + 0.05 : deadline;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double add = until - now;
+        ts.tv_sec += (time_t)add;
+        ts.tv_nsec += (long)((add - (double)(time_t)add) * 1e9);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&m->cv, &m->mu, &ts);
+    }
+    if (rc == 0) {
+        if (want)
+            memcpy(dst, s->data, want * sizeof(float));
+        free(s->data);
+        s->data = NULL;
+        s->state = SLOT_TAKEN;
+    }
+    pthread_mutex_unlock(&m->mu);
+    return rc;
+}
+
+int pipe_mailbox_pending(pipe_mailbox *m)
+{
+    int n = 0;
+    pthread_mutex_lock(&m->mu);
+    for (size_t i = 0; i < 4 * (size_t)m->micro + PIPE_MAX_STAGES; i++)
+        n += m->slots[i].state == SLOT_FULL;
+    pthread_mutex_unlock(&m->mu);
+    return n;
+}

@@ -1,0 +1,504 @@
+/* test_pipeline.c - model parallelism's pure parts: the split of the layers
+ * into stages (client/pipeline_plan.c) against splits worked out by hand and
+ * against a brute force over every split, --stage_layers and its refusals,
+ * the grid rule; the gpipe and 1f1b tables (client/pipeline_schedule.c):
+ * every micro-batch forwarded once and backwarded once after, the in-flight
+ * bound, and a simulation of K stages running their tables with blocking
+ * receives (no deadlock; with unit-time ops the fill-drain time, so the
+ * bubble is (K-1)/(M+K-1)); a table made wrong on purpose deadlocks there;
+ * the receive buffer (client/pipeline_mailbox.c): what it refuses leaves
+ * nothing, a take waits until its deadline. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "pipeline_mailbox.h"
+#include "pipeline_plan.h"
+#include "pipeline_schedule.h"
+
+static model_layout layout(const char *spec)
+{
+    model_layout L;
+    char err[256];
+    int rc = model_layout_init(&L, spec, (model_shape){28, 28, 1}, 10, err, sizeof(err));
+    if (rc != 0)
+        fail_msg("%s: %s", spec, err);
+    return L;
+}
+
+static void expect_split(const pipe_plan *p, const char *want)
+{
+    char got[128];
+    pipe_plan_format(p, got, sizeof(got));
+    assert_string_equal(got, want);
+}
+
+/* mlp:32,16: flatten of the 28x28x1 images (0), dense 784x32 (6*784*32 =
+ * 150528), relu 32 (64), dense 32x16 (3072), relu 16 (32), dense 16x10 (960). */
+static void test_flops_and_split_of_the_mlp(void **state)
+{
+    (void)state;
+    model_layout L = layout("mlp:32,16");
+    assert_int_equal(L.n_layers, 6);
+    const uint64_t want[] = {0, 150528, 64, 3072, 32, 960};
+    for (int i = 0; i < 6; i++)
+        assert_int_equal(pipe_layer_flops(&L.layers[i]), want[i]);
+    pipe_plan p;
+    char err[256];
+    /* K=2: the first dense (and the flatten) is the bottleneck (150528); 0-2 would be 150592 */
+    assert_int_equal(pipe_split_balanced(&L, 2, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-1,2-5");
+    assert_int_equal(p.cost[0], 150528);
+    assert_int_equal(p.cost[1], 64 + 3072 + 32 + 960);
+    /* K=3: the same bottleneck; stage 1 takes all it can and leaves one layer */
+    assert_int_equal(pipe_split_balanced(&L, 3, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-1,2-4,5-5");
+    /* K=6: one layer each; K=7: more stages than layers */
+    assert_int_equal(pipe_split_balanced(&L, 6, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-0,1-1,2-2,3-3,4-4,5-5");
+    assert_int_equal(pipe_split_balanced(&L, 7, &p, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "6 layers"));
+    assert_int_equal(pipe_split_balanced(&L, 1, &p, err, sizeof(err)), -1);
+    assert_int_equal(pipe_split_balanced(&L, 9, &p, err, sizeof(err)), -1);
+}
+
+/* conv:3x3x4,pool:2,dense:16,dropout:0.25,dense:10: conv 28x28x1->28x28x4
+ * (6*28*28*9*4 = 169344), relu (2*3136 = 6272), pool 2 -> 14x14x4 (2*784*4 =
+ * 6272), flatten (0), dense 784x16 (75264), relu (32), dropout (32), dense
+ * 16x10 (960). */
+static void test_flops_and_split_of_a_cnn(void **state)
+{
+    (void)state;
+    model_layout L = layout("conv:3x3x4,pool:2,dense:16,dropout:0.25,dense:10");
+    assert_int_equal(L.n_layers, 8);
+    const layer_kind kinds[] = {LAYER_CONV2D, LAYER_RELU, LAYER_MAXPOOL, LAYER_FLATTEN,
+                                LAYER_DENSE, LAYER_RELU, LAYER_DROPOUT, LAYER_DENSE};
+    const uint64_t want[] = {169344, 6272, 6272, 0, 75264, 32, 32, 960};
+    for (int i = 0; i < 8; i++) {
+        assert_int_equal(L.layers[i].kind, kinds[i]);
+        assert_int_equal(pipe_layer_flops(&L.layers[i]), want[i]);
+    }
+    pipe_plan p;
+    char err[256];
+    assert_int_equal(pipe_split_balanced(&L, 2, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-0,1-7"); /* 169344 | 88832; conv+relu would be 175616 */
+    /* K=3: the conv alone still bounds it; stage 1 takes relu..dense 784x16
+     * (6272 + 6272 + 0 + 75264 = 87808) and can take relu and dropout too (87872),
+     * leaving the last dense */
+    assert_int_equal(pipe_split_balanced(&L, 3, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-0,1-6,7-7");
+    size_t off, n;
+    model_layout *Lp = &L;
+    pipe_stage_params(Lp, &p, 0, &off, &n);
+    assert_int_equal(off, 0);
+    assert_int_equal(n, 3 * 3 * 4 + 4);
+    pipe_stage_params(Lp, &p, 1, &off, &n);
+    assert_int_equal(off, 40);
+    assert_int_equal(n, 784 * 16 + 16);
+    pipe_stage_params(Lp, &p, 2, &off, &n);
+    assert_int_equal(off, 40 + 784 * 16 + 16);
+    assert_int_equal(off + n, L.n_params);
+    /* a stage without parameters (the relu and the pool): an empty run */
+    assert_int_equal(pipe_split_parse(&L, "0-0,1-2,3-7", 3, &p, err, sizeof(err)), 0);
+    pipe_stage_params(Lp, &p, 1, &off, &n);
+    assert_int_equal(off, 40);
+    assert_int_equal(n, 0);
+}
+
+/* Layers of given costs (dense 1 x c / 6 ... simply dense layers with
+ * in_numel 1 and out_numel c: 6c each). */
+static model_layout costs_layout(const uint64_t *c, int n)
+{
+    model_layout L;
+    memset(&L, 0, sizeof(L));
+    snprintf(L.spec, sizeof(L.spec), "synthetic");
+    L.n_layers = n;
+    for (int i = 0; i < n; i++) {
+        L.layers[i].kind = LAYER_DENSE;
+        L.layers[i].in_numel = 1;
+        L.layers[i].out_numel = c[i];
+    }
+    return L;
+}
+
+/* The smallest largest-stage cost over every split of n layers into K, by
+ * enumerating the K-1 cut positions. */
+static uint64_t brute_best(const uint64_t *c, int n, int K)
+{
+    uint64_t best = UINT64_MAX;
+    int cut[PIPE_MAX_STAGES];
+    for (int i = 0; i < K - 1; i++)
+        cut[i] = i + 1;
+    for (;;) {
+        uint64_t worst = 0;
+        for (int s = 0; s < K; s++) {
+            int a = s ? cut[s - 1] : 0, b = s < K - 1 ? cut[s] : n;
+            uint64_t run = 0;
+            for (int i = a; i < b; i++)
+                run += 6 * c[i];
+            if (run > worst)
+                worst = run;
+        }
+        if (worst < best)
+            best = worst;
+        int k = K - 2;
+        while (k >= 0 && cut[k] == n - (K - 1 - k))
+            k--;
+        if (k < 0)
+            break;
+        cut[k]++;
+        for (int j = k + 1; j < K - 1; j++)
+            cut[j] = cut[j - 1] + 1;
+    }
+    return best;
+}
+
+static void test_the_balanced_split_is_optimal_and_deterministic(void **state)
+{
+    (void)state;
+    srand(12345);
+    for (int trial = 0; trial < 400; trial++) {
+        int n = 2 + rand() % 11, K = 2 + rand() % (n - 1 < 5 ? n - 1 : 5);
+        uint64_t c[16];
+        for (int i = 0; i < n; i++)
+            c[i] = (uint64_t)(rand() % 4 == 0 ? 0 : 1 + rand() % 1000);
+        model_layout L = costs_layout(c, n);
+        pipe_plan p, q;
+        char err[128];
+        assert_int_equal(pipe_split_balanced(&L, K, &p, err, sizeof(err)), 0);
+        assert_int_equal(pipe_split_balanced(&L, K, &q, err, sizeof(err)), 0);
+        assert_memory_equal(&p, &q, sizeof(p));
+        uint64_t worst = 0;
+        int at = 0;
+        for (int s = 0; s < K; s++) {
+            assert_int_equal(p.first[s], at);
+            assert_true(p.last[s] >= p.first[s]);
+            uint64_t run = 0;
+            for (int i = p.first[s]; i <= p.last[s]; i++)
+                run += 6 * c[i];
+            assert_int_equal(run, p.cost[s]);
+            worst = run > worst ? run : worst;
+            at = p.last[s] + 1;
+        }
+        assert_int_equal(at, n);
+        assert_int_equal(worst, brute_best(c, n, K));
+    }
+}
+
+static void test_stage_layers_and_its_refusals(void **state)
+{
+    (void)state;
+    model_layout L = layout("mlp:32,16");
+    pipe_plan p;
+    char err[256];
+    assert_int_equal(pipe_split_parse(&L, "0-2,3-5", 2, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-2,3-5");
+    assert_int_equal(p.cost[0], 150528 + 64);
+    assert_int_equal(pipe_split_parse(&L, "0,1-4,5", 3, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-0,1-4,5-5");
+    static const struct {
+        const char *s;
+        int K;
+        const char *says;
+    } bad[] = {
+        {"", 2, "empty"},
+        {"0-1,3-5", 2, "'3-5' starts at layer 3, not 2"},
+        {"1-2,3-5", 2, "'1-2' starts at layer 1, not 0"},
+        {"0-1,2-6", 2, "'2-6' goes past the last layer, 5"},
+        {"0-1,2-4", 2, "ends at layer 4"},
+        {"0-1,2-5", 3, "has 2 ranges, --pipeline_stages=3"},
+        {"0-0,1-1,2-5", 2, "more than 2 ranges"},
+        {"0-x,1-5", 2, "'0-x' is not a layer range"},
+        {"2-1,2-5", 2, "'2-1' ends before it starts"},
+        {"0-1,,2-5", 2, "'' is not a layer range"},
+        {"0-1,2-5,", 2, "'' is not a layer range"},
+        {"-1-1,2-5", 2, "'-1-1' is not a layer range"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        err[0] = 0;
+        assert_int_equal(pipe_split_parse(&L, bad[i].s, bad[i].K, &p, err, sizeof(err)), -1);
+        if (!strstr(err, bad[i].says))
+            fail_msg("'%s': got '%s', want it to say '%s'", bad[i].s, err, bad[i].says);
+    }
+}
+
+static void test_the_grid_rule(void **state)
+{
+    (void)state;
+    pipe_grid g;
+    char err[256];
+    /* 6 tasks, K = 3: task i is stage i % 3 of replica i / 3 */
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(pipe_grid_place(6, 3, i, &g, err, sizeof(err)), 0);
+        assert_int_equal(g.stages, 3);
+        assert_int_equal(g.replicas, 2);
+        assert_int_equal(g.stage, i % 3);
+        assert_int_equal(g.replica, i / 3);
+        assert_int_equal(pipe_grid_task(&g, g.stage, g.replica), i);
+    }
+    assert_int_equal(pipe_grid_place(6, 3, 0, &g, err, sizeof(err)), 0);
+    assert_int_equal(g.stage, 0); /* the chief: stage 0 of replica 0 */
+    assert_int_equal(pipe_grid_place(5, 2, 0, &g, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "5 training tasks"));
+    assert_int_equal(pipe_grid_place(2, 3, 0, &g, err, sizeof(err)), -1);
+    assert_int_equal(pipe_grid_place(4, 2, 4, &g, err, sizeof(err)), -1);
+}
+
+/* ---- the tables ---- */
+
+/* Run the K tables with blocking receives and buffered sends: stage s starts
+ * its next op when it is free and the op's input has arrived (F(j), s > 0:
+ * stage s-1's F(j) done; B(j), s < K-1: stage s+1's B(j) done; the last
+ * stage's B(j): its own F(j)). Ops take tf and tb. 0 and the makespan and
+ * each stage's busy time, or -1 on a deadlock (no stage can go on). */
+static int simulate(const pipe_slot *table, int K, int M, int tf, int tb, int *makespan, int *busy)
+{
+    int n = 2 * M, pc[PIPE_MAX_STAGES] = {0}, freeat[PIPE_MAX_STAGES] = {0};
+    int fdone[PIPE_MAX_STAGES][PIPE_MAX_MICRO], bdone[PIPE_MAX_STAGES][PIPE_MAX_MICRO];
+    for (int s = 0; s < K; s++)
+        for (int j = 0; j < M; j++)
+            fdone[s][j] = bdone[s][j] = -1;
+    int left = K * n;
+    while (left > 0) {
+        int progressed = 0;
+        for (int s = 0; s < K; s++) {
+            while (pc[s] < n) {
+                const pipe_slot *t = &table[s * n + pc[s]];
+                int dep;
+                if (t->op == PIPE_FWD)
+                    dep = s == 0 ? 0 : fdone[s - 1][t->mb];
+                else
+                    dep = s == K - 1 ? fdone[s][t->mb] : bdone[s + 1][t->mb];
+                if (dep < 0)
+                    break; /* blocked on a receive */
+                int start = freeat[s] > dep ? freeat[s] : dep;
+                int end = start + (t->op == PIPE_FWD ? tf : tb);
+                if (t->op == PIPE_FWD)
+                    fdone[s][t->mb] = end;
+                else
+                    bdone[s][t->mb] = end;
+                busy[s] += end - start;
+                freeat[s] = end;
+                pc[s]++;
+                left--;
+                progressed = 1;
+            }
+        }
+        if (!progressed)
+            return -1;
+    }
+    *makespan = 0;
+    for (int s = 0; s < K; s++)
+        *makespan = freeat[s] > *makespan ? freeat[s] : *makespan;
+    return 0;
+}
+
+static void test_tables_are_well_formed(void **state)
+{
+    (void)state;
+    for (int kind = PIPE_GPIPE; kind <= PIPE_1F1B; kind++)
+        for (int K = 2; K <= 8; K++)
+            for (int M = 1; M <= 16; M++) {
+                pipe_schedule s;
+                char err[128];
+                assert_int_equal(pipe_schedule_build(&s, (pipe_schedule_kind)kind, K, M, err, sizeof(err)), 0);
+                assert_int_equal(s.n, 2 * M);
+                for (int st = 0; st < K; st++) {
+                    int fseen[PIPE_MAX_MICRO] = {0}, bseen[PIPE_MAX_MICRO] = {0}, live = 0, most = 0;
+                    for (int i = 0; i < s.n; i++) {
+                        const pipe_slot *t = pipe_schedule_at(&s, st, i);
+                        assert_true(t->mb >= 0 && t->mb < M);
+                        if (t->op == PIPE_FWD) {
+                            assert_int_equal(fseen[t->mb]++, 0);
+                            live++;
+                        } else {
+                            assert_int_equal(fseen[t->mb], 1); /* its forward came first */
+                            assert_int_equal(bseen[t->mb]++, 0);
+                            live--;
+                        }
+                        most = live > most ? live : most;
+                    }
+                    assert_int_equal(most, s.max_inflight[st]);
+                    if (kind == PIPE_GPIPE)
+                        assert_int_equal(most, M);
+                    else
+                        assert_true(most <= K - st && most <= M); /* 1f1b's bound */
+                }
+                pipe_schedule_free(&s);
+            }
+}
+
+static void test_tables_run_without_deadlock_and_meet_the_fill_drain_bound(void **state)
+{
+    (void)state;
+    for (int kind = PIPE_GPIPE; kind <= PIPE_1F1B; kind++)
+        for (int K = 2; K <= 8; K++)
+            for (int M = 1; M <= 16; M++) {
+                pipe_schedule s;
+                char err[128];
+                assert_int_equal(pipe_schedule_build(&s, (pipe_schedule_kind)kind, K, M, err, sizeof(err)), 0);
+                int span, busy[PIPE_MAX_STAGES] = {0};
+                /* unit-time ops: the fill-drain time 2(M + K - 1) */
+                assert_int_equal(simulate(s.slot, K, M, 1, 1, &span, busy), 0);
+                assert_int_equal(span, 2 * (M + K - 1));
+                for (int st = 0; st < K; st++) {
+                    assert_int_equal(busy[st], 2 * M);
+                    /* idle fraction (span - 2M) / span == (K-1)/(M+K-1) */
+                    assert_int_equal((int64_t)(span - busy[st]) * (M + K - 1),
+                                         (int64_t)(K - 1) * span);
+                }
+                /* backward twice the forward: still no deadlock */
+                int busy2[PIPE_MAX_STAGES] = {0};
+                assert_int_equal(simulate(s.slot, K, M, 1, 2, &span, busy2), 0);
+                pipe_schedule_free(&s);
+            }
+}
+
+static void test_a_wrong_table_deadlocks_in_the_simulation(void **state)
+{
+    (void)state;
+    /* stage 0 waits for B0 before sending F1; stage 1 wants F1 first */
+    const pipe_slot t[] = {{PIPE_FWD, 0}, {PIPE_BWD, 0}, {PIPE_FWD, 1}, {PIPE_BWD, 1},
+                           {PIPE_FWD, 1}, {PIPE_FWD, 0}, {PIPE_BWD, 0}, {PIPE_BWD, 1}};
+    int span, busy[PIPE_MAX_STAGES] = {0};
+    assert_int_equal(simulate(t, 2, 2, 1, 1, &span, busy), -1);
+}
+
+static void test_schedule_names_and_format(void **state)
+{
+    (void)state;
+    pipe_schedule_kind k;
+    assert_int_equal(pipe_schedule_from_name("gpipe", &k), 0);
+    assert_int_equal(k, PIPE_GPIPE);
+    assert_int_equal(pipe_schedule_from_name("1f1b", &k), 0);
+    assert_int_equal(k, PIPE_1F1B);
+    assert_int_equal(pipe_schedule_from_name("1F1B", &k), -1);
+    pipe_schedule s;
+    char err[128], buf[256];
+    assert_int_equal(pipe_schedule_build(&s, PIPE_1F1B, 3, 4, err, sizeof(err)), 0);
+    pipe_schedule_format(&s, 0, buf, sizeof(buf));
+    assert_string_equal(buf, "F0 F1 F2 B0 F3 B1 B2 B3");
+    pipe_schedule_format(&s, 1, buf, sizeof(buf));
+    assert_string_equal(buf, "F0 F1 B0 F2 B1 F3 B2 B3");
+    pipe_schedule_format(&s, 2, buf, sizeof(buf));
+    assert_string_equal(buf, "F0 B0 F1 B1 F2 B2 F3 B3");
+    pipe_schedule_free(&s);
+    assert_int_equal(pipe_schedule_build(&s, PIPE_GPIPE, 2, 3, err, sizeof(err)), 0);
+    pipe_schedule_format(&s, 1, buf, sizeof(buf));
+    assert_string_equal(buf, "F0 F1 F2 B0 B1 B2");
+    pipe_schedule_free(&s);
+    assert_int_equal(pipe_schedule_build(&s, PIPE_GPIPE, 2, 0, err, sizeof(err)), -1);
+    assert_int_equal(pipe_schedule_build(&s, PIPE_GPIPE, 9, 2, err, sizeof(err)), -1);
+    assert_int_equal(pipe_schedule_build(&s, PIPE_GPIPE, 2, PIPE_MAX_MICRO + 1, err, sizeof(err)), -1);
+}
+
+/* ---- the receive buffer ---- */
+
+static void test_mailbox_refusals_leave_nothing(void **state)
+{
+    (void)state;
+    size_t params[3] = {0, 5, 7};
+    pipe_mailbox *m = pipe_mailbox_new(2, 4, 3, 3, params);
+    assert_non_null(m);
+    float a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, got[8];
+    char msg[256];
+    pipe_mailbox_set_step(m, 10);
+    pipe_key k = {10, 1, PIPE_ACT};
+    assert_int_equal(pipe_mailbox_check(m, &k, 4, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 2, PIPE_ACT}, a, 4, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, -1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){9, 1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 409);
+    assert_non_null(strstr(msg, "step 9"));
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 3, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 5, msg, sizeof(msg)), 413);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 1, PIPE_PARAMS}, a, 5, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 0, PIPE_PARAMS}, a, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 3, PIPE_PARAMS}, a, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_pending(m), 1);
+    /* accepted: this step and the next; a duplicate, before or after the take */
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 4, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &k, a + 4, 4, msg, sizeof(msg)), 409);
+    assert_non_null(strstr(msg, "duplicate"));
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){11, 1, PIPE_ACT}, a + 4, 4, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){11, 0, PIPE_GRAD}, a + 1, 3, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_pending(m), 4);
+    assert_int_equal(pipe_mailbox_take(m, &k, got, clk_mono_secs() + 1, NULL), 0);
+    assert_memory_equal(got, a, 4 * sizeof(float));
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 4, msg, sizeof(msg)), 409);
+    pipe_mailbox_set_step(m, 11);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){11, 1, PIPE_ACT}, got, clk_mono_secs() + 1, NULL), 0);
+    assert_memory_equal(got, a + 4, 4 * sizeof(float));
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){11, 0, PIPE_GRAD}, got, clk_mono_secs() + 1, NULL), 0);
+    assert_memory_equal(got, a + 1, 3 * sizeof(float));
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){10, 1, PIPE_PARAMS}, got, clk_mono_secs() + 1, NULL), 0);
+    assert_memory_equal(got, a, 5 * sizeof(float));
+    /* step 12 reuses step 10's slots */
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_pending(m), 1);
+    pipe_mailbox_free(m);
+    /* the last stage takes no gradients, stage 0 no activations and no parameters elsewhere */
+    m = pipe_mailbox_new(2, 0, 3, 3, NULL);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 0, PIPE_ACT}, a, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 1, PIPE_PARAMS}, a, 5, msg, sizeof(msg)), 400);
+    pipe_mailbox_free(m);
+}
+
+typedef struct late {
+    pipe_mailbox *m;
+    float v[4];
+} late;
+
+static void *put_later(void *arg)
+{
+    late *l = arg;
+    char msg[128];
+    usleep(100 * 1000);
+    pipe_mailbox_put(l->m, &(pipe_key){0, 0, PIPE_GRAD}, l->v, 4, msg, sizeof(msg));
+    return NULL;
+}
+
+static void test_mailbox_take_waits_until_the_deadline(void **state)
+{
+    (void)state;
+    pipe_mailbox *m = pipe_mailbox_new(1, 4, 4, 2, NULL);
+    float got[4];
+    double t0 = clk_mono_secs();
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_ACT}, got, t0 + 0.2, NULL), -1);
+    double waited = clk_mono_secs() - t0;
+    assert_true(waited >= 0.19 && waited < 5);
+    late l = {m, {9, 8, 7, 6}};
+    pthread_t th;
+    pthread_create(&th, NULL, put_later, &l);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_GRAD}, got, clk_mono_secs() + 10, NULL), 0);
+    pthread_join(th, NULL);
+    assert_memory_equal(got, l.v, sizeof(got));
+    pipe_mailbox_free(m);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_flops_and_split_of_the_mlp),
+        cmocka_unit_test(test_flops_and_split_of_a_cnn),
+        cmocka_unit_test(test_the_balanced_split_is_optimal_and_deterministic),
+        cmocka_unit_test(test_stage_layers_and_its_refusals),
+        cmocka_unit_test(test_the_grid_rule),
+        cmocka_unit_test(test_tables_are_well_formed),
+        cmocka_unit_test(test_tables_run_without_deadlock_and_meet_the_fill_drain_bound),
+        cmocka_unit_test(test_a_wrong_table_deadlocks_in_the_simulation),
+        cmocka_unit_test(test_schedule_names_and_format),
+        cmocka_unit_test(test_mailbox_refusals_leave_nothing),
+        cmocka_unit_test(test_mailbox_take_waits_until_the_deadline),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
