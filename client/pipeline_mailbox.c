@@ -18,6 +18,7 @@ typedef struct mslot {
     int64_t step; /* what it was filled for; -1 never */
     int state;
     float *data;  /* malloc'd while full */
+    int64_t tag;
 } mslot;
 
 struct pipe_mailbox {
@@ -158,7 +159,7 @@ unsigned pipe_mailbox_check(pipe_mailbox *m, const pipe_key *k, size_t floats, c
 }
 
 unsigned pipe_mailbox_put(pipe_mailbox *m, const pipe_key *k, const void *data, size_t floats,
-                          char *msg, size_t cap)
+                          int64_t tag, char *msg, size_t cap)
 {
     /* copy outside the lock, into memory of the expected size */
     float *copy = malloc(floats ? floats * sizeof(float) : 1);
@@ -177,6 +178,7 @@ unsigned pipe_mailbox_put(pipe_mailbox *m, const pipe_key *k, const void *data, 
         s->data = copy;
         copy = NULL;
         s->step = k->step;
+        s->tag = tag;
         s->state = SLOT_FULL;
         pthread_cond_broadcast(&m->cv);
     }
@@ -185,7 +187,7 @@ unsigned pipe_mailbox_put(pipe_mailbox *m, const pipe_key *k, const void *data, 
     return st;
 }
 
-int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, double deadline,
+int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, int64_t *tag, double deadline,
                       int (*abort)(void))
 {
     mslot *s;
@@ -223,6 +225,8 @@ int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, double dea
     if (rc == 0) {
         if (want)
             memcpy(dst, s->data, want * sizeof(float));
+        if (tag)
+            *tag = s->tag;
         free(s->data);
         s->data = NULL;
         s->state = SLOT_TAKEN;

@@ -53,14 +53,16 @@ void pipe_mailbox_set_step(pipe_mailbox *m, int64_t step);
  * (400, 409, 413) with msg. */
 unsigned pipe_mailbox_check(pipe_mailbox *m, const pipe_key *k, size_t floats, char *msg,
                             size_t cap);
-/* Buffer a copy of data (floats floats) for k: 0, or the status as above. */
+/* Buffer a copy of data (floats floats) for k, with tag (activations: the
+ * epoch-order index of the micro-batch's first example, which dropout's
+ * mask follows): 0, or the status as above. */
 unsigned pipe_mailbox_put(pipe_mailbox *m, const pipe_key *k, const void *data, size_t floats,
-                          char *msg, size_t cap);
+                          int64_t tag, char *msg, size_t cap);
 
 /* Wait until k is there (up to deadline, clk_mono_secs()), then copy it into
- * dst (its expected size). 0; -1 at the deadline; -2 when abort() (polled
- * every 50 ms; may be NULL) said stop. */
-int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, double deadline,
+ * dst (its expected size) and its tag into *tag (may be NULL). 0; -1 at the
+ * deadline; -2 when abort() (polled every 50 ms; may be NULL) said stop. */
+int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, int64_t *tag, double deadline,
                       int (*abort)(void));
 
 /* Messages buffered and not yet taken (GET /v1/pipeline). */

@@ -56,6 +56,12 @@ typedef struct train_config {
     const char *logdir;         /* the chief's checkpoints; "" = none */
     int save_checkpoint_secs;   /* 0 = only at the end (and on a stop or a broken ring) */
     int log_param_hash;         /* print a CRC-32C of the parameters after every step */
+    /* --pipeline_stages=K (pipeline_train.c): the model's layers split over K stages */
+    int pipeline_stages;        /* 0 = off */
+    const char *stage_layers;   /* --stage_layers, or NULL: the balanced split */
+    int pipeline_schedule;      /* pipe_schedule_kind: gpipe or 1f1b */
+    int micro_batches;          /* M; --batch_size is a multiple of it */
+    double pipeline_timeout_secs; /* wait this long for a neighbouring stage */
 } train_config;
 
 /* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */
@@ -67,6 +73,11 @@ int train_worker(const train_config *c);
 int train_evaluator(const train_config *c);
 int train_local(const train_config *c);
 int train_ring(const train_config *c);
+int train_pipeline(const train_config *c);
+/* The split --pipeline_stages and --stage_layers give (pipeline_plan.h); 0,
+ * or -1 with err. (pipeline_train.c) */
+struct pipe_plan;
+int pipe_plan_for(const train_config *c, struct pipe_plan *p, char *err, size_t errlen);
 
 /* Shared by train.c and ring_train.c. */
 

@@ -13,6 +13,8 @@
 #include "idx.h"
 #include "libps.h"
 #include "model.h"
+#include "pipeline_plan.h"
+#include "pipeline_schedule.h"
 #include "ring.h"
 #include "tls_priorities.h"
 #include "token.h"
@@ -85,6 +87,9 @@ int main(int argc, char **argv)
     int save_ckpt_secs = 60, log_param_hash = 0;
     const char *device = "auto";
     int gpu = 0, tf32 = 0;
+    int pipeline_stages = 0, micro_batches = 4;
+    const char *stage_layers = NULL, *pipeline_schedule = "1f1b";
+    float pipeline_timeout = 60;
     flag flags[] = {
         {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
@@ -149,6 +154,11 @@ int main(int argc, char **argv)
         {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors (the newest valid one is restored at start), and its TensorBoard event files, <logdir>/train/events.out.tfevents.* (loss, global_step/sec, examples/sec, learning_rate) (default logs/ring); empty = neither", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
         {"log_param_hash", FLAG_BOOL, &log_param_hash, "ring: print a CRC-32C of the parameters after every step (replicas must agree; default false)", 0},
+        {"pipeline_stages", FLAG_INT, &pipeline_stages, "model parallelism: split the model's layers into K (2 to 8) contiguous stages, one per training task: task i (the chief task first, then the workers) is stage i mod K; each holds only its layers' parameters and optimizer slots, activations go forward and their gradients back to the neighbouring stage as HTTP POSTs to its own --worker_hosts (or --chief_hosts) address, and the chief (stage 0) reports and exports the whole model at the end. No ps (the ps flags are ignored); one replica: the training tasks must number K (default 0: off)", 0},
+        {"stage_layers", FLAG_STRING, &stage_layers, "--pipeline_stages: the stages' layer ranges, e.g. 0-3,4-6,7-9 (the layers of the expanded model: flatten and ReLU count; the start line prints the split); default: balance the estimated forward+backward FLOPs", 0},
+        {"pipeline_schedule", FLAG_STRING, &pipeline_schedule, "--pipeline_stages: gpipe (every micro-batch forward, then every backward: M activations in flight) or 1f1b (one forward, one backward in the steady state: at most K in flight; default)", 0},
+        {"micro_batches", FLAG_INT, &micro_batches, "--pipeline_stages: cut each --batch_size batch into this many micro-batches (1 to 256, dividing --batch_size; default 4); the update is the mean over the whole batch, as one worker's", 0},
+        {"pipeline_timeout_secs", FLAG_FLOAT, &pipeline_timeout, "--pipeline_stages: a stage that waits this long for a neighbour's message says which stage and which message and stops, exit 1 (default 60; the first step waits at least 30 while the others start)", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
@@ -352,6 +362,47 @@ int main(int argc, char **argv)
         free((char *)c.token);
         return 2;
     }
+    if (pipeline_stages || stage_layers || flags_get(flags, nflags, "micro_batches")->given ||
+        flags_get(flags, nflags, "pipeline_schedule")->given ||
+        flags_get(flags, nflags, "pipeline_timeout_secs")->given) {
+        const char *bad = NULL;
+        pipe_schedule_kind sk = PIPE_1F1B;
+        if (!pipeline_stages)
+            bad = "--stage_layers, --micro_batches, --pipeline_schedule and --pipeline_timeout_secs need --pipeline_stages";
+        else if (pipeline_stages < PIPE_MIN_STAGES || pipeline_stages > PIPE_MAX_STAGES)
+            bad = "--pipeline_stages must be 2 to 8";
+        else if (local)
+            bad = "--pipeline_stages is not for --local (--local is the one-process reference it is compared with)";
+        else if (c.ring)
+            bad = "--pipeline_stages does not go with --allreduce=ring yet";
+        else if (c.moving_average_decay > 0)
+            bad = "--moving_average_decay needs the ps tasks: not with --pipeline_stages";
+        else if (micro_batches < 1 || micro_batches > PIPE_MAX_MICRO || batch % micro_batches != 0)
+            bad = "--micro_batches must be 1 to 256 and divide --batch_size";
+        else if (pipe_schedule_from_name(pipeline_schedule, &sk) != 0)
+            bad = "--pipeline_schedule must be gpipe or 1f1b";
+        else if (!(pipeline_timeout > 0) || pipeline_timeout > 86400)
+            bad = "--pipeline_timeout_secs must be > 0 (and at most a day)";
+        if (bad) {
+            fprintf(stderr, "workerd: %s\n", bad);
+            free((char *)c.token);
+            return 2;
+        }
+        c.pipeline_stages = pipeline_stages;
+        c.stage_layers = stage_layers;
+        c.pipeline_schedule = (int)sk;
+        c.micro_batches = micro_batches;
+        c.pipeline_timeout_secs = pipeline_timeout;
+        pipe_plan plan;
+        if (pipe_plan_for(&c, &plan, err, sizeof(err)) != 0) {
+            if (stage_layers)
+                fprintf(stderr, "workerd: --stage_layers=%s: %s\n", stage_layers, err);
+            else
+                fprintf(stderr, "workerd: --pipeline_stages=%d: %s\n", pipeline_stages, err);
+            free((char *)c.token);
+            return 2;
+        }
+    }
     if (local) {
         c.name = "local";
         c.n_trainers = 1;
@@ -399,6 +450,22 @@ int main(int argc, char **argv)
         return 2;
     }
     c.replicas_to_aggregate = replicas ? replicas : c.n_trainers;
+    if (c.pipeline_stages && (cs.job == JOB_EVALUATOR || c.n_trainers != c.pipeline_stages)) {
+        if (cs.job == JOB_EVALUATOR)
+            fprintf(stderr, "workerd: --pipeline_stages has no evaluator task (no ps to read from): the chief "
+                            "prints the test accuracy at the end\n");
+        else if (c.n_trainers % c.pipeline_stages != 0)
+            fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks (chief + workers) are not whole "
+                            "pipelines: they must number K x R (stages x replicas)\n",
+                    c.pipeline_stages, c.n_trainers);
+        else
+            fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks would be %d replicas; this "
+                            "version trains one: start exactly %d training tasks\n",
+                    c.pipeline_stages, c.n_trainers, c.n_trainers / c.pipeline_stages, c.pipeline_stages);
+        cluster_spec_free(&cs);
+        free((char *)c.token);
+        return 2;
+    }
     char name[64];
     snprintf(name, sizeof(name), "%s %d", cluster_job_name(cs.job), cs.task_index);
     c.name = name;
@@ -410,7 +477,10 @@ int main(int argc, char **argv)
         free((char *)c.token);
         return 2;
     }
-    int rc = cs.job == JOB_EVALUATOR ? train_evaluator(&c) : c.ring ? train_ring(&c) : train_worker(&c);
+    int rc = cs.job == JOB_EVALUATOR ? train_evaluator(&c)
+             : c.pipeline_stages       ? train_pipeline(&c)
+             : c.ring                  ? train_ring(&c)
+                                       : train_worker(&c);
     cluster_spec_free(&cs);
     free((char *)c.token);
     return rc;

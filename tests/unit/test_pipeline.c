@@ -414,42 +414,44 @@ static void test_mailbox_refusals_leave_nothing(void **state)
     pipe_mailbox_set_step(m, 10);
     pipe_key k = {10, 1, PIPE_ACT};
     assert_int_equal(pipe_mailbox_check(m, &k, 4, msg, sizeof(msg)), 0);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 2, PIPE_ACT}, a, 4, msg, sizeof(msg)), 400);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, -1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 400);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){9, 1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 2, PIPE_ACT}, a, 4, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, -1, PIPE_ACT}, a, 4, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){9, 1, PIPE_ACT}, a, 4, 0, msg, sizeof(msg)), 409);
     assert_non_null(strstr(msg, "step 9"));
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 409);
-    assert_int_equal(pipe_mailbox_put(m, &k, a, 3, msg, sizeof(msg)), 400);
-    assert_int_equal(pipe_mailbox_put(m, &k, a, 5, msg, sizeof(msg)), 413);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 1, PIPE_PARAMS}, a, 5, msg, sizeof(msg)), 0);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 0, PIPE_PARAMS}, a, 0, msg, sizeof(msg)), 400);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 3, PIPE_PARAMS}, a, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, 0, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 3, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 5, 0, msg, sizeof(msg)), 413);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 1, PIPE_PARAMS}, a, 5, 0, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 0, PIPE_PARAMS}, a, 0, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 3, PIPE_PARAMS}, a, 0, 0, msg, sizeof(msg)), 400);
     assert_int_equal(pipe_mailbox_pending(m), 1);
     /* accepted: this step and the next; a duplicate, before or after the take */
-    assert_int_equal(pipe_mailbox_put(m, &k, a, 4, msg, sizeof(msg)), 0);
-    assert_int_equal(pipe_mailbox_put(m, &k, a + 4, 4, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 4, 0, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &k, a + 4, 4, 0, msg, sizeof(msg)), 409);
     assert_non_null(strstr(msg, "duplicate"));
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){11, 1, PIPE_ACT}, a + 4, 4, msg, sizeof(msg)), 0);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){11, 0, PIPE_GRAD}, a + 1, 3, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){11, 1, PIPE_ACT}, a + 4, 4, 7700, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){11, 0, PIPE_GRAD}, a + 1, 3, 0, msg, sizeof(msg)), 0);
     assert_int_equal(pipe_mailbox_pending(m), 4);
-    assert_int_equal(pipe_mailbox_take(m, &k, got, clk_mono_secs() + 1, NULL), 0);
+    assert_int_equal(pipe_mailbox_take(m, &k, got, NULL, clk_mono_secs() + 1, NULL), 0);
     assert_memory_equal(got, a, 4 * sizeof(float));
-    assert_int_equal(pipe_mailbox_put(m, &k, a, 4, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_put(m, &k, a, 4, 0, msg, sizeof(msg)), 409);
     pipe_mailbox_set_step(m, 11);
-    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){11, 1, PIPE_ACT}, got, clk_mono_secs() + 1, NULL), 0);
+    int64_t tag = -1;
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){11, 1, PIPE_ACT}, got, &tag, clk_mono_secs() + 1, NULL), 0);
+    assert_int_equal(tag, 7700);
     assert_memory_equal(got, a + 4, 4 * sizeof(float));
-    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){11, 0, PIPE_GRAD}, got, clk_mono_secs() + 1, NULL), 0);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){11, 0, PIPE_GRAD}, got, NULL, clk_mono_secs() + 1, NULL), 0);
     assert_memory_equal(got, a + 1, 3 * sizeof(float));
-    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){10, 1, PIPE_PARAMS}, got, clk_mono_secs() + 1, NULL), 0);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){10, 1, PIPE_PARAMS}, got, NULL, clk_mono_secs() + 1, NULL), 0);
     assert_memory_equal(got, a, 5 * sizeof(float));
     /* step 12 reuses step 10's slots */
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, 0, msg, sizeof(msg)), 0);
     assert_int_equal(pipe_mailbox_pending(m), 1);
     pipe_mailbox_free(m);
     /* the last stage takes no gradients, stage 0 no activations and no parameters elsewhere */
     m = pipe_mailbox_new(2, 0, 3, 3, NULL);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 0, PIPE_ACT}, a, 0, msg, sizeof(msg)), 400);
-    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 1, PIPE_PARAMS}, a, 5, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 0, PIPE_ACT}, a, 0, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 1, PIPE_PARAMS}, a, 5, 0, msg, sizeof(msg)), 400);
     pipe_mailbox_free(m);
 }
 
@@ -463,7 +465,7 @@ static void *put_later(void *arg)
     late *l = arg;
     char msg[128];
     usleep(100 * 1000);
-    pipe_mailbox_put(l->m, &(pipe_key){0, 0, PIPE_GRAD}, l->v, 4, msg, sizeof(msg));
+    pipe_mailbox_put(l->m, &(pipe_key){0, 0, PIPE_GRAD}, l->v, 4, 0, msg, sizeof(msg));
     return NULL;
 }
 
@@ -473,13 +475,13 @@ static void test_mailbox_take_waits_until_the_deadline(void **state)
     pipe_mailbox *m = pipe_mailbox_new(1, 4, 4, 2, NULL);
     float got[4];
     double t0 = clk_mono_secs();
-    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_ACT}, got, t0 + 0.2, NULL), -1);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_ACT}, got, NULL, t0 + 0.2, NULL), -1);
     double waited = clk_mono_secs() - t0;
     assert_true(waited >= 0.19 && waited < 5);
     late l = {m, {9, 8, 7, 6}};
     pthread_t th;
     pthread_create(&th, NULL, put_later, &l);
-    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_GRAD}, got, clk_mono_secs() + 10, NULL), 0);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_GRAD}, got, NULL, clk_mono_secs() + 10, NULL), 0);
     pthread_join(th, NULL);
     assert_memory_equal(got, l.v, sizeof(got));
     pipe_mailbox_free(m);

@@ -1,0 +1,347 @@
+/* pipeline_link.c - a pipeline stage's endpoint (on the shared HTTP layer,
+ * common/http_server.h) and its sends to the other stages (libcurl); see
+ * pipeline_link.h. */
+#include "pipeline_link.h"
+
+#include <arpa/inet.h>
+#include <curl/curl.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "clock.h"
+#include "endpoint.h"
+#include "http_server.h"
+#include "pipeline_schedule.h"
+
+#define LINK_MAX_CONNS 64
+#define LINK_HEADER_SECS 30
+#define LINK_TRY_MS 100 /* between tries of a neighbour that does not answer */
+
+struct pipe_link {
+    http_server *srv;
+    pipe_mailbox *box;
+    int stages, stage;
+    uint32_t plan_id;
+    char *plan_text, *token, *name;
+    char peer[PIPE_MAX_STAGES][CLUSTER_HOST_MAX + 16];
+    char url[PIPE_MAX_STAGES][CLUSTER_HOST_MAX + 32];
+    int (*abort)(void);
+    size_t max_msg_bytes;
+    CURL *curl;
+    struct curl_slist *headers;
+    char resp[512];
+    size_t resp_len;
+    pthread_mutex_t mu; /* guards st and info */
+    pipe_link_state st;
+    json_t *info;
+    uint64_t bytes_sent;
+    double send_secs;
+};
+
+/* ---- the endpoint ---- */
+
+typedef struct msg_req {
+    pipe_key key;
+    size_t floats;
+    int64_t example0; /* activations: the micro-batch's first example (dropout's mask) */
+} msg_req;
+
+static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size_t cap)
+{
+    long long step = -1, mb = -1, from = -1, plan = -1;
+    const char *dir = http_query(r, "dir");
+    const char *names[] = {"step", "mb", "from", "plan"};
+    long long *vals[] = {&step, &mb, &from, &plan};
+    const long long max[] = {(long long)1 << 50, PIPE_MAX_MICRO, PIPE_MAX_STAGES, 0xffffffffLL};
+    for (int i = 0; i < 4; i++)
+        if (http_query_int(r, names[i], max[i], vals[i]) != 1) {
+            snprintf(msg, cap, "query argument '%s' is missing or not an integer from 0 to %lld", names[i], max[i]);
+            return 400;
+        }
+    pipe_dir d;
+    if (pipe_dir_from_wire(dir, &d) != 0) {
+        snprintf(msg, cap, "query argument 'dir' must be act, grad or params");
+        return 400;
+    }
+    if ((uint32_t)plan != l->plan_id) {
+        snprintf(msg, cap, "the sender's plan is %08llx, this stage's %08x (%s): start every task with the same flags",
+                 plan, l->plan_id, l->plan_text);
+        return 409;
+    }
+    int want_from = d == PIPE_ACT ? l->stage - 1 : d == PIPE_GRAD ? l->stage + 1 : (int)mb;
+    if (from != want_from || from < 0 || from >= l->stages) {
+        snprintf(msg, cap, "%s from stage %lld: stage %d takes them from %s", pipe_dir_name(d), from, l->stage,
+                 d == PIPE_ACT   ? (l->stage > 0 ? "the stage before it" : "no one (it reads the data)")
+                 : d == PIPE_GRAD ? (l->stage < l->stages - 1 ? "the stage after it" : "no one (it computes the loss)")
+                                 : "the stage named by mb");
+        return 409;
+    }
+    unsigned long long len = r->expect_len;
+    if (len == UINT64_MAX) {
+        snprintf(msg, cap, "Content-Length is required");
+        return 411;
+    }
+    if (len % 4) {
+        snprintf(msg, cap, "a body of %llu bytes is not whole float32 values", len);
+        return 400;
+    }
+    long long ex0 = 0;
+    if (d == PIPE_ACT && http_query_int(r, "example0", (long long)1 << 62, &ex0) != 1) {
+        snprintf(msg, cap, "activations need the query argument 'example0', a non-negative integer");
+        return 400;
+    }
+    q->example0 = ex0;
+    q->key = (pipe_key){step, (int)mb, d};
+    q->floats = (size_t)(len / 4);
+    return pipe_mailbox_check(l->box, &q->key, q->floats, msg, cap);
+}
+
+static enum MHD_Result msg_before_body(http_req *r)
+{
+    pipe_link *l = r->ctx;
+    msg_req *q = r->ext;
+    char msg[ENDPOINT_ERROR_MAX];
+    unsigned bad = parse_msg(l, r, q, msg, sizeof(msg));
+    if (bad == 413 || bad == 411)
+        return http_reply_error(r, bad, "%s", msg); /* before a byte of the body is read */
+    if (bad)
+        return http_refuse_after_body(r, bad, "%s", msg); /* read and dropped: the sender reads the answer */
+    return MHD_YES;
+}
+
+static enum MHD_Result msg_handle(http_req *r)
+{
+    pipe_link *l = r->ctx;
+    msg_req *q = r->ext;
+    char msg[ENDPOINT_ERROR_MAX];
+    if (r->body_len != q->floats * 4)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "the body ended after %zu of %zu bytes", r->body_len,
+                                q->floats * 4);
+    unsigned st = pipe_mailbox_put(l->box, &q->key, r->body_data, q->floats, q->example0, msg, sizeof(msg));
+    if (st)
+        return http_reply_error(r, st, "%s", msg);
+    return http_reply_response(r, MHD_HTTP_NO_CONTENT,
+                               MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT), 0);
+}
+
+static json_t *key_json(const pipe_key *k)
+{
+    return json_pack("{s:s,s:I,s:i}", "dir", pipe_dir_wire(k->dir), "step", (json_int_t)k->step,
+                     k->dir == PIPE_PARAMS ? "stage" : "micro_batch", k->mb);
+}
+
+static enum MHD_Result state_handle(http_req *r)
+{
+    pipe_link *l = r->ctx;
+    pthread_mutex_lock(&l->mu);
+    json_t *j = json_deep_copy(l->info);
+    pipe_link_state st = l->st;
+    pthread_mutex_unlock(&l->mu);
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    json_object_set_new(j, "current_step", json_integer(st.step));
+    json_object_set_new(j, "current_slot", json_integer(st.slot));
+    json_object_set_new(j, "done", json_boolean(st.done));
+    if (st.waiting) {
+        json_t *w = key_json(&st.wait_key);
+        json_object_set_new(w, "from_stage", json_integer(st.wait_from));
+        json_object_set_new(w, "from", json_string(l->peer[st.wait_from]));
+        json_object_set_new(j, "waiting_for", w);
+    } else {
+        json_object_set_new(j, "waiting_for", json_null());
+    }
+    json_object_set_new(j, "busy_secs", json_real(st.busy_secs));
+    json_object_set_new(j, "idle_secs", json_real(st.idle_secs));
+    json_object_set_new(j, "buffered", json_integer(pipe_mailbox_pending(l->box)));
+    return http_reply_json(r, MHD_HTTP_OK, j);
+}
+
+static enum MHD_Result health_handle(http_req *r)
+{
+    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+}
+
+static const http_route link_routes[] = {
+    {"POST", "/v1/pipeline/msg", HTTP_ROUTE_AUTH | HTTP_ROUTE_BODY, 0, msg_before_body, msg_handle,
+     "one message from a neighbouring stage (raw float32)"},
+    {"GET", "/v1/pipeline", HTTP_ROUTE_OPEN, 0, NULL, state_handle, "the stage's plan, table and state"},
+    {"GET", "/healthz", HTTP_ROUTE_OPEN, 0, NULL, health_handle, "alive"},
+};
+
+/* ---- the sends ---- */
+
+static size_t on_resp(char *p, size_t size, size_t n, void *ctx)
+{
+    pipe_link *l = ctx;
+    size_t len = size * n, room = sizeof(l->resp) - 1 - l->resp_len;
+    size_t k = len < room ? len : room;
+    memcpy(l->resp + l->resp_len, p, k);
+    l->resp_len += k;
+    l->resp[l->resp_len] = '\0';
+    return len;
+}
+
+static void sleep_ms(long ms)
+{
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
+                   int64_t example0, double deadline, char *err, size_t errlen)
+{
+    char url[CLUSTER_HOST_MAX + 240];
+    int at = snprintf(url, sizeof(url), "%s/v1/pipeline/msg?step=%lld&mb=%d&dir=%s&from=%d&plan=%u", l->url[to],
+                      (long long)k->step, k->mb, pipe_dir_wire(k->dir), l->stage, (unsigned)l->plan_id);
+    if (k->dir == PIPE_ACT && at > 0 && (size_t)at < sizeof(url))
+        snprintf(url + at, sizeof(url) - (size_t)at, "&example0=%lld", (long long)example0);
+    double t0 = clk_mono_secs();
+    CURL *h = l->curl;
+    for (;;) {
+        if (l->abort && l->abort())
+            return -2;
+        double left = deadline - clk_mono_secs();
+        long ms = left > 30 ? 30000 : left > 0.2 ? (long)(left * 1000) : 200;
+        l->resp_len = 0;
+        l->resp[0] = 0;
+        curl_easy_setopt(h, CURLOPT_URL, url);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS, floats ? (const char *)data : "");
+        curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(floats * 4));
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, ms);
+        CURLcode cc = curl_easy_perform(h);
+        long status = 0;
+        if (cc == CURLE_OK)
+            curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+        if (cc == CURLE_OK && status == 204) {
+            l->bytes_sent += floats * 4;
+            l->send_secs += clk_mono_secs() - t0;
+            return 0;
+        }
+        if (cc == CURLE_OK && status != 503) {
+            json_t *j = json_loads(l->resp, 0, NULL);
+            const char *e = j ? json_string_value(json_object_get(j, "error")) : NULL;
+            snprintf(err, errlen, "stage %d (%s) answered %ld: %s", to, l->peer[to], status, e ? e : l->resp);
+            json_decref(j);
+            return -1;
+        }
+        if (clk_mono_secs() >= deadline) {
+            snprintf(err, errlen, "stage %d (%s) did not take it: %s", to, l->peer[to],
+                     cc != CURLE_OK ? curl_easy_strerror(cc) : "503");
+            return -1;
+        }
+        sleep_ms(LINK_TRY_MS);
+    }
+}
+
+/* ---- set-up ---- */
+
+pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
+{
+    pipe_link *l = calloc(1, sizeof(*l));
+    if (!l) {
+        snprintf(err, errlen, "out of memory");
+        json_decref(o->info);
+        return NULL;
+    }
+    pthread_mutex_init(&l->mu, NULL);
+    l->box = o->mailbox;
+    l->stages = o->stages;
+    l->stage = o->stage;
+    l->plan_id = o->plan_id;
+    l->abort = o->abort;
+    l->info = o->info;
+    l->plan_text = strdup(o->plan_text ? o->plan_text : "");
+    l->name = strdup(o->name ? o->name : "stage");
+    l->token = o->token ? strdup(o->token) : NULL;
+    for (int s = 0; s < o->stages; s++) {
+        const cluster_addr *a = &o->peers[s];
+        const char *fmt = strchr(a->host, ':') ? "[%s]:%d" : "%s:%d";
+        snprintf(l->peer[s], sizeof(l->peer[s]), fmt, a->host, a->port);
+        snprintf(l->url[s], sizeof(l->url[s]), "http://%s", l->peer[s]);
+    }
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    l->curl = curl_easy_init();
+    if (!l->info || !l->plan_text || !l->name || (o->token && !l->token) || !l->curl) {
+        snprintf(err, errlen, "out of memory");
+        pipe_link_free(l);
+        return NULL;
+    }
+    l->headers = curl_slist_append(NULL, "Content-Type: application/octet-stream");
+    l->headers = curl_slist_append(l->headers, "Expect:");
+    if (l->token) {
+        char auth[1100];
+        snprintf(auth, sizeof(auth), "Authorization: Bearer %s", l->token);
+        l->headers = curl_slist_append(l->headers, auth);
+    }
+    CURL *h = l->curl;
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, l->headers);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_resp);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, l);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 3000L);
+    curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+
+    /* the endpoint on this stage's address */
+    const cluster_addr *self = &o->peers[o->stage];
+    int loop = endpoint_host_is_loopback(self->host);
+    struct sockaddr_in6 sa6 = {0};
+    sa6.sin6_family = AF_INET6;
+    sa6.sin6_port = htons((uint16_t)self->port);
+    sa6.sin6_addr = loop ? in6addr_loopback : in6addr_any;
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)self->port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int v6 = !loop || strchr(self->host, ':') != NULL; /* loopback v4 unless the host is ::1 */
+    http_server_config cfg = {.name = "pipeline stage", .listen_fd = -1,
+                              .bind_addr = v6 ? (const struct sockaddr *)&sa6 : (const struct sockaddr *)&sa,
+                              .dual_stack = !loop, .threads = 0, .idle_timeout_secs = 120,
+                              .header_timeout_secs = LINK_HEADER_SECS, .body_min_rate = 0,
+                              .max_conns = LINK_MAX_CONNS, .conn_memory = 256 * 1024, .token = l->token};
+    l->srv = http_server_new(&cfg, err, errlen);
+    http_module mod = {.name = "pipeline", .routes = link_routes,
+                       .n_routes = sizeof(link_routes) / sizeof(link_routes[0]), .ctx = l,
+                       .max_body = (uint64_t)64 << 20, .swallow_refused_max = (uint64_t)1 << 20,
+                       .ext_size = sizeof(msg_req)};
+    if (!l->srv || http_server_add(l->srv, &mod, err, errlen) != 0 ||
+        http_server_start(l->srv, err, errlen) < 0) {
+        char e2[512];
+        snprintf(e2, sizeof(e2), "%s", err);
+        snprintf(err, errlen, "cannot serve on %s: %s", l->peer[o->stage], e2);
+        pipe_link_free(l);
+        return NULL;
+    }
+    return l;
+}
+
+void pipe_link_free(pipe_link *l)
+{
+    if (!l)
+        return;
+    http_server_free(l->srv);
+    if (l->curl)
+        curl_easy_cleanup(l->curl);
+    curl_slist_free_all(l->headers);
+    json_decref(l->info);
+    free(l->plan_text);
+    free(l->name);
+    free(l->token);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+}
+
+void pipe_link_set_state(pipe_link *l, const pipe_link_state *st)
+{
+    pthread_mutex_lock(&l->mu);
+    l->st = *st;
+    pthread_mutex_unlock(&l->mu);
+}
+
+const char *pipe_link_peer(const pipe_link *l, int s) { return l->peer[s]; }
+uint64_t pipe_link_bytes_sent(const pipe_link *l) { return l->bytes_sent; }
+double pipe_link_send_secs(const pipe_link *l) { return l->send_secs; }

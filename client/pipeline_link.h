@@ -1,0 +1,80 @@
+/* pipeline_link.h - a pipeline stage's connection to its neighbours over
+ * HTTP: its own endpoint, which buffers what arrives in the stage's mailbox
+ * (pipeline_mailbox.h), and the sends to the other stages (libcurl).
+ *
+ * Routes (every stage, on its own --worker_hosts / --chief_hosts address):
+ *   POST /v1/pipeline/msg?step=S&mb=J&dir=act|grad|params&from=F&plan=P[&example0=E]
+ *        one message: raw little-endian float32, Content-Length exactly the
+ *        message's size (micro-batch x the floats of one example's
+ *        activation at the stage boundary; params: the sender's parameters);
+ *        activations name the epoch-order index of the micro-batch's first
+ *        example (example0), which dropout's mask follows.
+ *        204; 400 a bad argument or size, 409 a step this stage is not at
+ *        (it takes its step and the next), a duplicate, a sender that is not
+ *        the neighbour the direction names, or another plan (P, a CRC-32C
+ *        of the model, split, schedule, micro-batches and batch: every task
+ *        must be started with the same flags); 411 no Content-Length; 413 a
+ *        body larger than the message; 401 without the bearer token when the
+ *        stage has one (workerd --auth_token_file). Nothing refused is buffered.
+ *   GET  /v1/pipeline  the plan, the table, the current step and slot, what
+ *        the stage waits for and from whom, busy and idle seconds (JSON)
+ *   GET  /healthz
+ * A send retries a neighbour that does not answer yet (starting, or busy)
+ * until its deadline; a refusal (4xx) is final. Nothing here exits. */
+#ifndef RESTPS_PIPELINE_LINK_H
+#define RESTPS_PIPELINE_LINK_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cluster.h"
+#include "pipeline_mailbox.h"
+
+typedef struct pipe_link pipe_link;
+
+typedef struct pipe_link_options {
+    const cluster_addr *peers; /* this replica's stages, [stages]; peers[stage] is this task */
+    int stages, stage;
+    pipe_mailbox *mailbox;     /* borrowed: where the endpoint puts what it takes */
+    uint32_t plan_id;
+    const char *plan_text;     /* what the plan is, for the 409 of another plan (copied) */
+    const char *token;         /* bearer token wanted and sent (copied); NULL: open */
+    const char *name;          /* "worker 1", for messages (copied) */
+    int (*abort)(void);        /* non-zero: stop retrying a send; may be NULL */
+    json_t *info;              /* GET /v1/pipeline's fixed part (stolen): plan, table, ... */
+} pipe_link_options;
+
+/* Start the endpoint on peers[stage]'s port (loopback when its host is). NULL with err. */
+pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen);
+void pipe_link_free(pipe_link *l);
+
+/* POST one message to stage `to`, retrying while it does not answer, until
+ * deadline (clk_mono_secs()); activations carry example0 (the micro-batch's
+ * first example in the epoch order: a stage without the data needs it for
+ * dropout's mask). 0; -1 with err (refused, or no answer by the deadline);
+ * -2 when abort() said stop. */
+int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
+                   int64_t example0, double deadline, char *err, size_t errlen);
+
+/* What GET /v1/pipeline says of the stage now: the step and slot it is at,
+ * what it waits for (waiting 0: nothing; else the key and the stage it
+ * comes from), and its busy and idle seconds so far. */
+typedef struct pipe_link_state {
+    int64_t step;
+    int slot;
+    int waiting;
+    pipe_key wait_key;
+    int wait_from;
+    double busy_secs, idle_secs;
+    int done;
+} pipe_link_state;
+void pipe_link_set_state(pipe_link *l, const pipe_link_state *st);
+
+/* "host:port" of stage s, for messages. */
+const char *pipe_link_peer(const pipe_link *l, int s);
+/* Body bytes this stage sent, and the seconds its sends took. */
+uint64_t pipe_link_bytes_sent(const pipe_link *l);
+double pipe_link_send_secs(const pipe_link *l);
+
+#endif

@@ -1,0 +1,418 @@
+/* pipeline_train.c - workerd --pipeline_stages=K: model parallelism by
+ * layers. The training tasks form a grid of K stages x R replicas
+ * (pipeline_plan.h); this version trains one replica (R = 1) with no ps:
+ * each stage holds only its layers' parameters, gradients and optimizer
+ * slots and applies the optimizer to them itself, exactly as --local applies
+ * it to the whole model.
+ *
+ * A step: the batch (--batch_size) is cut into --micro_batches=M
+ * micro-batches of batch/M examples. Stage 0 reads the data; the last stage
+ * reads the same data order (same seed, same batcher) for the labels and
+ * computes the loss. Each stage runs its row of the schedule table
+ * (pipeline_schedule.h): a forward takes the micro-batch's activations from
+ * stage s-1 (stage 0: the images), runs layers first..last (dropout's mask
+ * follows the example, so micro-batches get the masks the whole batch
+ * would) and sends its output to stage s+1 (the last stage: the loss and
+ * its gradient); a backward takes the gradient of its output from stage s+1
+ * (the last stage: the loss's), runs the layers' backward, adds their
+ * parameter gradients to the step's sum and sends the input's gradient to
+ * stage s-1. The loss's gradient is the mean over the micro-batch; the
+ * update applies the sum over the M micro-batches scaled by 1/M, the mean
+ * over the whole batch, as --local with the same batch. Each forward keeps
+ * its model instance (the activations the backward needs) until its
+ * backward: gpipe needs M instances, 1f1b at most K - s.
+ *
+ * Every receive waits at most --pipeline_timeout_secs (the first step at
+ * least PIPE_START_SECS, while the others start): then the stage says which
+ * stage and which message it waited for and exits 1. At the end the other
+ * stages send their parameters to stage 0 (the chief), which reports the
+ * test accuracy and writes --export. */
+#include "train.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "crc32c.h"
+#include "pipeline_link.h"
+#include "pipeline_mailbox.h"
+#include "pipeline_plan.h"
+#include "pipeline_schedule.h"
+#include "progress.h"
+
+#define PIPE_START_SECS 30.0
+
+int pipe_plan_for(const train_config *c, pipe_plan *p, char *err, size_t errlen)
+{
+    if (c->stage_layers)
+        return pipe_split_parse(&c->layout, c->stage_layers, c->pipeline_stages, p, err, errlen);
+    return pipe_split_balanced(&c->layout, c->pipeline_stages, p, err, errlen);
+}
+
+/* What every stage must agree on, as text and its CRC-32C. */
+static uint32_t plan_text(const train_config *c, const pipe_plan *p, char *buf, size_t len)
+{
+    char split[128];
+    pipe_plan_format(p, split, sizeof(split));
+    snprintf(buf, len, "--model=%s --stage_layers=%s --pipeline_schedule=%s --micro_batches=%d --batch_size=%d "
+                       "--seed=%llu --train_steps=%lld",
+             c->layout.spec, split, pipe_schedule_name((pipe_schedule_kind)c->pipeline_schedule),
+             c->micro_batches, c->batch_size, (unsigned long long)c->seed, (long long)c->train_steps);
+    return crc32c(buf, strlen(buf));
+}
+
+typedef struct stage_run {
+    const train_config *c;
+    pipe_link *link;
+    pipe_mailbox *box;
+    pipe_link_state st;
+    int s, K;
+    double busy0, t_wait; /* the time spent waiting so far */
+} stage_run;
+
+/* Take k from stage `from` into dst, saying what we wait for meanwhile. 0,
+ * 1 after the timeout message, 2 on a stop. */
+static int receive(stage_run *r, const pipe_key *k, int from, float *dst, int64_t *tag, double wait)
+{
+    r->st.waiting = 1;
+    r->st.wait_key = *k;
+    r->st.wait_from = from;
+    pipe_link_set_state(r->link, &r->st);
+    double t0 = clk_mono_secs();
+    int rc = pipe_mailbox_take(r->box, k, dst, tag, t0 + wait, train_stop_requested);
+    double t1 = clk_mono_secs();
+    r->st.idle_secs += t1 - t0;
+    r->st.waiting = 0;
+    pipe_link_set_state(r->link, &r->st);
+    if (rc == -2)
+        return 2;
+    if (rc != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): no %s of step %lld, %s %d from stage %d (%s) "
+                        "within %.0f s (--pipeline_timeout_secs): stage %d died or is stuck; stopping\n",
+                r->c->name, r->s, r->K, pipe_dir_name(k->dir), (long long)k->step,
+                k->dir == PIPE_PARAMS ? "stage" : "micro-batch", k->mb, from,
+                pipe_link_peer(r->link, from), wait, from);
+        return 1;
+    }
+    return 0;
+}
+
+/* Send; 0, 1 after a message, 2 on a stop. */
+static int send_to(stage_run *r, int to, const pipe_key *k, const float *data, size_t n, int64_t example0,
+                   double wait)
+{
+    char err[1024];
+    int rc = pipe_link_send(r->link, to, k, data, n, example0, clk_mono_secs() + wait, err, sizeof(err));
+    if (rc == -2)
+        return 2;
+    if (rc != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): sending the %s of step %lld, %s %d to stage %d: %s; stopping\n",
+                r->c->name, r->s, r->K, pipe_dir_name(k->dir), (long long)k->step,
+                k->dir == PIPE_PARAMS ? "stage" : "micro-batch", k->mb, to, err);
+        return 1;
+    }
+    return 0;
+}
+
+static json_t *info_json(const train_config *c, const pipe_plan *p, const pipe_schedule *sch,
+                         int s, const char *plan)
+{
+    char split[128];
+    pipe_plan_format(p, split, sizeof(split));
+    json_t *table = json_array(), *stages = json_array();
+    for (int k = 0; k < p->stages; k++) {
+        char row[PIPE_MAX_MICRO * 10];
+        pipe_schedule_format(sch, k, row, sizeof(row));
+        json_array_append_new(table, json_string(row));
+        json_array_append_new(stages, json_pack("{s:[i,i],s:I,s:i}", "layers", p->first[k], p->last[k],
+                                                "flops_per_example", (json_int_t)p->cost[k],
+                                                "max_inflight", sch->max_inflight[k]));
+    }
+    return json_pack("{s:i,s:i,s:i,s:s,s:s,s:s,s:i,s:i,s:o,s:o,s:s}", "stage", s, "stages", p->stages,
+                     "replica", 0, "model", c->layout.spec, "stage_layers", split, "schedule",
+                     pipe_schedule_name(sch->kind), "micro_batches", sch->micro, "batch_size",
+                     c->batch_size, "split", stages, "table", table, "plan", plan);
+}
+
+int train_pipeline(const train_config *c)
+{
+    char err[1024];
+    const model_layout *L = &c->layout;
+    const int K = c->pipeline_stages, M = c->micro_batches, B = c->batch_size, mb = B / M;
+    pipe_grid g;
+    pipe_plan p;
+    pipe_schedule sch = {0};
+    if (pipe_grid_place(c->n_trainers, K, c->trainer, &g, err, sizeof(err)) != 0 ||
+        pipe_plan_for(c, &p, err, sizeof(err)) != 0 ||
+        pipe_schedule_build(&sch, (pipe_schedule_kind)c->pipeline_schedule, K, M, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 2;
+    }
+    const int s = g.stage, first = p.first[s], last = p.last[s], is_last = s == K - 1;
+    const size_t in_n = L->layers[first].in_numel, out_n = L->layers[last].out_numel;
+    const size_t np = L->n_params;
+    size_t poff[PIPE_MAX_STAGES], pn[PIPE_MAX_STAGES];
+    for (int k = 0; k < K; k++)
+        pipe_stage_params(L, &p, k, &poff[k], &pn[k]);
+    char plan[1024];
+    uint32_t plan_id = plan_text(c, &p, plan, sizeof(plan));
+
+    idx_dataset ds = {0};
+    int have_data = s == 0 || is_last, rc;
+    if (have_data && (rc = train_load(c, &ds)) != 0) {
+        pipe_schedule_free(&sch);
+        return rc;
+    }
+    rc = 1;
+    const int P = sch.max_inflight[s];
+    model *inst[PIPE_MAX_MICRO] = {0};
+    float *inbuf[PIPE_MAX_MICRO] = {0}, *dlog[PIPE_MAX_MICRO] = {0};
+    int owner[PIPE_MAX_MICRO];
+    float *params = calloc(np ? np : 1, sizeof(float)); /* this stage touches its own run only */
+    float *grads = calloc(np ? np : 1, sizeof(float));
+    float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    float *s0 = calloc(np ? np : 1, sizeof(float)), *s1 = calloc(np ? np : 1, sizeof(float));
+    float *out = malloc(sizeof(float) * (size_t)mb * out_n), *dout = malloc(sizeof(float) * (size_t)mb * out_n);
+    float *din = malloc(sizeof(float) * (size_t)mb * in_n);
+    float *x = have_data ? malloc(sizeof(float) * (size_t)B * L->n_in) : NULL;
+    uint8_t *y = have_data ? malloc((size_t)B) : NULL;
+    batcher b = {0};
+    pipe_mailbox *box = NULL;
+    pipe_link *link = NULL;
+    cluster_addr *peers = NULL;
+    int ok = params && grads && acc && s0 && s1 && out && dout && din && (!have_data || (x && y));
+    for (int i = 0; ok && i < P; i++) {
+        owner[i] = -1;
+        inst[i] = model_new(model_device_backend(), L, mb, err, sizeof(err));
+        if (!inst[i]) {
+            fprintf(stderr, "workerd: %s\n", err);
+            goto out;
+        }
+        if (s > 0 && !(inbuf[i] = malloc(sizeof(float) * (size_t)mb * in_n)))
+            ok = 0;
+        if (is_last && !(dlog[i] = malloc(sizeof(float) * (size_t)mb * out_n)))
+            ok = 0;
+    }
+    if (ok && have_data && batcher_init(&b, &ds.train, c->seed, g.replica, g.replicas) != 0)
+        ok = 0;
+    if (ok)
+        box = pipe_mailbox_new(M, s > 0 ? (size_t)mb * in_n : 0, is_last ? 0 : (size_t)mb * out_n, K,
+                               s == 0 ? pn : NULL);
+    if (!ok || !box) {
+        fprintf(stderr, "workerd: out of memory\n");
+        goto out;
+    }
+    /* this replica's stages, by the grid rule: the chief task (when there is one), then the workers */
+    const cluster_spec *cs = c->cluster;
+    int has_chief = cs->jobs[JOB_CHIEF].n > 0;
+    if (!(peers = calloc((size_t)K, sizeof(*peers)))) {
+        fprintf(stderr, "workerd: out of memory\n");
+        goto out;
+    }
+    for (int k = 0; k < K; k++) {
+        int t = pipe_grid_task(&g, k, g.replica);
+        peers[k] = has_chief ? (t == 0 ? cs->jobs[JOB_CHIEF].tasks[0] : cs->jobs[JOB_WORKER].tasks[t - 1])
+                             : cs->jobs[JOB_WORKER].tasks[t];
+    }
+    pipe_link_options lo = {.peers = peers, .stages = K, .stage = s, .mailbox = box,
+                            .plan_id = plan_id, .plan_text = plan, .token = c->token,
+                            .name = c->name, .abort = train_stop_requested,
+                            .info = info_json(c, &p, &sch, s, plan)};
+    if (!(link = pipe_link_new(&lo, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: pipeline: %s\n", err);
+        goto out;
+    }
+    {
+        char split[128], row[PIPE_MAX_MICRO * 10];
+        pipe_plan_format(&p, split, sizeof(split));
+        pipe_schedule_format(&sch, s, row, sizeof(row));
+        printf("%s: pipeline stage %d of %d (layers %d-%d of %s, split %s), %s, %d micro-batches of %d, "
+               "%s, until step %lld; serving on %s; %s\n",
+               c->name, s, K, first, last, L->spec, split, pipe_schedule_name(sch.kind), M, mb,
+               optim_name(c->optim.kind), (long long)c->train_steps, pipe_link_peer(link, s),
+               model_device_describe(c->threads));
+        printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
+        fflush(stdout);
+    }
+    /* the parameters: the whole initialization computed, this stage's run kept */
+    {
+        float *all = malloc(sizeof(float) * (np ? np : 1));
+        if (!all) {
+            fprintf(stderr, "workerd: out of memory\n");
+            goto out;
+        }
+        model_init_params(L, all, c->seed);
+        memcpy(params + poff[s], all + poff[s], sizeof(float) * pn[s]);
+        free(all);
+    }
+    stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
+    const double tmo = c->pipeline_timeout_secs;
+    double t_start = clk_mono_secs(), t_log = t_start;
+    int64_t step = 0, example0 = 0;
+    int stopped = 0, failed = 0;
+    progress bar;
+    progress_init(&bar, c->name, c->train_steps, is_last ? -1 : 0);
+    for (; step < c->train_steps && !failed && !stopped; step++) {
+        if (train_stop_requested()) {
+            stopped = 1;
+            break;
+        }
+        double wait = step == 0 && tmo < PIPE_START_SECS ? PIPE_START_SECS : tmo;
+        pipe_mailbox_set_step(box, step);
+        r.st.step = step;
+        if (have_data)
+            batcher_at(&b, step, B, ds.n_features, x, y, &example0);
+        memset(acc, 0, sizeof(float) * pn[s]);
+        double loss_sum = 0;
+        for (int i = 0; i < sch.n && !failed && !stopped; i++) {
+            const pipe_slot *t = pipe_schedule_at(&sch, s, i);
+            const int j = t->mb;
+            r.st.slot = i;
+            int q, e = 0;
+            if (t->op == PIPE_FWD) {
+                for (q = 0; q < P && owner[q] >= 0; q++) {
+                }
+                owner[q] = j;
+                const float *in = s == 0 ? x + (size_t)j * mb * L->n_in : inbuf[q];
+                /* the micro-batch's first example: from the data, or (a stage
+                 * without it) from the activations' sender */
+                int64_t ex0 = example0 + (int64_t)j * mb, theirs = ex0;
+                if (s > 0 && (e = receive(&r, &(pipe_key){step, j, PIPE_ACT}, s - 1, inbuf[q], &theirs, wait)) != 0)
+                    break;
+                if (!have_data) {
+                    ex0 = theirs;
+                } else if (theirs != ex0) {
+                    fprintf(stderr, "workerd: %s (stage %d): stage %d sent micro-batch %d of step %lld from example %lld "
+                                    "of its data order, this stage reads example %lld there: start every stage with "
+                                    "the same --data_dir and --seed\n",
+                            c->name, s, s - 1, j, (long long)step, (long long)theirs, (long long)ex0);
+                    failed = 1;
+                    break;
+                }
+                double t0 = clk_mono_secs();
+                const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = ex0};
+                double loss = 0;
+                if (model_forward_range(inst[q], first, last, params, in, mb, &ctx, out) != 0 ||
+                    (is_last && model_loss_head(inst[q], out, y + (size_t)j * mb, mb, dlog[q], &loss) != 0)) {
+                    fprintf(stderr, "workerd: %s: the forward of step %lld, micro-batch %d failed\n", c->name,
+                            (long long)step, j);
+                    failed = 1;
+                    break;
+                }
+                loss_sum += loss;
+                r.st.busy_secs += clk_mono_secs() - t0;
+                if (!is_last)
+                    e = send_to(&r, s + 1, &(pipe_key){step, j, PIPE_ACT}, out, (size_t)mb * out_n, ex0, wait);
+            } else {
+                for (q = 0; q < P && owner[q] != j; q++) {
+                }
+                const float *d = is_last ? dlog[q] : dout;
+                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, NULL, wait)) != 0)
+                    break;
+                double t0 = clk_mono_secs();
+                if (model_backward_range(inst[q], first, last, params, d, mb, s > 0 ? din : NULL, grads) != 0) {
+                    fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,
+                            (long long)step, j);
+                    failed = 1;
+                    break;
+                }
+                const float *gs = grads + poff[s];
+                for (size_t k = 0; k < pn[s]; k++)
+                    acc[k] += gs[k];
+                owner[q] = -1;
+                r.st.busy_secs += clk_mono_secs() - t0;
+                if (s > 0)
+                    e = send_to(&r, s - 1, &(pipe_key){step, j, PIPE_GRAD}, din, (size_t)mb * in_n, 0, wait);
+            }
+            if (e == 2)
+                stopped = 1;
+            else if (e)
+                failed = 1;
+        }
+        if (failed || stopped)
+            break;
+        /* the mean over the batch: the sum over the micro-batches / M */
+        double t0 = clk_mono_secs();
+        const float scale = 1.0f / (float)M;
+        for (int k = 0; k < L->n_tensors; k++) {
+            const model_tensor *t = &L->tensors[k];
+            if (t->layer < first || t->layer > last)
+                continue;
+            optim_apply(&c->optim, params + t->offset, params + t->offset, acc + (t->offset - poff[s]),
+                        scale, s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
+        }
+        r.st.busy_secs += clk_mono_secs() - t0;
+        double loss = loss_sum / M;
+        if (is_last) {
+            progress_update(&bar, step + 1, loss, (double)((step + 1) * B) / (clk_mono_secs() - t_start));
+            if (!bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
+                double tn = clk_mono_secs();
+                printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1), loss,
+                       (double)c->log_every * B / (tn - t_log));
+                fflush(stdout);
+                t_log = tn;
+            }
+        }
+    }
+    progress_clear(&bar);
+    r.st.done = 1;
+    pipe_link_set_state(link, &r.st);
+    if (stopped) {
+        printf("%s: stopped by a signal at step %lld (stage %d of %d); the pipeline stops\n", c->name,
+               (long long)step, s, K);
+        rc = 0;
+        goto out;
+    }
+    if (failed)
+        goto out;
+    double secs = clk_mono_secs() - t_start;
+    printf("%s: stage %d finished %lld steps in %.2f s: %.2f steps/s, busy %.2f s, idle %.2f s (%.1f%% idle), "
+           "%llu bytes sent\n",
+           c->name, s, (long long)c->train_steps, secs, secs > 0 ? (double)c->train_steps / secs : 0.0,
+           r.st.busy_secs, r.st.idle_secs, secs > 0 ? 100.0 * r.st.idle_secs / secs : 0.0,
+           (unsigned long long)pipe_link_bytes_sent(link));
+    fflush(stdout);
+    /* the end: every stage's parameters to stage 0 */
+    const int64_t fin = c->train_steps - 1;
+    if (s > 0) {
+        if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params + poff[s], pn[s], 0, tmo) != 0)
+            goto out;
+        rc = 0;
+        goto out;
+    }
+    for (int k = 1; k < K; k++)
+        if (receive(&r, &(pipe_key){fin, k, PIPE_PARAMS}, k, params + poff[k], NULL, tmo) != 0)
+            goto out;
+    rc = 0;
+    if (final_report(c, inst[0], params, &ds, c->train_steps) != 0)
+        rc = 1;
+    if (c->export_path && export_model(c, params, c->train_steps) != 0)
+        rc = 1;
+out:
+    fflush(stdout);
+    pipe_link_free(link); /* before the mailbox it fills */
+    pipe_mailbox_free(box);
+    free(peers);
+    for (int i = 0; i < P; i++) {
+        model_free(inst[i]);
+        free(inbuf[i]);
+        free(dlog[i]);
+    }
+    free(b.order);
+    free(params);
+    free(grads);
+    free(acc);
+    free(s0);
+    free(s1);
+    free(out);
+    free(dout);
+    free(din);
+    free(x);
+    free(y);
+    pipe_schedule_free(&sch);
+    if (have_data)
+        idx_dataset_free(&ds);
+    return rc;
+}
