@@ -22,7 +22,7 @@ BIN   ?= bin
 
 COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
 COMMON_SRC += common/ckptdir.c
-SERVER_SRC = server/auth.c server/bufpool.c server/bulk.c server/http.c server/routes.c \
+SERVER_SRC = server/bufpool.c server/bulk.c server/reply_blobs.c server/routes.c \
              server/status.c server/store.c server/vars.c \
              server/training.c server/waiters.c server/ticker.c server/changes.c \
              server/sync_agg.c server/worker_state.c \
@@ -81,9 +81,7 @@ TLS_OBJ = $(BUILD)/common/tls_priorities.o
 # The monitoring page (common/web_assets.h): the lookup and the generated table
 WEB_OBJ = $(BUILD)/common/web_assets.o $(BUILD)/common/web_assets_table.o
 # What psd and the ring's endpoint answer with (libmicrohttpd: also kept out of COMMON_OBJ)
-ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o
-# The one HTTP endpoint layer (common/http_server.h): workerd for now, psd once it moves onto it
-HTTP_SERVER_OBJ = $(BUILD)/common/http_server.o
+ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o $(BUILD)/common/http_server.o
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
@@ -121,7 +119,7 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(HTTP_SERVER_OBJ) $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
@@ -142,6 +140,7 @@ UNIT_TESTS += test_model
 UNIT_TESTS += test_retry
 UNIT_TESTS += test_placement
 UNIT_TESTS += test_waiters test_sync
+UNIT_TESTS += test_http_server
 UNIT_TESTS += test_pipeline
 IDX_OBJ = $(BUILD)/client/idx.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
@@ -181,6 +180,10 @@ $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/plac
 $(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lm -lpthread -lcmocka
+# the endpoint layer alone, on a real daemon on 127.0.0.1:0, spoken to with libcurl
+$(BIN)/test_http_server: $(BUILD)/tests/unit/test_http_server.o $(ENDPOINT_OBJ) $(COMMON_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lcurl -ljansson -lpthread -lm -lcmocka
 # the parked requests and the ticker alone, against fake libmicrohttpd calls in the test
 $(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
 	@mkdir -p $(dir $@)

@@ -8,6 +8,7 @@
 #include <curl/curl.h>
 #include <errno.h>
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
@@ -18,12 +19,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "conntrack.h"
 #include "endpoint.h"
 #include "errmsg.h"
+#include "http_server.h"
 #include "pem.h"
 #include "tls_priorities.h"
-#include "token.h"
 #include "web_assets.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -59,8 +59,7 @@ struct ring {
     struct {
         char cert[48], key[48], ca[48], prio[48];
     } names; /* what messages call the TLS settings (ring_tls_names) */
-    struct MHD_Daemon *d;
-    struct conntrack *conns; /* header deadlines, and room kept for a new peer */
+    http_server *srv;        /* the endpoint (header deadlines, room kept for a new peer) */
     struct timespec started;
 
     /* receive slots: [parity][k] a buffer of chunk_max floats, and per piece
@@ -126,58 +125,42 @@ static int64_t *slot_steps(ring *r, int64_t step, int k)
     return r->piece_step + ((size_t)(step & 1) * (size_t)r->K + (size_t)k) * r->pieces_max;
 }
 
-/* ---- the endpoint ---- */
+/* ---- the endpoint (common/http_server.h) ---- */
 
-typedef struct req {
-    int kind; /* 1 chunk upload */
-    float *dst;
-    size_t len, got; /* bytes */
+/* A chunk upload's state (the request's ext): where its piece goes. */
+typedef struct chunk_req {
     int64_t step;
     int k;
     size_t piece;
-    unsigned bad;     /* refused: swallow the body, then answer this status */
-    char msg[400];
-} req;
+    int counted; /* in r->uploads */
+} chunk_req;
 
-/* A query argument as a non-negative integer; -1 when missing or malformed. */
-static long long query_int(struct MHD_Connection *c, const char *name)
+/* The chunk route's before_body: check the upload's arguments against what
+ * this worker expects and point the body at its slot; a refusal is sent
+ * after the (small) body is swallowed, so that the sender reads it, except
+ * a 413, answered before the body is read. */
+static enum MHD_Result chunk_begin(http_req *q)
 {
-    const char *s = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, name);
-    if (!s || !*s || *s == '-' || *s == '+')
-        return -1;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (*end || errno)
-        return -1;
-    return v;
-}
-
-/* Check a chunk upload's arguments against what this worker expects, and
- * point q at where it goes. 0, or an HTTP status with msg. */
-static unsigned chunk_begin(ring *r, struct MHD_Connection *c, req *q, char *msg, size_t cap)
-{
-    long long step = query_int(c, "step"), k = query_int(c, "k"), offset = query_int(c, "offset"),
-              from = query_int(c, "from"), n = query_int(c, "n"), floats = query_int(c, "floats");
+    ring *r = q->ctx;
+    chunk_req *cq = q->ext;
+    cq->counted = 1;
+    atomic_fetch_add(&r->uploads, 1);
+    long long vals[6];
     const char *names[] = {"step", "k", "offset", "from", "n", "floats"};
-    long long vals[] = {step, k, offset, from, n, floats};
     for (int i = 0; i < 6; i++)
-        if (vals[i] < 0) {
-            snprintf(msg, cap, "query argument '%s' is missing or not a non-negative integer", names[i]);
-            return MHD_HTTP_BAD_REQUEST;
-        }
-    if (n != r->n || (size_t)floats != r->n_floats) {
-        snprintf(msg, cap,
-                 "the sender's ring has %lld workers and %lld floats, this worker's %d and %zu: "
-                 "start every worker with the same --worker_hosts and model",
-                 n, floats, r->n, r->n_floats);
-        return MHD_HTTP_CONFLICT;
-    }
-    if (from != mod(r->rank - 1, r->n)) {
-        snprintf(msg, cap, "a piece from worker %lld, but this worker's left neighbour is worker %d",
-                 from, mod(r->rank - 1, r->n));
-        return MHD_HTTP_CONFLICT;
-    }
+        if (http_query_int(q, names[i], LLONG_MAX, &vals[i]) != 1)
+            return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
+                                          "query argument '%s' is missing or not a non-negative integer", names[i]);
+    long long step = vals[0], k = vals[1], offset = vals[2], from = vals[3], n = vals[4], floats = vals[5];
+    if (n != r->n || (size_t)floats != r->n_floats)
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "the sender's ring has %lld workers and %lld floats, this worker's %d and %zu: "
+                                      "start every worker with the same --worker_hosts and model",
+                                      n, floats, r->n, r->n_floats);
+    if (from != mod(r->rank - 1, r->n))
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "a piece from worker %lld, but this worker's left neighbour is worker %d", from,
+                                      mod(r->rank - 1, r->n));
     /* the left neighbour sends pieces of this worker's step or the next (it
      * is never further ahead: that step needs this worker's gradient), or
      * resends one of the step before; anything else comes from a worker
@@ -185,67 +168,55 @@ static unsigned chunk_begin(ring *r, struct MHD_Connection *c, req *q, char *msg
     pthread_mutex_lock(&r->mu);
     int64_t cur = r->cur_step;
     pthread_mutex_unlock(&r->mu);
-    if (cur >= 0 && (step < cur - 1 || step > cur + 1)) {
-        snprintf(msg, cap,
-                 "a piece of global step %lld, but this worker is at global step %lld: a worker "
-                 "restarted alone cannot rejoin a running ring; restart the whole job",
-                 step, (long long)cur);
-        return MHD_HTTP_CONFLICT;
-    }
-    if (k >= r->K) {
-        snprintf(msg, cap, "k=%lld: a ring of %d workers has ring steps 0 to %d", k, r->n, r->K - 1);
-        return MHD_HTTP_BAD_REQUEST;
-    }
+    if (cur >= 0 && (step < cur - 1 || step > cur + 1))
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "a piece of global step %lld, but this worker is at global step %lld: a worker "
+                                      "restarted alone cannot rejoin a running ring; restart the whole job",
+                                      step, (long long)cur);
+    if (k >= r->K)
+        return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST, "k=%lld: a ring of %d workers has ring steps 0 to %d",
+                                      k, r->n, r->K - 1);
     size_t len = chunk_len(r, recv_chunk(r, (int)k));
-    if ((size_t)offset >= len || (size_t)offset % r->piece) {
-        snprintf(msg, cap, "offset=%lld: pieces of chunk %d start at multiples of %zu below %zu",
-                 offset, recv_chunk(r, (int)k), r->piece, len);
-        return MHD_HTTP_BAD_REQUEST;
-    }
+    if ((size_t)offset >= len || (size_t)offset % r->piece)
+        return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
+                                      "offset=%lld: pieces of chunk %d start at multiples of %zu below %zu", offset,
+                                      recv_chunk(r, (int)k), r->piece, len);
     size_t want = len - (size_t)offset < r->piece ? len - (size_t)offset : r->piece;
-    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-    if (!cl) {
-        snprintf(msg, cap, "Content-Length is required");
-        return MHD_HTTP_LENGTH_REQUIRED;
+    if (q->expect_len == UINT64_MAX)
+        return http_refuse_after_body(q, MHD_HTTP_LENGTH_REQUIRED, "Content-Length is required");
+    if (q->expect_len != want * 4) {
+        const char *fmt = "the piece at offset %lld of ring step %lld has %zu floats (%zu bytes), the body %llu bytes";
+        unsigned long long body = (unsigned long long)q->expect_len;
+        if (body > want * 4)
+            return http_reply_error(q, MHD_HTTP_CONTENT_TOO_LARGE, fmt, offset, k, want, want * 4, body);
+        return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST, fmt, offset, k, want, want * 4, body);
     }
-    char *end;
-    errno = 0;
-    unsigned long long body = strtoull(cl, &end, 10);
-    if (*end || errno || body != want * 4) {
-        snprintf(msg, cap, "the piece at offset %lld of ring step %lld has %zu floats (%zu bytes), the body %s bytes",
-                 offset, k, want, want * 4, cl);
-        return body > want * 4 ? MHD_HTTP_CONTENT_TOO_LARGE : MHD_HTTP_BAD_REQUEST;
-    }
-    q->kind = 1;
-    q->step = step;
-    q->k = (int)k;
-    q->piece = (size_t)offset / r->piece;
-    q->dst = slot(r, step, (int)k) + offset;
-    q->len = want * 4;
-    return 0;
+    cq->step = step;
+    cq->k = (int)k;
+    cq->piece = (size_t)offset / r->piece;
+    http_body_into(q, slot(r, step, (int)k) + offset, want * 4);
+    return MHD_YES;
 }
 
-/* 1 when the request may go on: no token is configured, or it carries it. */
-static int token_ok(const ring *r, struct MHD_Connection *c)
+/* The piece is in its slot: mark it, wake the all-reduce. */
+static enum MHD_Result h_chunk(http_req *q)
 {
-    return !r->token ||
-           token_header_ok(r->token, MHD_lookup_connection_value(c, MHD_HEADER_KIND,
-                                                                 MHD_HTTP_HEADER_AUTHORIZATION));
+    ring *r = q->ctx;
+    chunk_req *cq = q->ext;
+    pthread_mutex_lock(&r->mu);
+    slot_steps(r, cq->step, cq->k)[cq->piece] = cq->step;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return http_reply_response(q, MHD_HTTP_NO_CONTENT,
+                               MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT), 0);
 }
 
-/* 1 when the request's Content-Length is at most one piece: a refused body
- * that small is swallowed (the sender reads the answer); a larger or unsized
- * one is answered at once, as a 413 is, so that no one without the token
- * streams more into this endpoint than a task with it may. */
-static int piece_sized(const ring *r, struct MHD_Connection *c)
+static void chunk_done(http_req *q, int completed_ok)
 {
-    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-    if (!cl || !*cl)
-        return 0;
-    char *end;
-    errno = 0;
-    unsigned long long n = strtoull(cl, &end, 10);
-    return !*end && !errno && n <= (unsigned long long)r->piece * 4;
+    (void)completed_ok;
+    chunk_req *cq = q->ext;
+    if (cq && cq->counted)
+        atomic_fetch_sub(&((ring *)q->ctx)->uploads, 1);
 }
 
 static json_t *status_json(ring *r)
@@ -272,185 +243,80 @@ static json_t *status_json(ring *r)
     return o;
 }
 
-static enum MHD_Result h_healthz(ring *r, struct MHD_Connection *c, const char *url)
+static enum MHD_Result h_healthz(http_req *q)
 {
-    (void)r;
-    (void)url;
-    return endpoint_reply_json(c, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+    return http_reply_json(q, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
 }
 
-static enum MHD_Result h_status(ring *r, struct MHD_Connection *c, const char *url)
+static enum MHD_Result h_status(http_req *q)
 {
-    (void)url;
-    return endpoint_reply_json(c, MHD_HTTP_OK, status_json(r));
+    return http_reply_json(q, MHD_HTTP_OK, status_json(q->ctx));
 }
 
 /* The whole model (the chief's): a read that needs the token, as a write does. */
-static enum MHD_Result h_state(ring *r, struct MHD_Connection *c, const char *url)
+static enum MHD_Result h_state(http_req *q)
 {
-    (void)url;
+    ring *r = q->ctx;
     pthread_mutex_lock(&r->mu);
     void *s = r->state;
     size_t len = r->state_len;
     pthread_mutex_unlock(&r->mu);
     if (!s)
-        return endpoint_reply_error(c, MHD_HTTP_SERVICE_UNAVAILABLE,
-                                    "%s has not published the parameters (yet): only the chief does", r->name);
+        return http_reply_error(q, MHD_HTTP_SERVICE_UNAVAILABLE,
+                                "%s has not published the parameters (yet): only the chief does", r->name);
     /* published once and kept until ring_free, which stops this server first */
     struct MHD_Response *resp = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_PERSISTENT);
     if (resp)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
-    return endpoint_queue(c, MHD_HTTP_OK, resp);
+    return http_reply_response(q, MHD_HTTP_OK, resp, len);
 }
 
 /* The monitoring page (the chief's is the job's). */
-static enum MHD_Result h_web(ring *r, struct MHD_Connection *c, const char *url)
+static enum MHD_Result h_web(http_req *q)
 {
-    (void)r;
-    const struct web_asset *a = web_asset_find(url);
+    const struct web_asset *a = web_asset_find(q->url);
     if (!a)
-        return endpoint_reply_error(c, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", url);
+        return http_reply_error(q, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", q->url);
     struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
     if (resp) {
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
         MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     }
-    return endpoint_queue(c, MHD_HTTP_OK, resp);
+    return http_reply_response(q, MHD_HTTP_OK, resp, a->len);
 }
 
-/* The endpoint's routes: on_request checks a request against this table
- * before any handler runs (unknown path 404, wrong method 404 or 405, the
- * token 401). GET routes also answer HEAD. */
-enum {
-    RR_TOKEN = 1,      /* needs the bearer token, when the ring has one */
-    RR_BODY_PIECE = 2, /* takes a body of one piece at most: begin, then the upload */
-    RR_OTHERS_405 = 4, /* another method: 405 "no route M 'path'" (else the 404 of an unknown path) */
-    RR_OTHERS_TAKES = 8, /* another method: 405 "path takes METHOD" */
-};
-typedef struct ring_route {
-    const char *method;
-    const char *path;
-    int flags;
-    /* without a body: answers */
-    enum MHD_Result (*answer)(ring *r, struct MHD_Connection *c, const char *url);
-    /* with a body (RR_BODY_PIECE): 0 when the upload may come into q, else
-     * an HTTP status with q->msg */
-    unsigned (*begin)(ring *r, struct MHD_Connection *c, req *q, char *msg, size_t cap);
-} ring_route;
-
-static const ring_route ring_routes[] = {
-    {"GET", "/healthz", 0, h_healthz, NULL},
-    {"GET", "/v1/status", 0, h_status, NULL},
-    {"GET", "/v1/ring/state", RR_TOKEN | RR_OTHERS_405, h_state, NULL},
-    {"POST", "/v1/ring/chunk", RR_TOKEN | RR_BODY_PIECE | RR_OTHERS_TAKES, NULL, chunk_begin},
-    {"GET", "/", 0, h_web, NULL},
-    {"GET", "/app.js", 0, h_web, NULL},
-    {"GET", "/style.css", 0, h_web, NULL},
+/* The endpoint's routes: the token guards the chunks and the state (the
+ * whole model); status, health and the page stay open. */
+static const http_route ring_routes[] = {
+    {"GET", "/healthz", 0, 0, NULL, h_healthz, "liveness"},
+    {"GET", "/v1/status", 0, 0, NULL, h_status, "the ring task's status"},
+    {"GET", "/v1/ring/state", HTTP_ROUTE_AUTH, 0, NULL, h_state, "the chief's published parameters"},
+    {"POST", "/v1/ring/chunk", HTTP_ROUTE_AUTH | HTTP_ROUTE_BODY, HTTP_BODY_UNLIMITED, chunk_begin, h_chunk,
+     "one piece of a chunk from the left neighbour"},
+    {"GET", "/", 0, 0, NULL, h_web, "the monitoring page"},
+    {"GET", "/app.js", 0, 0, NULL, h_web, "the monitoring page's script"},
+    {"GET", "/style.css", 0, 0, NULL, h_web, "the monitoring page's style sheet"},
 };
 #define N_RING_ROUTES (sizeof(ring_routes) / sizeof(ring_routes[0]))
 
-/* The first call for a request: the checks every route gets, then its
- * answer, or (a body route) the request state its upload goes into. */
-static enum MHD_Result on_headers(ring *r, struct MHD_Connection *c, const char *url, const char *method,
-                                  void **req_cls)
+/* An unknown path (GET for HEAD: the routes' names). */
+static enum MHD_Result ring_not_found(http_req *q)
 {
-    const char *m = strcmp(method, "HEAD") == 0 ? "GET" : method;
-    const ring_route *rt = NULL, *on_path = NULL;
-    for (size_t i = 0; i < N_RING_ROUTES; i++) {
-        if (strcmp(ring_routes[i].path, url) != 0)
-            continue;
-        on_path = &ring_routes[i];
-        if (strcmp(ring_routes[i].method, m) == 0)
-            rt = &ring_routes[i];
-    }
-    if (!rt) {
-        if (on_path && (on_path->flags & RR_OTHERS_TAKES))
-            return endpoint_reply_error(c, MHD_HTTP_METHOD_NOT_ALLOWED, "%s takes %s", on_path->path,
-                                        on_path->method);
-        return endpoint_reply_error(c,
-                                    on_path && (on_path->flags & RR_OTHERS_405) ? MHD_HTTP_METHOD_NOT_ALLOWED
-                                                                              : MHD_HTTP_NOT_FOUND,
-                                    "no route %s '%.200s' on a ring worker", m, url);
-    }
-    int token_refused = (rt->flags & RR_TOKEN) && !token_ok(r, c);
-    if (!(rt->flags & RR_BODY_PIECE)) {
-        if (token_refused)
-            return endpoint_reply_error(c, MHD_HTTP_UNAUTHORIZED, "missing or wrong bearer token for %s %s",
-                                        rt->method, rt->path);
-        return rt->answer(r, c, url);
-    }
-    req *q = calloc(1, sizeof(*q));
-    if (!q)
-        return MHD_NO;
-    /* the token first: no one learns anything else without it; the body
-     * is swallowed, unread, so the sender reads the 401 (not a reset) */
-    if (token_refused) {
-        q->bad = MHD_HTTP_UNAUTHORIZED;
-        snprintf(q->msg, sizeof(q->msg), "missing or wrong bearer token for %s %s", rt->method, rt->path);
-    } else {
-        q->bad = rt->begin(r, c, q, q->msg, sizeof(q->msg));
-    }
-    if (q->bad == MHD_HTTP_CONTENT_TOO_LARGE || (q->bad == MHD_HTTP_UNAUTHORIZED && !piece_sized(r, c))) {
-        /* answered before the body is read: libmicrohttpd closes the connection */
-        enum MHD_Result rc = endpoint_reply_error(c, q->bad, "%s", q->msg);
-        free(q);
-        return rc;
-    }
-    *req_cls = q;
-    atomic_fetch_add(&r->uploads, 1);
-    return MHD_YES;
+    const char *m = strcmp(q->method, "HEAD") == 0 ? "GET" : q->method;
+    return http_reply_error(q, MHD_HTTP_NOT_FOUND, "no route %s '%.200s' on a ring worker", m, q->url);
 }
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
-                                  const char *method, const char *version, const char *upload,
-                                  size_t *upload_size, void **req_cls)
+/* Another method on a known path: the chunk route says what it takes, the
+ * state route is a 405, the open routes answer as an unknown path does. */
+static enum MHD_Result ring_wrong_method(http_req *q, const char *pattern, const char *allow)
 {
-    ring *r = cls;
-    req *q = *req_cls;
-    if (!q) {
-        char msg[ENDPOINT_ERROR_MAX];
-        conntrack_request_begins(c); /* its head is in: no longer cut for waiting */
-        unsigned bad = endpoint_check_framing(c, method, url, version, msg, sizeof(msg));
-        if (bad)
-            return endpoint_reply_close(c, bad, msg);
-        return on_headers(r, c, url, method, req_cls);
-    }
-    if (*upload_size && q->bad) {
-        *upload_size = 0; /* swallowed, so the client reads the answer */
-        return MHD_YES;
-    }
-    if (q->bad)
-        return endpoint_reply_error(c, q->bad, "%s", q->msg);
-    if (*upload_size) {
-        size_t n = *upload_size;
-        if (n > q->len - q->got) /* cannot happen: Content-Length was checked */
-            n = q->len - q->got;
-        memcpy((char *)q->dst + q->got, upload, n);
-        q->got += n;
-        *upload_size = 0;
-        return MHD_YES;
-    }
-    if (q->got != q->len)
-        return endpoint_reply_error(c, MHD_HTTP_BAD_REQUEST, "the body ended after %zu of %zu bytes", q->got, q->len);
-    pthread_mutex_lock(&r->mu);
-    slot_steps(r, q->step, q->k)[q->piece] = q->step;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    return endpoint_queue(c, MHD_HTTP_NO_CONTENT,
-                          MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT));
-}
-
-static void on_completed(void *cls, struct MHD_Connection *c, void **req_cls,
-                         enum MHD_RequestTerminationCode toe)
-{
-    ring *r = cls;
-    (void)toe;
-    conntrack_request_ends(c);
-    if (*req_cls)
-        atomic_fetch_sub(&r->uploads, 1);
-    free(*req_cls);
-    *req_cls = NULL;
+    (void)allow;
+    const char *m = strcmp(q->method, "HEAD") == 0 ? "GET" : q->method;
+    if (strcmp(pattern, "/v1/ring/chunk") == 0)
+        return http_reply_error(q, MHD_HTTP_METHOD_NOT_ALLOWED, "%s takes %s", pattern, "POST");
+    return http_reply_error(q, strcmp(pattern, "/v1/ring/state") == 0 ? MHD_HTTP_METHOD_NOT_ALLOWED : MHD_HTTP_NOT_FOUND,
+                            "no route %s '%.200s' on a ring worker", m, q->url);
 }
 
 /* ---- the client side ---- */
@@ -1084,48 +950,50 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     sa6.sin6_family = AF_INET6;
     sa6.sin6_port = htons((uint16_t)self->port);
     sa6.sin6_addr = endpoint_host_is_loopback(self->host) ? in6addr_loopback : in6addr_any;
-    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_ERROR_LOG;
-    if (v6)
-        mflags |= endpoint_host_is_loopback(self->host) ? MHD_USE_IPv6 : MHD_USE_DUAL_STACK;
-    if (r->tls)
-        mflags |= MHD_USE_TLS;
-    /* HTTPS: psd's certificate options, and its default priorities (TLS
-     * 1.3/1.2, AEAD suites, AES-GCM first, the server's order) unless the
-     * caller named others */
-    struct MHD_OptionItem tls_opts[] = {
-        {MHD_OPTION_HTTPS_MEM_CERT, 0, r->cert_pem},
-        {MHD_OPTION_HTTPS_MEM_KEY, 0, r->key_pem},
-        {MHD_OPTION_HTTPS_PRIORITIES, 0, r->priorities},
-        {MHD_OPTION_END, 0, NULL},
-    };
-    if (!r->tls)
-        tls_opts[0].option = MHD_OPTION_END;
     /* as psd: a connection that has not sent a whole head within
      * RING_HEADER_SECS is cut, and near RING_MAX_CONNS each new one cuts the
      * one that has waited longest for its head, so idle or half-sent
-     * connections cannot lock the neighbours out */
-    if (!(r->conns = conntrack_start(RING_HEADER_SECS, RING_MAX_CONNS))) {
-        errmsg(err, errlen, "cannot start the ring endpoint's connection tracker: %s", strerror(errno));
-        ring_free(r);
-        return NULL;
-    }
+     * connections cannot lock the neighbours out. HTTPS: psd's default
+     * priorities (TLS 1.3/1.2, AEAD suites, AES-GCM first, the server's
+     * order) unless the caller named others */
+    http_server_config hc = {
+        .name = "ring endpoint",
+        .listen_fd = -1,
+        .bind_addr = v6 ? (struct sockaddr *)&sa6 : (struct sockaddr *)&sa,
+        .dual_stack = v6 && !endpoint_host_is_loopback(self->host),
+        .threads = 0, /* a thread per connection */
+        .idle_timeout_secs = 120,
+        .header_timeout_secs = RING_HEADER_SECS,
+        .max_conns = RING_MAX_CONNS,
+        .conn_memory = 256 * 1024,
+        .token = r->token,
+        .tls_cert_pem = r->tls ? r->cert_pem : NULL,
+        .tls_key_pem = r->tls ? r->key_pem : NULL,
+        .tls_priorities = r->tls ? r->priorities : NULL,
+        .not_found = ring_not_found,
+    };
+    http_module hm = {
+        .name = "ring",
+        .routes = ring_routes,
+        .n_routes = N_RING_ROUTES,
+        .ctx = r,
+        /* a refused piece is read (the sender reads the 401), a bigger body not */
+        .swallow_refused_max = (uint64_t)r->piece * 4,
+        .ext_size = sizeof(chunk_req),
+        .wrong_method = ring_wrong_method,
+        .done = chunk_done,
+    };
+    char herr[256];
+    if (!(r->srv = http_server_new(&hc, herr, sizeof(herr))) || http_server_add(r->srv, &hm, herr, sizeof(herr)) != 0)
+        goto oom;
     errno = 0;
-    r->d = MHD_start_daemon(mflags, (uint16_t)self->port, NULL, NULL, on_request, r, MHD_OPTION_SOCK_ADDR,
-                            v6 ? (struct sockaddr *)&sa6 : (struct sockaddr *)&sa,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, r,
-                            MHD_OPTION_CONNECTION_TIMEOUT, 120u,
-                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(256 * 1024),
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)RING_MAX_CONNS,
-                            MHD_OPTION_NOTIFY_CONNECTION, conntrack_notify, r->conns,
-                            MHD_OPTION_URI_LOG_CALLBACK, endpoint_uri_guard, NULL, /* 414 before the query is parsed */
-                            MHD_OPTION_ARRAY, tls_opts, MHD_OPTION_END);
-    if (!r->d) {
+    if (http_server_start(r->srv, herr, sizeof(herr)) < 0) {
         int e = errno;
         char hint[160] = "";
         if (r->tls && e != EADDRINUSE)
             snprintf(hint, sizeof(hint), " over HTTPS (is %s the key of %s?)", r->names.key, r->names.cert);
         errmsg(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
-               self->port, hint, e ? strerror(e) : "libmicrohttpd failed to start");
+               self->port, hint, herr);
         ring_free(r);
         return NULL;
     }
@@ -1140,7 +1008,7 @@ void ring_free(ring *r)
 {
     if (!r)
         return;
-    if (r->d) {
+    if (r->srv) {
         /* the left neighbour's last piece was marked before its answer went
          * out: let the answer go (else it sees an error and waits to retry) */
         for (int i = 0; i < 200 && atomic_load(&r->uploads) > 0; i++)
@@ -1150,10 +1018,8 @@ void ring_free(ring *r)
          * out too, by its probe, rather than by waiting out its timeout */
         if (atomic_load(&r->mismatch))
             sleep_ms(RING_MISMATCH_LINGER_MS);
-        MHD_stop_daemon(r->d);
     }
-    if (r->conns)
-        conntrack_stop(r->conns); /* after the daemon: every connection closed */
+    http_server_free(r->srv); /* every connection closed, the tracker stopped */
     if (r->curl)
         curl_easy_cleanup(r->curl);
     curl_slist_free_all(r->hdrs);

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "auth.h"
 #include "clock.h"
+#include "token.h"
 #include "routes.h"
 #include "workers.h"
 
@@ -38,16 +38,16 @@ static int query_int(request *r, const char *key, long long *out)
  * min (or timeout_ms passes); the handler runs again once it is resumed. */
 static enum MHD_Result park(request *r, int ch, int64_t min, long long timeout_ms)
 {
-    r->parked = 1;
-    r->parked_on = r->srv->waiters;
+    req_psd(r)->parked = 1;
+    req_psd(r)->parked_on = req_srv(r)->waiters;
     MHD_suspend_connection(r->conn);
-    waiters_add(r->srv->waiters, ch, r->conn, min, clk_mono_ms() + timeout_ms, &r->resumed);
+    waiters_add(req_srv(r)->waiters, ch, r->conn, min, clk_mono_ms() + timeout_ms, &req_psd(r)->resumed);
     return MHD_YES;
 }
 
 enum MHD_Result h_params_get(request *r)
 {
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     long long min_step = -1, timeout_ms = LONG_POLL_DEFAULT_MS, worker = -1;
     if (query_int(r, "min_step", &min_step) < 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_step must be a non-negative integer");
@@ -76,7 +76,7 @@ enum MHD_Result h_params_get(request *r)
      * for a worker (renew its lease, move its clocks): an anonymous read is
      * a read (a reader polling as worker 1 kept a dead worker 1 alive and
      * held the sync step). */
-    int may_write = !srv->cfg.auth_token || auth_check(srv->cfg.auth_token, http_header(r, "Authorization"));
+    int may_write = !srv->cfg.auth_token || token_header_ok(srv->cfg.auth_token, http_header(r, "Authorization"));
     if (worker >= 0 && may_write)
         store_touch(&srv->store, (int)worker); /* a long poll renews the lease */
     /* stale-synchronous: a worker starts iteration `clock` only after its push
@@ -88,10 +88,10 @@ enum MHD_Result h_params_get(request *r)
      * push (with --auth_token_file: the token), so a mere reader cannot lift
      * the bound. (Its push raised the count already, but for after a
      * restart: only a raise re-levels the waiters.) */
-    if (worker >= 0 && clock >= 0 && !r->parked && may_write)
+    if (worker >= 0 && clock >= 0 && !req_psd(r)->parked && may_write)
         store_clock_done(&srv->store, (int)worker, clock); /* a raise: the store tells the waiters */
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
-    if (min_clock >= 0 && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
+    if (min_clock >= 0 && !req_psd(r)->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock)
         return park(r, WAIT_CLOCK, min_clock, timeout_ms);
     /* the worker starts iteration `clock` now (after any wait for the bound) */
@@ -110,10 +110,10 @@ enum MHD_Result h_params_get(request *r)
      * between would otherwise look like a lost gradient.) */
     int lost = 0;
     store_config cfg;
-    if (worker >= 0 && step < min_step && !r->parked && store_get_config(&srv->store, &cfg) &&
+    if (worker >= 0 && step < min_step && !req_psd(r)->parked && store_get_config(&srv->store, &cfg) &&
         cfg.sync)
         lost = !pending;
-    if (step < min_step && !lost && !r->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
+    if (step < min_step && !lost && !req_psd(r)->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */
         store_snaps_release(v, n);
@@ -155,7 +155,7 @@ enum MHD_Result h_params_get(request *r)
     const char *headers[] = {"X-Global-Step", step_s, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store",
                              NULL};
     /* zero-copy: the stored versions go out as they are */
-    rc = http_reply_parts(r, MHD_HTTP_OK, "application/octet-stream", head, head_len, parts, n,
+    rc = reply_blobs(r, MHD_HTTP_OK, "application/octet-stream", head, head_len, parts, n,
                           hold, n, headers);
 out:
     free(d);
@@ -196,7 +196,7 @@ static int push_id_ok(const char *s)
 enum MHD_Result h_grads_post(request *r)
 {
     char err[256];
-    blob *b = r->body;
+    blob *b = req_body(r);
     uint64_t hl;
     if (st_read_prefix(b->data, b->len, &hl, err, sizeof(err)) != 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
@@ -277,7 +277,7 @@ enum MHD_Result h_grads_post(request *r)
     int64_t gstep;
     int outcome;
     static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
-    int src = store_apply_grads(&r->srv->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
+    int src = store_apply_grads(&req_srv(r)->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
     if (src == STORE_ENOMEM)
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
     else if (src == STORE_EAHEAD)
@@ -285,7 +285,7 @@ enum MHD_Result h_grads_post(request *r)
     else if (src != STORE_OK)
         rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     else {
-        workers_seen(r->srv->workers, worker, step, batch, outcome);
+        workers_seen(req_srv(r)->workers, worker, step, batch, outcome);
         rc = http_reply_json(r, MHD_HTTP_OK,
                              json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
                                        outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));

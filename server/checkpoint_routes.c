@@ -13,7 +13,7 @@
 
 enum MHD_Result h_checkpoint_get(request *r)
 {
-    saver *sv = r->srv->saver;
+    saver *sv = req_srv(r)->saver;
     if (!sv)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "checkpoints are off on this ps (--logdir is empty)");
     char path[PATH_MAX];
@@ -64,30 +64,30 @@ static void resume_conn(void *key)
 
 enum MHD_Result h_checkpoint_post(request *r)
 {
-    saver *sv = r->srv->saver;
+    saver *sv = req_srv(r)->saver;
     if (!sv)
         return http_reply_error(r, MHD_HTTP_CONFLICT, "checkpoints are off on this ps (--logdir is empty)");
     char path[PATH_MAX], err[512];
     int64_t step = -1;
     int rc = -2;
-    if (!r->parked) {
+    if (!req_psd(r)->parked) {
         /* a save takes seconds for a big model: the saver's thread writes it
          * while this connection is suspended, however long that takes, and
          * this handler runs again once it is resumed with the outcome (at a
          * stop, psd waits for that before it stops its HTTP server) */
-        r->parked = 1;
+        req_psd(r)->parked = 1;
         MHD_suspend_connection(r->conn);
-        r->saver_job = 1; /* routes_completed forgets it if not collected */
+        req_psd(r)->saver_job = 1; /* routes_completed forgets it if not collected */
         if (saver_save_async(sv, r->conn, resume_conn) != 0) {
-            r->saver_job = 0;
+            req_psd(r)->saver_job = 0;
             MHD_resume_connection(r->conn); /* not queued (out of memory): saved below */
         }
         return MHD_YES;
     }
-    if (r->parked) {
+    if (req_psd(r)->parked) {
         rc = saver_result(sv, r->conn, path, sizeof(path), &step, err, sizeof(err));
         if (rc != -2)
-            r->saver_job = 0; /* collected */
+            req_psd(r)->saver_job = 0; /* collected */
     }
     if (rc == -2) /* not queued (out of memory): on this thread (a stop waits for it) */
         rc = saver_save_requested(sv, path, sizeof(path), &step, err, sizeof(err));

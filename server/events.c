@@ -119,7 +119,7 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
 
 enum MHD_Result h_events(request *r)
 {
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     if (strcmp(r->method, "HEAD") == 0) {
         /* the headers of the stream, without one */
         struct MHD_Response *resp = MHD_create_response_from_buffer(0, "", MHD_RESPMEM_PERSISTENT);

@@ -358,7 +358,7 @@ __attribute__((format(printf, 2, 3))) static void put(out *o, const char *fmt, .
 
 enum MHD_Result h_history(request *r)
 {
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     struct history *h = srv->history;
     long long since = -1;
     const char *s = http_query(r, "since");

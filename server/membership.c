@@ -48,7 +48,7 @@ json_t *membership_json(server *srv)
 
 enum MHD_Result h_sync(request *r)
 {
-    json_t *m = membership_json(r->srv);
+    json_t *m = membership_json(req_srv(r));
     if (!m)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the sync state");
     return http_reply_json(r, MHD_HTTP_OK, m);
@@ -57,7 +57,7 @@ enum MHD_Result h_sync(request *r)
 enum MHD_Result h_heartbeat(request *r)
 {
     json_error_t je;
-    json_t *j = json_loadb((const char *)r->body->data, r->body->len, JSON_REJECT_DUPLICATES, &je);
+    json_t *j = json_loadb((const char *)req_body(r)->data, req_body(r)->len, JSON_REJECT_DUPLICATES, &je);
     json_t *w = j ? json_object_get(j, "worker") : NULL;
     int ok = json_is_integer(w) && json_integer_value(w) >= 0 &&
              json_integer_value(w) < STORE_MAX_WORKERS;
@@ -65,13 +65,13 @@ enum MHD_Result h_heartbeat(request *r)
     json_decref(j);
     if (!ok)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
-    store_touch(&r->srv->store, idx);
+    store_touch(&req_srv(r)->store, idx);
     int n, has_loss;
     uint64_t bytes;
     int64_t step;
     double loss;
-    store_totals(&r->srv->store, &n, &bytes, &step, &has_loss, &loss);
+    store_totals(&req_srv(r)->store, &n, &bytes, &step, &has_loss, &loss);
     return http_reply_json(r, MHD_HTTP_OK,
                            json_pack("{s:I,s:f}", "global_step", (json_int_t)step, "lease_secs",
-                                     (double)store_lease_ms(&r->srv->store) / 1000.0));
+                                     (double)store_lease_ms(&req_srv(r)->store) / 1000.0));
 }

@@ -39,7 +39,7 @@ static const char *const pull_results[N_PULL] = {"ok", "not_modified", "refused"
 #define M_SLOTS 128
 #define M_CODES 16
 typedef struct slot {
-    const route *rt; /* NULL: no route matched */
+    const http_route *rt; /* NULL: no route matched */
     int method;
     int kind;
     struct {
@@ -88,7 +88,7 @@ static int method_index(const char *method)
     return N_METHODS - 1;
 }
 
-static int kind_of(const route *rt, const char *method)
+static int kind_of(const http_route *rt, const char *method)
 {
     if (!rt)
         return K_OTHER;
@@ -102,7 +102,7 @@ static int kind_of(const route *rt, const char *method)
     return K_OTHER;
 }
 
-static slot *find_slot(struct metrics *m, const route *rt, int method)
+static slot *find_slot(struct metrics *m, const http_route *rt, int method)
 {
     int n = atomic_load_explicit(&m->n, memory_order_acquire);
     for (int i = 0; i < n; i++)
@@ -284,7 +284,7 @@ static const char *route_label(const slot *s) { return s->rt ? s->rt->path : "un
 
 enum MHD_Result h_metrics(request *r)
 {
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     struct metrics *m = srv->metrics;
     out o = {.cap = 16384};
     o.p = malloc(o.cap);

@@ -18,7 +18,7 @@
 #ifndef RESTPS_METRICS_H
 #define RESTPS_METRICS_H
 
-#include "http.h"
+#include "request.h"
 
 struct metrics;
 struct metrics *metrics_new(void);

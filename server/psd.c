@@ -29,8 +29,7 @@
 #include "summaries.h"
 #include "membership.h"
 #include "changes.h"
-#include "conntrack.h"
-#include "endpoint.h"
+#include "http_server.h"
 #include "tls_priorities.h"
 #include "server.h"
 
@@ -380,45 +379,36 @@ int main(int argc, char **argv)
     history_start_shards(srv->history, &cfg->cluster, cfg->auth_token, listening);
 
     MHD_set_panic_func(mhd_panic, NULL);
-    unsigned mflags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | MHD_ALLOW_SUSPEND_RESUME |
-                      MHD_USE_ITC;
-    if (tls_cert)
-        mflags |= MHD_USE_TLS;
-    mflags |= MHD_USE_EPOLL;
-    struct MHD_OptionItem opts[] = {
-        {MHD_OPTION_LISTEN_SOCKET, fd, NULL},
-        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)routes_completed, srv},
-        {MHD_OPTION_UNESCAPE_CALLBACK, (intptr_t)routes_unescape, NULL},
-        {MHD_OPTION_CONNECTION_MEMORY_LIMIT, 128 * 1024, NULL},
-        {MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, NULL},
-        {MHD_OPTION_CONNECTION_LIMIT, max_conns, NULL},
-        {MHD_OPTION_NOTIFY_CONNECTION, (intptr_t)conntrack_notify, NULL}, /* set below */
-        {MHD_OPTION_URI_LOG_CALLBACK, (intptr_t)endpoint_uri_guard, NULL}, /* 414 before the query is parsed */
-        {MHD_OPTION_END, 0, NULL}, /* room for the optional ones below */
-        {MHD_OPTION_END, 0, NULL},
-        {MHD_OPTION_END, 0, NULL},
-        {MHD_OPTION_END, 0, NULL},
-        {MHD_OPTION_END, 0, NULL},
+    /* slowloris: a deadline for request heads, beside the idle timeout, and
+     * past it a body must average 1 KiB/s */
+    http_server_config hc = {
+        .name = "psd",
+        .listen_fd = fd,
+        .threads = http_threads,
+        .suspend = 1,
+        .idle_timeout_secs = (unsigned)conn_timeout,
+        .header_timeout_secs = (unsigned)conn_timeout,
+        .body_min_rate = 1024,
+        .max_conns = (unsigned)max_conns,
+        .conn_memory = 128 * 1024,
+        .token = cfg->auth_token,
+        .tls_cert_pem = srv->tls_cert_pem,
+        .tls_key_pem = srv->tls_key_pem,
+        .tls_priorities = tls_prio,
+        .accept = accept_policy,
+        .begin = routes_begin,
+        .end = routes_end,
+        .cls = srv,
     };
-    int no = 8; /* the first free entry; an END entry ends the array */
-    if (tls_cert) {
-        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_CERT, 0, srv->tls_cert_pem};
-        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_MEM_KEY, 0, srv->tls_key_pem};
-        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_HTTPS_PRIORITIES, 0,
-                                             (void *)(tls_prio ? tls_prio : TLS_PRIORITIES_DEFAULT)};
-    }
-    if (http_threads > 1)
-        opts[no++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, http_threads, NULL};
-    /* slowloris: a deadline for request headers, beside the idle timeout */
-    if (!(srv->conntrack = conntrack_start(conn_timeout, max_conns))) {
-        fprintf(stderr, "psd: cannot start the connection tracker thread\n");
+    http_module psd_routes;
+    routes_module(srv, &psd_routes);
+    http_server *hs = http_server_new(&hc, err, sizeof(err));
+    if (!hs || http_server_add(hs, &psd_routes, err, sizeof(err)) != 0) {
+        fprintf(stderr, "psd: %s\n", err);
         return 1;
     }
-    opts[6].ptr_value = srv->conntrack;
-    struct MHD_Daemon *d = MHD_start_daemon(mflags, 0, accept_policy, NULL, routes_access, srv,
-                                            MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
-    if (!d) {
-        fprintf(stderr, "psd: unable to start the HTTP server on port %d\n", bound);
+    if (http_server_start(hs, err, sizeof(err)) < 0) {
+        fprintf(stderr, "psd: unable to start the HTTP server on port %d: %s\n", bound, err);
         return 1;
     }
     if (membership_start(srv) != 0) {
@@ -458,9 +448,8 @@ int main(int argc, char **argv)
     if (atomic_load(&srv->in_flight) > 0)
         log_info("psd: %d requests still in flight after 5 s: closing them",
                  atomic_load(&srv->in_flight));
-    MHD_stop_daemon(d); /* closes the listening socket */
+    http_server_free(hs); /* closes the listening socket, stops the connection tracker */
     fd = -1;
-    conntrack_stop(srv->conntrack);
     ticker_free(srv->ticker); /* the sync tick and the deadlines: nothing is parked any more */
     summaries_stop(srv); /* nothing records any more: write the rest of the events */
     int status = 0;

@@ -1,40 +1,24 @@
-/* routes.h - the route table (method, path as in openapi.yaml, flags, handler)
- * and the libmicrohttpd callbacks that check a request against it before any
- * handler runs: unknown path 404, wrong method 405, bad name 400, missing
- * token 401, body over --max_body_bytes 413 (before it is read). */
+/* routes.h - psd's route table (method, path as in openapi.yaml, flags,
+ * handler) and what psd asks of the endpoint layer (common/http_server.h)
+ * for it: the token on writes (and reads with --auth_reads), a {name} that
+ * is a variable name, bodies in blobs of the server's pool up to
+ * --max_body_bytes, and per request the parked state, the metrics and the
+ * requests in flight. */
 #ifndef RESTPS_ROUTES_H
 #define RESTPS_ROUTES_H
 
 #include <microhttpd.h>
 #include <stdio.h>
 
-#include "http.h"
+#include "request.h"
 
-enum {
-    ROUTE_WRITE = 1, /* needs the token when --auth_token_file is set */
-    ROUTE_OPEN = 2,  /* never needs a token (health checks) */
-    ROUTE_BODY = 4,  /* takes a request body */
-};
-
-typedef struct route {
-    const char *method; /* GET routes also answer HEAD */
-    const char *path;   /* "/v1/vars/{name}" */
-    int flags;
-    /* Optional: runs when the headers are in, before the body is read; may
-     * answer (then the body is never read). Returns MHD_NO to drop. */
-    enum MHD_Result (*before_body)(request *r);
-    enum MHD_Result (*handle)(request *r);
-    const char *summary;
-} route;
-
-enum MHD_Result routes_access(void *cls, struct MHD_Connection *conn, const char *url,
-                              const char *method, const char *version, const char *upload_data,
-                              size_t *upload_data_size, void **req_cls);
-void routes_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
-                      enum MHD_RequestTerminationCode toe);
-
-/* MHD_OPTION_UNESCAPE_CALLBACK: %XX decoding that leaves %00 alone. */
-size_t routes_unescape(void *cls, struct MHD_Connection *conn, char *s);
+/* psd's module: the table, srv as every handler's context. The body ops
+ * live in srv (its pool); the module points at them. */
+void routes_module(server *srv, http_module *out);
+/* The server-wide hooks (http_server_config begin/end, cls srv): the
+ * requests in flight, the metrics. */
+void routes_begin(void *srv, http_req *r);
+void routes_end(void *srv, http_req *r, int completed_ok);
 
 /* Print the table, one "METHOD PATH flags" line each (psd --routes). */
 void routes_print(FILE *out);

@@ -49,7 +49,6 @@ typedef struct server {
     atomic_int stopping;   /* POST /v1/shutdown was accepted */
     atomic_int in_flight;  /* requests begun and not yet completed */
     struct saver *saver;   /* checkpoints (saver.c); NULL when --logdir is empty */
-    struct conntrack *conntrack;   /* a deadline for each request's headers (conntrack.c) */
     char *tls_cert_pem, *tls_key_pem; /* --tls_cert/--tls_key contents (HTTPS), or NULL */
     pthread_mutex_t info_mu; /* guards what follows */
     struct {

@@ -69,7 +69,7 @@ json_t *status_json(server *srv)
 
 enum MHD_Result h_status(request *r)
 {
-    json_t *st = status_json(r->srv);
+    json_t *st = status_json(req_srv(r));
     if (!st)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the status");
     return http_reply_json(r, MHD_HTTP_OK, st);

@@ -62,7 +62,7 @@ static json_t *config_json(const store_config *c)
 static json_t *body_json(request *r, char *err, size_t errlen)
 {
     json_error_t je;
-    json_t *j = json_loadb((const char *)r->body->data, r->body->len, JSON_REJECT_DUPLICATES, &je);
+    json_t *j = json_loadb((const char *)req_body(r)->data, req_body(r)->len, JSON_REJECT_DUPLICATES, &je);
     if (!j)
         snprintf(err, errlen, "body is not JSON: %s", je.text);
     else if (!json_is_object(j)) {
@@ -251,7 +251,7 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
 enum MHD_Result h_config_get(request *r)
 {
     store_config c;
-    if (!store_get_config(&r->srv->store, &c))
+    if (!store_get_config(&req_srv(r)->store, &c))
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no training configuration yet: the chief sends it");
     return http_reply_json(r, MHD_HTTP_OK, config_json(&c));
 }
@@ -268,7 +268,7 @@ enum MHD_Result h_config_put(request *r)
     json_decref(j);
     if (bad)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    if (store_configure(&r->srv->store, &c, err, sizeof(err)) != STORE_OK)
+    if (store_configure(&req_srv(r)->store, &c, err, sizeof(err)) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
     log_info("psd: configured: %s, learning_rate %g, %s, replicas_to_aggregate %d of %d workers",
              optim_name(c.optim.kind), (double)c.optim.learning_rate, c.sync ? "sync" : "async",
@@ -279,7 +279,7 @@ enum MHD_Result h_config_put(request *r)
 enum MHD_Result h_readyz(request *r)
 {
     store_config c;
-    if (!store_get_config(&r->srv->store, &c))
+    if (!store_get_config(&req_srv(r)->store, &c))
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE,
                                 "variables not initialized: waiting for the chief");
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ready"));
@@ -304,7 +304,7 @@ enum MHD_Result h_eval_post(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "eval report needs loss >= 0 and accuracy in [0, 1]; global_step and "
                                 "examples are optional non-negative integers");
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     pthread_mutex_lock(&srv->info_mu);
     srv->eval.has = 1;
     srv->eval.loss = loss;
@@ -330,7 +330,7 @@ enum MHD_Result h_done_post(request *r)
     json_decref(j);
     if (!ok)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     store_leave(&srv->store, idx); /* a step no longer waits for it */
     store_sync_tick(&srv->store);
     pthread_mutex_lock(&srv->info_mu);
@@ -345,7 +345,7 @@ enum MHD_Result h_done_post(request *r)
 
 enum MHD_Result h_shutdown_post(request *r)
 {
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     atomic_store(&srv->stopping, 1);
     log_info("psd: shutdown requested over HTTP");
     enum MHD_Result rc = http_reply_json(r, MHD_HTTP_ACCEPTED, json_pack("{s:s}", "status", "stopping"));
@@ -364,7 +364,7 @@ enum MHD_Result h_placement_put(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     json_t *n = json_object_get(j, "ps_tasks"), *vars = json_object_get(j, "variables"),
            *pol = json_object_get(j, "policy");
-    int ps = r->srv->cfg.cluster.jobs[JOB_PS].n;
+    int ps = req_srv(r)->cfg.cluster.jobs[JOB_PS].n;
     if (!json_is_integer(n) || !json_is_array(vars) || !json_is_string(pol)) {
         json_decref(j);
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
@@ -405,7 +405,7 @@ enum MHD_Result h_placement_put(request *r)
                                 "placement map over %d bytes (it goes into every checkpoint)",
                                 PLACEMENT_MAX);
     }
-    if (!text || store_set_placement(&r->srv->store, text) != STORE_OK) {
+    if (!text || store_set_placement(&req_srv(r)->store, text) != STORE_OK) {
         free(text);
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
     }
@@ -415,7 +415,7 @@ enum MHD_Result h_placement_put(request *r)
 
 enum MHD_Result h_placement_get(request *r)
 {
-    char *text = store_get_placement(&r->srv->store);
+    char *text = store_get_placement(&req_srv(r)->store);
     if (!text)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no placement yet: the chief sends it");
     json_t *j = json_loads(text, 0, NULL);
@@ -427,8 +427,8 @@ enum MHD_Result h_placement_get(request *r)
     int64_t step;
     int has_loss;
     double loss;
-    store_totals(&r->srv->store, &n, &bytes, &step, &has_loss, &loss);
-    json_object_set_new(j, "this_ps", json_pack("{s:i,s:i,s:I}", "task", r->srv->cfg.cluster.task_index,
+    store_totals(&req_srv(r)->store, &n, &bytes, &step, &has_loss, &loss);
+    json_object_set_new(j, "this_ps", json_pack("{s:i,s:i,s:I}", "task", req_srv(r)->cfg.cluster.task_index,
                                                 "variables", n, "bytes", (json_int_t)bytes));
     return http_reply_json(r, MHD_HTTP_OK, j);
 }

@@ -33,7 +33,7 @@ enum MHD_Result h_vars_list(request *r)
     store_snap *v;
     int n;
     int64_t step;
-    if (store_get_all(&r->srv->store, &v, &n, &step) != STORE_OK)
+    if (store_get_all(&req_srv(r)->store, &v, &n, &step) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
     json_t *arr = json_array();
     for (int i = 0; i < n; i++)
@@ -169,7 +169,7 @@ static void json_stream_free(void *cls)
 
 enum MHD_Result h_var_get(request *r)
 {
-    server *srv = r->srv;
+    server *srv = req_srv(r);
     int bad_format;
     int json = wants_json(r, &bad_format);
     if (bad_format)
@@ -227,7 +227,7 @@ enum MHD_Result h_var_get(request *r)
 
     if (etag_matches(http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH), etag)) {
         store_snap_release(&v);
-        return http_reply_parts(r, MHD_HTTP_NOT_MODIFIED, "application/octet-stream", NULL, 0,
+        return reply_blobs(r, MHD_HTTP_NOT_MODIFIED, "application/octet-stream", NULL, 0,
                                 NULL, 0, NULL, 0, headers);
     }
     const float *x = (const float *)v.data->data + off;
@@ -271,7 +271,7 @@ enum MHD_Result h_var_get(request *r)
     } else {
         /* zero-copy: the response reads the stored version directly */
         struct http_part part = {x, (size_t)cnt * 4};
-        rc = http_reply_parts(r, MHD_HTTP_OK, "application/octet-stream", NULL, 0, &part, 1,
+        rc = reply_blobs(r, MHD_HTTP_OK, "application/octet-stream", NULL, 0, &part, 1,
                               &v.data, 1, headers);
     }
     store_snap_release(&v);
@@ -281,7 +281,7 @@ enum MHD_Result h_var_get(request *r)
 enum MHD_Result h_var_stats(request *r)
 {
     store_snap v;
-    if (store_get(&r->srv->store, r->name, &v) != STORE_OK)
+    if (store_get(&req_srv(r)->store, r->name, &v) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
     const float *x = (const float *)v.data->data;
     double sum = 0, sq = 0, mn = INFINITY, mx = -INFINITY;
@@ -328,17 +328,17 @@ enum MHD_Result h_var_put_check(request *r)
     if (dt && strcmp(dt, "float32") != 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "X-Dtype '%.32s' is not supported, only float32", dt);
     uint64_t need = (uint64_t)tensor_shape_numel(&shape) * 4;
-    if (need > r->srv->cfg.max_body_bytes)
+    if (need > req_srv(r)->cfg.max_body_bytes)
         return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
                                 "shape [%s] needs %llu bytes, over the limit of %llu (--max_body_bytes)",
                                 xs, (unsigned long long)need,
-                                (unsigned long long)r->srv->cfg.max_body_bytes);
+                                (unsigned long long)req_srv(r)->cfg.max_body_bytes);
     if (r->expect_len != UINT64_MAX && r->expect_len != need)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "body of %llu bytes does not match shape [%s] (%llu bytes of float32)",
                                 (unsigned long long)r->expect_len, xs, (unsigned long long)need);
     const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
-    if (inm && strcmp(inm, "*") == 0 && store_peek(&r->srv->store, r->name, NULL) == STORE_OK)
+    if (inm && strcmp(inm, "*") == 0 && store_peek(&req_srv(r)->store, r->name, NULL) == STORE_OK)
         return http_reply_error(r, MHD_HTTP_PRECONDITION_FAILED, "variable '%s' exists", r->name);
     if (r->expect_len == UINT64_MAX)
         r->expect_len = need; /* chunked: still allocate once */
@@ -353,16 +353,15 @@ enum MHD_Result h_var_put(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "X-Shape: %s", err);
     tensor_shape_format(&shape, shape_s, sizeof(shape_s));
     uint64_t need = (uint64_t)tensor_shape_numel(&shape) * 4;
-    if (r->body->len != need)
+    if (req_body(r)->len != need)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "body of %zu bytes does not match shape [%s] (%llu bytes of float32)",
-                                r->body->len, shape_s, (unsigned long long)need);
+                                req_body(r)->len, shape_s, (unsigned long long)need);
     const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
     int only_create = inm && strcmp(inm, "*") == 0, created = 0;
     uint64_t version = 0;
-    blob *data = r->body;
-    r->body = NULL;
-    int rc = store_put(&r->srv->store, r->name, &shape, data, only_create, &created, &version);
+    blob *data = http_take_body(r);
+    int rc = store_put(&req_srv(r)->store, r->name, &shape, data, only_create, &created, &version);
     if (rc != STORE_OK) {
         blob_unref(data);
         if (rc == STORE_EEXIST)
@@ -378,7 +377,7 @@ enum MHD_Result h_var_grad_check(request *r)
 {
     tensor_shape have, given;
     char err[256], a[160], b[160];
-    if (store_peek(&r->srv->store, r->name, &have) != STORE_OK)
+    if (store_peek(&req_srv(r)->store, r->name, &have) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
     tensor_shape_format(&have, b, sizeof(b));
     const char *xs = http_header(r, "X-Shape");
@@ -406,21 +405,21 @@ enum MHD_Result h_var_grad_check(request *r)
 enum MHD_Result h_var_grad(request *r)
 {
     tensor_shape have;
-    if (store_peek(&r->srv->store, r->name, &have) != STORE_OK)
+    if (store_peek(&req_srv(r)->store, r->name, &have) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no variable '%s'", r->name);
     int64_t numel = tensor_shape_numel(&have);
-    if (r->body->len != (size_t)numel * 4)
+    if (req_body(r)->len != (size_t)numel * 4)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "gradient of %zu bytes does not match variable '%s' (%lld bytes)",
-                                r->body->len, r->name, (long long)numel * 4);
-    const float *g = (const float *)r->body->data;
+                                req_body(r)->len, r->name, (long long)numel * 4);
+    const float *g = (const float *)req_body(r)->data;
     int64_t bad = tensor_find_nonfinite(g, (size_t)numel);
     if (bad >= 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "gradient for '%s' has %s at element %lld",
                                 r->name, isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
     int64_t step;
     uint64_t version;
-    int rc = store_apply_grad(&r->srv->store, r->name, g, numel, &step, &version);
+    int rc = store_apply_grad(&req_srv(r)->store, r->name, g, numel, &step, &version);
     if (rc == STORE_EMODE)
         return http_reply_error(r, MHD_HTTP_CONFLICT,
                                 "sync training aggregates whole steps: push with POST /v1/grads");

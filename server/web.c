@@ -14,9 +14,9 @@ enum MHD_Result h_web(request *r)
                              "no-cache", NULL};
     const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
     if (inm && (strstr(inm, a->etag) || strcmp(inm, "*") == 0))
-        return http_reply_parts(r, MHD_HTTP_NOT_MODIFIED, a->content_type, NULL, 0, NULL, 0,
+        return reply_blobs(r, MHD_HTTP_NOT_MODIFIED, a->content_type, NULL, 0, NULL, 0,
                                 NULL, 0, headers);
     struct http_part part = {a->data, a->len};
-    return http_reply_parts(r, MHD_HTTP_OK, a->content_type, NULL, 0, &part, 1, NULL, 0,
+    return reply_blobs(r, MHD_HTTP_OK, a->content_type, NULL, 0, &part, 1, NULL, 0,
                             headers);
 }

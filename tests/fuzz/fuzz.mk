@@ -25,10 +25,11 @@ FUZZ_CFLAGS = -O1 -g $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c11 -D_GNU_SOURC
 FUZZ_HARNESSES = fuzz_safetensors fuzz_idx fuzz_cluster fuzz_request fuzz_checkpoint
 
 FUZZ_COMMON = $(COMMON_SRC:%.c=$(FUZZ_BUILD)/%.o)
-# fuzz_request includes routes.c and vars.c to reach their static parsers
-FUZZ_SERVER = $(filter-out $(FUZZ_BUILD)/server/routes.o $(FUZZ_BUILD)/server/vars.o, \
-                $(SERVER_SRC:%.c=$(FUZZ_BUILD)/%.o)) \
-              $(WEB_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%) $(ENDPOINT_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%)
+# fuzz_request includes common/http_server.c and server/vars.c to reach their static parsers
+FUZZ_LEFT_OUT = $(FUZZ_BUILD)/server/vars.o $(FUZZ_BUILD)/common/http_server.o
+FUZZ_SERVER = $(filter-out $(FUZZ_LEFT_OUT), \
+                $(SERVER_SRC:%.c=$(FUZZ_BUILD)/%.o) \
+                $(WEB_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%) $(ENDPOINT_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%))
 
 $(FUZZ_BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -57,7 +58,7 @@ $(FUZZ_BUILD)/bin/fuzz_request: $(FUZZ_BUILD)/tests/fuzz/fuzz_request.o $(FUZZ_S
 	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) $(LDLIBS_SERVER)
 $(FUZZ_BUILD)/bin/fuzz_checkpoint: $(FUZZ_BUILD)/tests/fuzz/fuzz_checkpoint.o $(FUZZ_SERVER) \
-                                   $(FUZZ_BUILD)/server/routes.o $(FUZZ_BUILD)/server/vars.o $(FUZZ_COMMON)
+                                   $(FUZZ_LEFT_OUT) $(FUZZ_COMMON)
 	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) $(LDLIBS_SERVER)
 

@@ -1,18 +1,20 @@
 /* fuzz_request.c - what psd reads from a request before any handler runs, and
  * the header and query helpers the handlers call: the URL's %XX decoding
- * (routes_unescape), the route pattern and {name} (routes.c), variable names
+ * (http_unescape), the route pattern and {name} (the endpoint layer's
+ * pattern_of over psd's table, routes.c), variable names
  * (tensor_name_check), X-Shape (tensor_shape_parse), If-None-Match
- * (etag_matches), the bearer token (auth_check), ?format= and Accept
+ * (etag_matches), the bearer token (token_header_ok), ?format= and Accept
  * (wants_json), ?offset=/?count= (query_count), and the JSON rendering of
  * float values as it is sent (json_stream_read, in blocks of every size).
  *
- * routes.c and vars.c are included (and left out of the link) to reach their
- * static helpers without widening their interfaces. libmicrohttpd's header
+ * common/http_server.c and vars.c are included (and left out of the link) to
+ * reach their static helpers without widening their interfaces. libmicrohttpd's header
  * lookup is replaced below by one that answers from the fuzz input.
  *
  * Input: newline-separated fields: URL, X-Shape, If-None-Match,
  * Authorization, ?format=, Accept, ?count=; the rest is float32 values. */
-#include "../../server/routes.c"
+#include "../../common/http_server.c"
+#include "../../server/routes.h"
 #include "../../server/vars.c"
 
 #include "fuzz_util.h"
@@ -46,13 +48,28 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* URL: decoding never grows the string nor puts a NUL inside it. */
     size_t before = strlen(f[0]);
-    size_t after = routes_unescape(NULL, NULL, f[0]);
+    size_t after = http_unescape(NULL, NULL, f[0]);
     FUZZ_CHECK(after <= before && after == strlen(f[0]));
-    char name[TENSOR_NAME_MAX + 1];
-    int name_ok;
-    const char *pattern = pattern_of(f[0], name, sizeof(name), &name_ok);
-    FUZZ_CHECK(pattern && strlen(name) <= TENSOR_NAME_MAX);
-    if (strstr(pattern, "{name}") && name_ok && tensor_name_check(name, err, sizeof(err)) == 0) {
+    /* psd's table on a server that never starts */
+    static http_server *hs;
+    static server fake_srv;
+    if (!hs) {
+        http_server_config hc = {.name = "fuzz", .listen_fd = -1};
+        http_module m;
+        routes_module(&fake_srv, &m);
+        hs = http_server_new(&hc, err, sizeof(err));
+        FUZZ_CHECK(hs && http_server_add(hs, &m, err, sizeof(err)) == 0);
+    }
+    http_req hr;
+    memset(&hr, 0, sizeof(hr));
+    const char *pattern = pattern_of(hs, &hr, f[0]);
+    const char *name = hr.name;
+    FUZZ_CHECK(strlen(name) <= HTTP_NAME_MAX);
+    /* every path under /v1/vars/ is a variable's (a bad name is a 400, not a 404) */
+    FUZZ_CHECK(pattern || strncmp(f[0], "/v1/vars/", 9) != 0);
+    FUZZ_CHECK(!pattern || !strstr(pattern, "{name}") || hr.name_ok == (name[0] != '\0' && after - strlen(pattern) + 6 <= HTTP_NAME_MAX));
+    if (pattern && strstr(pattern, "{name}") && hr.name_ok && strlen(name) <= TENSOR_NAME_MAX &&
+        tensor_name_check(name, err, sizeof(err)) == 0) {
         /* a valid name is a whole path segment list: no "..", no empty segment */
         FUZZ_CHECK(name[0] && !strstr(name, "..") && !strstr(name, "//") && name[0] != '/');
     }
@@ -76,7 +93,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     /* Authorization: only "Bearer" in any case, one space, the exact token,
      * then nothing but spaces and tabs passes (RFC 9110 11.1 and 5.5). */
-    int ok = auth_check("s3cret-token", f[3]);
+    int ok = token_header_ok("s3cret-token", f[3]);
     size_t al = strlen(f[3]);
     int want = al >= 19 && strncasecmp(f[3], "bearer ", 7) == 0 && memcmp(f[3] + 7, "s3cret-token", 12) == 0;
     for (size_t i = 19; want && i < al; i++)

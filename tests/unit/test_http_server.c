@@ -1,0 +1,366 @@
+/* test_http_server.c - the endpoint layer (common/http_server.h) on a real
+ * daemon on 127.0.0.1:0, spoken to with libcurl: two modules on one port,
+ * each handler with its own module's context; 404, 405 with Allow, 401 with
+ * WWW-Authenticate; a body echoed byte for byte; a body refused with 413
+ * before it is read; a body into a caller's buffer, and one that ends
+ * short; the range-checked query helper; %XX in a {name}. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <curl/curl.h>
+#include <netinet/in.h>
+
+#include "http_server.h"
+
+/* ---- two modules ---- */
+
+typedef struct mod_ctx {
+    const char *who;
+    unsigned char fixed[8]; /* module B's caller buffer */
+    int fixed_hits;
+} mod_ctx;
+
+static enum MHD_Result h_who(http_req *r)
+{
+    mod_ctx *m = r->ctx;
+    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s,s:s}", "who", m->who, "name", r->name));
+}
+
+static enum MHD_Result h_echo(http_req *r)
+{
+    char *copy = malloc(r->body_len ? r->body_len : 1);
+    if (!copy)
+        return MHD_NO;
+    memcpy(copy, r->body_data, r->body_len);
+    return http_reply_text(r, MHD_HTTP_OK, "application/octet-stream", copy, r->body_len);
+}
+
+static enum MHD_Result h_int(http_req *r)
+{
+    long long v = -7;
+    int rc = http_query_int(r, "v", 1000, &v);
+    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:i,s:I}", "rc", rc, "v", (json_int_t)v));
+}
+
+static enum MHD_Result fixed_begin(http_req *r)
+{
+    mod_ctx *m = r->ctx;
+    http_body_into(r, m->fixed, sizeof(m->fixed));
+    return MHD_YES;
+}
+
+static enum MHD_Result h_fixed(http_req *r)
+{
+    mod_ctx *m = r->ctx;
+    m->fixed_hits++;
+    return http_reply_response(r, MHD_HTTP_NO_CONTENT, MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT),
+                               0);
+}
+
+static const http_route routes_a[] = {
+    {"GET", "/a", 0, 0, NULL, h_who, "who serves /a"},
+    {"GET", "/a/{name}/x", HTTP_ROUTE_AUTH, 0, NULL, h_who, "a name, behind the token"},
+    {"PUT", "/a/{name}/x", HTTP_ROUTE_AUTH | HTTP_ROUTE_BODY, 0, NULL, h_echo, "echo"},
+    {"GET", "/int", HTTP_ROUTE_OPEN, 0, NULL, h_int, "the query helper"},
+};
+static const http_route routes_b[] = {
+    {"GET", "/b/{name}", 0, 0, NULL, h_who, "who serves /b"},
+    {"POST", "/b/echo/small", HTTP_ROUTE_BODY, 16, NULL, h_echo, "echo, 16 bytes at most"},
+    {"POST", "/b/fixed", HTTP_ROUTE_BODY, HTTP_BODY_UNLIMITED, fixed_begin, h_fixed, "8 bytes, into a buffer"},
+};
+
+static mod_ctx ctx_a = {"a", {0}, 0}, ctx_b = {"b", {0}, 0};
+static http_server *srv;
+static int port;
+
+static int setup(void **state)
+{
+    (void)state;
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = 0;
+    http_server_config c = {
+        .name = "test",
+        .listen_fd = -1,
+        .bind_addr = (struct sockaddr *)&sa,
+        .threads = 1,
+        .idle_timeout_secs = 10,
+        .header_timeout_secs = 10,
+        .max_conns = 64,
+        .conn_memory = 64 * 1024,
+        .token = "s3cret",
+    };
+    char err[256];
+    srv = http_server_new(&c, err, sizeof(err));
+    assert_non_null(srv);
+    http_module a = {.name = "a", .routes = routes_a, .n_routes = 4, .ctx = &ctx_a, .max_body = 1 << 20};
+    http_module b = {.name = "b", .routes = routes_b, .n_routes = 3, .ctx = &ctx_b, .max_body = 1 << 20};
+    assert_int_equal(http_server_add(srv, &a, err, sizeof(err)), 0);
+    assert_int_equal(http_server_add(srv, &b, err, sizeof(err)), 0);
+    /* the same method and path twice: refused, naming the module */
+    assert_int_equal(http_server_add(srv, &a, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, "served by a"));
+    port = http_server_start(srv, err, sizeof(err));
+    assert_true(port > 0);
+    assert_int_equal(http_server_port(srv), port);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    http_server_free(srv);
+    return 0;
+}
+
+/* ---- a request with libcurl ---- */
+
+typedef struct reply {
+    long status;
+    char body[4096];
+    size_t len;
+    char headers[4096];
+    size_t hlen;
+} reply;
+
+static size_t on_body(char *p, size_t size, size_t n, void *cls)
+{
+    reply *r = cls;
+    size_t k = size * n;
+    if (k > sizeof(r->body) - 1 - r->len)
+        k = sizeof(r->body) - 1 - r->len;
+    memcpy(r->body + r->len, p, k);
+    r->len += k;
+    r->body[r->len] = '\0';
+    return size * n;
+}
+
+static size_t on_header(char *p, size_t size, size_t n, void *cls)
+{
+    reply *r = cls;
+    size_t k = size * n;
+    if (k > sizeof(r->headers) - 1 - r->hlen)
+        k = sizeof(r->headers) - 1 - r->hlen;
+    memcpy(r->headers + r->hlen, p, k);
+    r->hlen += k;
+    r->headers[r->hlen] = '\0';
+    return size * n;
+}
+
+/* One request; extra: a header line or NULL; body NULL: none. */
+static reply request(const char *method, const char *path, const char *extra, const void *body, size_t len)
+{
+    reply r;
+    memset(&r, 0, sizeof(r));
+    CURL *h = curl_easy_init();
+    assert_non_null(h);
+    char url[512];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d%s", port, path);
+    struct curl_slist *hd = curl_slist_append(NULL, "Expect:");
+    if (extra)
+        hd = curl_slist_append(hd, extra);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    if (strcmp(method, "HEAD") == 0)
+        curl_easy_setopt(h, CURLOPT_NOBODY, 1L);
+    else
+        curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, method);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hd);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &r);
+    curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, on_header);
+    curl_easy_setopt(h, CURLOPT_HEADERDATA, &r);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT, 10L);
+    if (body) {
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, (long)len);
+    }
+    assert_int_equal(curl_easy_perform(h), CURLE_OK);
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &r.status);
+    curl_slist_free_all(hd);
+    curl_easy_cleanup(h);
+    return r;
+}
+
+static const char *json_str(const char *text, const char *key, char *out, size_t cap)
+{
+    json_t *j = json_loads(text, 0, NULL);
+    const char *v = j ? json_string_value(json_object_get(j, key)) : NULL;
+    snprintf(out, cap, "%s", v ? v : "(none)");
+    json_decref(j);
+    return out;
+}
+
+/* ---- the tests ---- */
+
+static void test_each_module_gets_its_own_context_on_one_port(void **state)
+{
+    (void)state;
+    char v[128];
+    reply r = request("GET", "/a", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(json_str(r.body, "who", v, sizeof(v)), "a");
+    r = request("GET", "/b/some/name", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(json_str(r.body, "who", v, sizeof(v)), "b");
+    assert_string_equal(json_str(r.body, "name", v, sizeof(v)), "some/name");
+    /* HEAD on a GET route: the status, no body */
+    r = request("HEAD", "/a", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+}
+
+static void test_unknown_path_is_404_and_wrong_method_405_with_allow(void **state)
+{
+    (void)state;
+    char v[256];
+    reply r = request("GET", "/nothing", NULL, NULL, 0);
+    assert_int_equal(r.status, 404);
+    assert_non_null(strstr(json_str(r.body, "error", v, sizeof(v)), "no such path '/nothing'"));
+    r = request("DELETE", "/a/w/x", "Authorization: Bearer s3cret", NULL, 0);
+    assert_int_equal(r.status, 405);
+    assert_non_null(strstr(r.headers, "Allow: GET, HEAD, PUT"));
+    assert_non_null(strstr(json_str(r.body, "error", v, sizeof(v)), "method DELETE not allowed on /a/{name}/x"));
+}
+
+static void test_the_token_guards_auth_routes_only(void **state)
+{
+    (void)state;
+    reply r = request("GET", "/a/w/x", NULL, NULL, 0);
+    assert_int_equal(r.status, 401);
+    assert_non_null(strstr(r.headers, "WWW-Authenticate: Bearer"));
+    r = request("GET", "/a/w/x", "Authorization: Bearer wrong", NULL, 0);
+    assert_int_equal(r.status, 401);
+    r = request("GET", "/a/w/x", "Authorization: bearer s3cret", NULL, 0);
+    assert_int_equal(r.status, 200);
+    r = request("GET", "/a", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+}
+
+static void test_a_body_comes_in_whole_and_a_too_large_one_is_refused_first(void **state)
+{
+    (void)state;
+    /* 300 KiB of bytes from a fixed LCG: past the first 64 KiB buffer, so it grows */
+    size_t n = 300 * 1024;
+    unsigned char *b = malloc(n);
+    assert_non_null(b);
+    uint32_t x = 12345;
+    for (size_t i = 0; i < n; i++) {
+        x = x * 1103515245u + 12345u;
+        b[i] = (unsigned char)(x >> 24);
+    }
+    CURL *h = curl_easy_init();
+    char url[128];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d/a/w/x", port);
+    struct curl_slist *hd = curl_slist_append(NULL, "Authorization: Bearer s3cret");
+    hd = curl_slist_append(hd, "Expect:");
+    unsigned char *got = malloc(n + 1); /* fmemopen keeps the last byte for a NUL */
+    assert_non_null(got);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, "PUT");
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hd);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, b);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, (long)n);
+    FILE *mem = fmemopen(got, n + 1, "w");
+    assert_non_null(mem);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, mem);
+    assert_int_equal(curl_easy_perform(h), CURLE_OK);
+    long st;
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &st);
+    fflush(mem);
+    size_t got_len = (size_t)ftell(mem);
+    fclose(mem);
+    assert_int_equal(st, 200);
+    assert_int_equal(got_len, n);
+    assert_memory_equal(got, b, n);
+    curl_slist_free_all(hd);
+    curl_easy_cleanup(h);
+    free(got);
+
+    char v[256];
+    reply r = request("POST", "/b/echo/small", NULL, b, 17);
+    assert_int_equal(r.status, 413);
+    assert_non_null(strstr(json_str(r.body, "error", v, sizeof(v)), "body of 17 bytes is over the limit of 16"));
+    r = request("POST", "/b/echo/small", NULL, b, 16);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.len, 16);
+    assert_memory_equal(r.body, b, 16);
+    free(b);
+}
+
+static void test_a_body_into_a_callers_buffer_must_be_whole(void **state)
+{
+    (void)state;
+    const char eight[] = "12345678";
+    reply r = request("POST", "/b/fixed", NULL, eight, 8);
+    assert_int_equal(r.status, 204);
+    assert_memory_equal(ctx_b.fixed, eight, 8);
+    assert_int_equal(ctx_b.fixed_hits, 1);
+    char v[256];
+    r = request("POST", "/b/fixed", NULL, "abc", 3);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(json_str(r.body, "error", v, sizeof(v)), "the body ended after 3 of 8 bytes"));
+    r = request("POST", "/b/fixed", NULL, "123456789", 9);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(json_str(r.body, "error", v, sizeof(v)), "longer than the 8 bytes"));
+    assert_int_equal(ctx_b.fixed_hits, 1);
+}
+
+static void test_query_int_is_digits_only_and_range_checked(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *q;
+        int rc;
+        long long v;
+    } cases[] = {{"", 0, -7},          {"?v=0", 1, 0},     {"?v=1000", 1, 1000}, {"?v=1001", -1, -7},
+                 {"?v=-1", -1, -7},    {"?v=+1", -1, -7},  {"?v=1x", -1, -7},    {"?v=", -1, -7},
+                 {"?v=99999999999999999999", -1, -7}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char path[64];
+        snprintf(path, sizeof(path), "/int%s", cases[i].q);
+        reply r = request("GET", path, NULL, NULL, 0);
+        assert_int_equal(r.status, 200);
+        json_t *j = json_loads(r.body, 0, NULL);
+        assert_non_null(j);
+        assert_int_equal(json_integer_value(json_object_get(j, "rc")), cases[i].rc);
+        assert_int_equal(json_integer_value(json_object_get(j, "v")), cases[i].v);
+        json_decref(j);
+    }
+}
+
+static void test_escapes_decode_in_a_name_but_percent_00_stays(void **state)
+{
+    (void)state;
+    char v[128];
+    reply r = request("GET", "/b/a%2Fb%41", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(json_str(r.body, "name", v, sizeof(v)), "a/bA");
+    r = request("GET", "/b/w%00zz", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(json_str(r.body, "name", v, sizeof(v)), "w%00zz");
+}
+
+int main(void)
+{
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_each_module_gets_its_own_context_on_one_port),
+        cmocka_unit_test(test_unknown_path_is_404_and_wrong_method_405_with_allow),
+        cmocka_unit_test(test_the_token_guards_auth_routes_only),
+        cmocka_unit_test(test_a_body_comes_in_whole_and_a_too_large_one_is_refused_first),
+        cmocka_unit_test(test_a_body_into_a_callers_buffer_must_be_whole),
+        cmocka_unit_test(test_query_int_is_digits_only_and_range_checked),
+        cmocka_unit_test(test_escapes_decode_in_a_name_but_percent_00_stays),
+    };
+    int rc = cmocka_run_group_tests(tests, setup, teardown);
+    curl_global_cleanup();
+    return rc;
+}
