@@ -28,14 +28,19 @@
  * measured with the cnn at batch 100 (one OpenBLAS Zen thread), conv 1's three
  * products ran at 17-19 GFLOP/s in chunks of 26 examples (16 MiB) and 22-26 in
  * chunks of one (627 KB): a chunk this size stays in L2/L3 between im2col, the
- * packing and the kernel. */
+ * packing and the kernel. (-DCOL_BUDGET=N builds with another, to measure.) */
+#ifndef COL_BUDGET
 #define COL_BUDGET ((size_t)1 << 18)
+#endif
 
 typedef struct model_cpu {
     model base; /* first: a model_cpu * is a model * */
-    /* act[l]: layer l's output [max_batch, out_numel] (a flatten's is its
-     * input's, set by the forward). in[l]: layer l's input in the last forward. */
+    /* act[l]: layer l's output [max_batch, out_numel] in the last forward: own[l]
+     * (the layer's block), or its input's for a flatten and for a ReLU whose
+     * conv below computed it in place. in[l]: layer l's input in the last
+     * forward. */
     float *act[MODEL_MAX_LAYERS];
+    float *own[MODEL_MAX_LAYERS];
     const float *in[MODEL_MAX_LAYERS];
     uint8_t *keep[MODEL_MAX_LAYERS];   /* dropout: 1 kept, 0 dropped [max_batch, numel] */
     int dropout_on[MODEL_MAX_LAYERS];  /* the last forward applied the mask */
@@ -79,6 +84,24 @@ static void bias_add(float *restrict z, const float *restrict b, size_t B, int N
     }
 }
 
+/* z[B, N] = max(z + b, 0): bias_add and the ReLU after it in one pass (the same floats) */
+static void bias_relu(float *restrict z, const float *restrict b, size_t B, int N)
+{
+    for (size_t i = 0; i < B; i++) {
+        float *restrict zi = z + i * (size_t)N;
+        int j = 0;
+        for (; j + VEC <= N; j += VEC)
+            for (int k = 0; k < VEC; k++) {
+                float v = zi[j + k] + b[j + k];
+                zi[j + k] = v > 0.0f ? v : 0.0f;
+            }
+        for (; j < N; j++) {
+            float v = zi[j] + b[j];
+            zi[j] = v > 0.0f ? v : 0.0f;
+        }
+    }
+}
+
 /* db[N] = column sums of d[B, N] (rows in order, from 0). */
 static void col_sums(float *restrict db, const float *restrict d, size_t B, int N)
 {
@@ -113,66 +136,86 @@ static void dense_backward(float *din, float *dW, float *db, const float *dout, 
                     K);
 }
 
-static void relu_forward(float *restrict out, const float *restrict in, size_t n);
+/* The taps kx0..kx1-1 of a window row whose left edge is at input column x0
+ * (the others over the padding): kx0 = max(-x0, 0), kx1 = min(W - x0, KW). */
+static inline void window_cols(int x0, int W, int KW, int *kx0, int *kx1)
+{
+    *kx0 = x0 < 0 ? -x0 : 0;
+    *kx1 = W - x0 < KW ? W - x0 : KW;
+    if (*kx1 < *kx0)
+        *kx1 = *kx0;
+}
 
 /* col[nb * OH * OW, KH * KW * C] from in[nb, H, W, C]: row (e, oy, ox), column
- * (ky, kx, c), zero where the window is over the padding. */
+ * (ky, kx, c), zero where the window is over the padding. The taps of one
+ * window row that are inside the input are one run of memory (NHWC), copied
+ * at once. */
 static void im2col(float *restrict col, const float *restrict in, int nb, const model_layer *l)
 {
     const int H = l->in.h, W = l->in.w, C = l->in.c, OH = l->out.h, OW = l->out.w;
     const int KH = l->kh, KW = l->kw, S = l->stride;
-    const size_t rowlen = (size_t)KH * KW * C;
+    const size_t rowlen = (size_t)KH * KW * C, wrow = (size_t)KW * C;
     float *restrict r = col;
     for (int e = 0; e < nb; e++) {
         const float *ie = in + (size_t)e * l->in_numel;
         for (int oy = 0; oy < OH; oy++)
             for (int ox = 0; ox < OW; ox++, r += rowlen) {
+                const int x0 = ox * S - l->pad_left;
+                int kx0, kx1;
+                window_cols(x0, W, KW, &kx0, &kx1);
                 float *restrict q = r;
-                for (int ky = 0; ky < KH; ky++) {
+                for (int ky = 0; ky < KH; ky++, q += wrow) {
                     int iy = oy * S - l->pad_top + ky;
                     if (iy < 0 || iy >= H) {
-                        memset(q, 0, (size_t)KW * C * sizeof(float));
-                        q += (size_t)KW * C;
+                        memset(q, 0, wrow * sizeof(float));
                         continue;
                     }
-                    for (int kx = 0; kx < KW; kx++, q += C) {
-                        int ix = ox * S - l->pad_left + kx;
-                        if (ix < 0 || ix >= W)
-                            memset(q, 0, (size_t)C * sizeof(float));
-                        else
-                            memcpy(q, ie + ((size_t)iy * W + ix) * C, (size_t)C * sizeof(float));
-                    }
+                    if (kx0 > 0)
+                        memset(q, 0, (size_t)kx0 * C * sizeof(float));
+                    if (kx1 > kx0)
+                        memcpy(q + (size_t)kx0 * C, ie + ((size_t)iy * W + x0 + kx0) * C,
+                               (size_t)(kx1 - kx0) * C * sizeof(float));
+                    if (kx1 < KW)
+                        memset(q + (size_t)kx1 * C, 0, (size_t)(KW - kx1) * C * sizeof(float));
                 }
             }
     }
 }
 
-/* The adjoint of im2col: din[nb, H, W, C] += col's entries at their inputs. */
+/* p[n] += q[n] */
+static void add_to(float *restrict p, const float *restrict q, size_t n)
+{
+    size_t j = 0;
+    for (; j + VEC <= n; j += VEC)
+        for (int k = 0; k < VEC; k++)
+            p[j + k] += q[j + k];
+    for (; j < n; j++)
+        p[j] += q[j];
+}
+
+/* The adjoint of im2col: din[nb, H, W, C] += col's entries at their inputs
+ * (each window row's inside taps as one run, the same sums in the same order
+ * as one tap at a time). */
 static void col2im(float *restrict din, const float *restrict col, int nb, const model_layer *l)
 {
     const int H = l->in.h, W = l->in.w, C = l->in.c, OH = l->out.h, OW = l->out.w;
     const int KH = l->kh, KW = l->kw, S = l->stride;
-    const size_t rowlen = (size_t)KH * KW * C;
+    const size_t rowlen = (size_t)KH * KW * C, wrow = (size_t)KW * C;
     const float *restrict r = col;
     for (int e = 0; e < nb; e++) {
         float *de = din + (size_t)e * l->in_numel;
         for (int oy = 0; oy < OH; oy++)
             for (int ox = 0; ox < OW; ox++, r += rowlen) {
+                const int x0 = ox * S - l->pad_left;
+                int kx0, kx1;
+                window_cols(x0, W, KW, &kx0, &kx1);
                 const float *restrict q = r;
-                for (int ky = 0; ky < KH; ky++) {
+                for (int ky = 0; ky < KH; ky++, q += wrow) {
                     int iy = oy * S - l->pad_top + ky;
-                    if (iy < 0 || iy >= H) {
-                        q += (size_t)KW * C;
+                    if (iy < 0 || iy >= H || kx1 <= kx0)
                         continue;
-                    }
-                    for (int kx = 0; kx < KW; kx++, q += C) {
-                        int ix = ox * S - l->pad_left + kx;
-                        if (ix < 0 || ix >= W)
-                            continue;
-                        float *restrict p = de + ((size_t)iy * W + ix) * C;
-                        for (int c = 0; c < C; c++)
-                            p[c] += q[c];
-                    }
+                    add_to(de + ((size_t)iy * W + x0 + kx0) * C, q + (size_t)kx0 * C,
+                           (size_t)(kx1 - kx0) * C);
                 }
             }
     }
@@ -188,10 +231,11 @@ static int conv_chunk(const model_layer *l, int B)
     return nb > (size_t)B ? B : (int)nb;
 }
 
-/* out[B, OH, OW, Cout] = conv(in[B, H, W, Cin], W[KH, KW, Cin, Cout]) + b, and
- * relu_out (NULL: none) = max(out, 0), the ReLU that follows, computed chunk by
- * chunk while the chunk is in the cache (the same floats as relu_forward's). */
-static void conv_forward(float *out, float *relu_out, float *col, const float *in, const float *W,
+/* out[B, OH, OW, Cout] = conv(in[B, H, W, Cin], W[KH, KW, Cin, Cout]) + b, or
+ * with relu != 0 max(that, 0), the ReLU that follows, applied with the bias
+ * chunk by chunk while the chunk is in the cache (the same floats as
+ * relu_forward on the convolution's output, which is not kept). */
+static void conv_forward(float *out, int relu, float *col, const float *in, const float *W,
                          const float *b, int B, const model_layer *l)
 {
     const int K = l->kh * l->kw * l->in.c, N = l->out.c, P = l->out.h * l->out.w;
@@ -202,9 +246,10 @@ static void conv_forward(float *out, float *relu_out, float *col, const float *i
         float *o = out + (size_t)e0 * l->out_numel;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb * P, N, K, 1.0f, col, K, W, N, 0.0f,
                     o, N);
-        bias_add(o, b, (size_t)nb * P, N);
-        if (relu_out)
-            relu_forward(relu_out + (size_t)e0 * l->out_numel, o, (size_t)nb * l->out_numel);
+        if (relu)
+            bias_relu(o, b, (size_t)nb * P, N);
+        else
+            bias_add(o, b, (size_t)nb * P, N);
     }
 }
 
@@ -230,9 +275,25 @@ static inline void v4_store(float *p, v4f v)
     memcpy(p, &v, sizeof(v));
 }
 
-/* out[p, n] = (sum over the taps in the input, row-major, of in[tap] * W[tap, n]) + b[n] */
-static void conv1_forward(float *out, float *relu_out, const float *in, const float *W,
-                          const float *b, int B, const model_layer *l)
+/* p[n] = max(p[n], 0) */
+static void relu_inplace(float *restrict p, size_t n)
+{
+    size_t j = 0;
+    for (; j + VEC <= n; j += VEC)
+        for (int k = 0; k < VEC; k++) {
+            float v = p[j + k];
+            p[j + k] = v > 0.0f ? v : 0.0f;
+        }
+    for (; j < n; j++) {
+        float v = p[j];
+        p[j] = v > 0.0f ? v : 0.0f;
+    }
+}
+
+/* out[p, n] = (sum over the taps in the input, row-major, of in[tap] * W[tap, n]) + b[n],
+ * or with relu != 0 max(that, 0), each pixel's while it is in the cache. */
+static void conv1_forward(float *out, int relu, const float *in, const float *W, const float *b,
+                          int B, const model_layer *l)
 {
     const int H = l->in.h, Wd = l->in.w, OH = l->out.h, OW = l->out.w, N = l->out.c;
     const int KH = l->kh, KW = l->kw, S = l->stride;
@@ -266,9 +327,9 @@ static void conv1_forward(float *out, float *relu_out, const float *in, const fl
                             acc += ie[(size_t)(y0 + ky) * Wd + x0 + kx] * W[(size_t)(ky * KW + kx) * N + n0];
                     o[n0] = acc + b[n0];
                 }
+                if (relu)
+                    relu_inplace(o, (size_t)N);
             }
-        if (relu_out)
-            relu_forward(relu_out + (size_t)e * l->out_numel, oe, l->out_numel);
     }
 }
 
@@ -352,8 +413,6 @@ static void conv_backward(float *din, float *dW, float *db, float *col, const fl
     const int K = l->kh * l->kw * l->in.c, N = l->out.c, P = l->out.h * l->out.w;
     const int nb_max = conv_chunk(l, B);
     col_sums(db, dout, (size_t)B * P, N);
-    if (din)
-        memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
     for (int e0 = 0; e0 < B; e0 += nb_max) {
         int nb = B - e0 < nb_max ? B - e0 : nb_max;
         const float *d = dout + (size_t)e0 * l->out_numel;
@@ -361,6 +420,7 @@ static void conv_backward(float *din, float *dW, float *db, float *col, const fl
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, N, nb * P, 1.0f, col, K, d, N,
                     e0 == 0 ? 0.0f : 1.0f, dW, N);
         if (din) {
+            memset(din + (size_t)e0 * l->in_numel, 0, (size_t)nb * l->in_numel * sizeof(float));
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb * P, K, N, 1.0f, d, N, W, N, 0.0f,
                         col, K);
             col2im(din + (size_t)e0 * l->in_numel, col, nb, l);
@@ -432,9 +492,9 @@ static void maxpool_forward(float *out, int32_t *argmax, const float *in, int B,
 static void maxpool_backward(float *din, const float *dout, const int32_t *argmax,
                              const float *relu_out, int B, const model_layer *l)
 {
-    memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
     for (int e = 0; e < B; e++) {
         float *de = din + (size_t)e * l->in_numel;
+        memset(de, 0, l->in_numel * sizeof(float)); /* an example at a time: it stays in the cache */
         const float *d = dout + (size_t)e * l->out_numel;
         const int32_t *a = argmax + (size_t)e * l->out_numel;
         if (relu_out) {
@@ -541,7 +601,7 @@ static model *cpu_create(const model_layout *layout, int max_batch, char *err, s
     for (int li = 0; li < layout->n_layers && ok; li++) {
         const model_layer *l = &layout->layers[li];
         if (l->kind != LAYER_FLATTEN) {
-            c->act[li] = block(c, B * l->out_numel * sizeof(float));
+            c->act[li] = c->own[li] = block(c, B * l->out_numel * sizeof(float));
             ok = ok && c->act[li];
             total += B * l->out_numel * sizeof(float);
         }
@@ -587,24 +647,25 @@ static const float *forward(model_cpu *c, int first, int last, const float *para
     int relu_done = 0; /* layer li is a ReLU its conv computed */
     for (int li = first; li <= last; li++) {
         const model_layer *l = &ly->layers[li];
-        float *y = c->act[li];
         c->in[li] = x;
-        if (relu_done) {
+        if (relu_done) { /* the conv below wrote this ReLU's output in its own place */
             relu_done = 0;
-            x = y;
+            c->act[li] = (float *)x;
             continue;
         }
+        if (l->kind != LAYER_FLATTEN)
+            c->act[li] = c->own[li]; /* a ReLU fused in an earlier forward pointed elsewhere */
+        float *y = c->act[li];
         switch (l->kind) {
         case LAYER_DENSE:
             dense_forward(y, x, params + ly->tensors[l->w].offset, params + ly->tensors[l->b].offset, B,
                           (int)l->in_numel, (int)l->out_numel);
             break;
         case LAYER_CONV2D: {
-            float *r = NULL; /* the ReLU that follows, in the same pass */
-            if (li < last && ly->layers[li + 1].kind == LAYER_RELU) {
-                r = c->act[li + 1];
-                relu_done = 1;
-            }
+            /* the ReLU that follows, in the same pass: y gets its output (the
+             * convolution's own is not kept: nothing reads it) */
+            const int r = li < last && ly->layers[li + 1].kind == LAYER_RELU;
+            relu_done = r;
             if (l->in.c == 1)
                 conv1_forward(y, r, x, params + ly->tensors[l->w].offset,
                               params + ly->tensors[l->b].offset, B, l);
