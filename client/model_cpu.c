@@ -406,6 +406,187 @@ static void conv1_backward(float *din, float *dW, float *db, float *acc, const f
     }
 }
 
+/* conv2d with C_in = 1 on AVX2 (x86-64 CPUs that have it, chosen at run time):
+ * the same sums as conv1_forward and conv1_backward's dW, bit for bit, twice
+ * as wide. Each example is first copied into pad [PH, PW], zero around it
+ * (conv1_pad), so that every pixel sees the whole window: a tap over the
+ * padding adds 0 * w, which leaves a sum as it is (a sum of products never is
+ * -0, so adding +-0 changes nothing), and the taps are still added in the
+ * same row-major order. Forward: two pixels at a time, four 8-float
+ * accumulators each, sharing the weight loads; dW: two taps at a time,
+ * sharing the loads of dout. Without FMA contraction (ISO C: fp-contract
+ * off), as the SSE code. */
+/* Where the padded example starts in the workspace (after conv1_backward's acc; conv1_forward_avx2 and conv1_dW_avx2's). */
+static size_t conv1_pad_offset(const model_layer *l)
+{
+    return ((size_t)l->kh * l->kw * l->out.c + 15) & ~(size_t)15;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CONV1_AVX2 1
+typedef float v8f __attribute__((vector_size(32)));
+#define C8_PARTS(X) X(0) X(1) X(2) X(3) /* the four 8-float parts of a block of C1_BLOCK */
+
+/* The padded input's sides: enough rows and columns for every window. */
+static void conv1_pad_dims(const model_layer *l, int *PH, int *PW)
+{
+    *PH = (l->out.h - 1) * l->stride + l->kh;
+    *PW = (l->out.w - 1) * l->stride + l->kw;
+    if (*PH < l->pad_top + l->in.h)
+        *PH = l->pad_top + l->in.h;
+    if (*PW < l->pad_left + l->in.w)
+        *PW = l->pad_left + l->in.w;
+}
+
+/* pad[PH, PW] = the example ie[H, W] at (pad_top, pad_left), zero elsewhere */
+static void conv1_pad(float *pad, const float *ie, int PH, int PW, const model_layer *l)
+{
+    memset(pad, 0, (size_t)PH * PW * sizeof(float));
+    for (int y = 0; y < l->in.h; y++)
+        memcpy(pad + (size_t)(y + l->pad_top) * PW + l->pad_left, ie + (size_t)y * l->in.w,
+               (size_t)l->in.w * sizeof(float));
+}
+
+__attribute__((target("avx2"))) static void conv1_forward_avx2(float *out, int relu, float *pad,
+                                                                const float *in, const float *W,
+                                                                const float *b, int B,
+                                                                const model_layer *l)
+{
+    const int OH = l->out.h, OW = l->out.w, N = l->out.c, KH = l->kh, KW = l->kw, S = l->stride;
+    int PH, PW;
+    conv1_pad_dims(l, &PH, &PW);
+    const v8f zero = {0};
+    for (int e = 0; e < B; e++) {
+        conv1_pad(pad, in + (size_t)e * l->in_numel, PH, PW, l);
+        float *oe = out + (size_t)e * l->out_numel;
+        for (int oy = 0; oy < OH; oy++)
+            for (int ox = 0; ox < OW; ox += 2) {
+                const int two = ox + 1 < OW;
+                const float *p0 = pad + (size_t)oy * S * PW + (size_t)ox * S;
+                const float *p1 = two ? p0 + S : p0; /* one pixel: computed twice, stored once */
+                float *o0 = oe + ((size_t)oy * OW + ox) * N, *o1 = o0 + N;
+                int n0 = 0;
+                for (; n0 + C1_BLOCK <= N; n0 += C1_BLOCK) {
+#define C8_ZERO(i) v8f a##i = zero, c##i = zero;
+#define C8_MAC(i)                                                                                  \
+    {                                                                                              \
+        v8f w;                                                                                     \
+        memcpy(&w, wt + 8 * (i), sizeof(w));                                                       \
+        a##i += v0 * w;                                                                            \
+        c##i += v1 * w;                                                                            \
+    }
+#define C8_STORE(o, acc, i)                                                                        \
+    {                                                                                              \
+        v8f bb, z;                                                                                 \
+        memcpy(&bb, b + n0 + 8 * (i), sizeof(bb));                                                 \
+        z = acc##i + bb;                                                                           \
+        if (relu)                                                                                  \
+            z = __builtin_ia32_maxps256(z, zero);                                                  \
+        memcpy((o) + n0 + 8 * (i), &z, sizeof(z));                                                 \
+    }
+#define C8_OUT0(i) C8_STORE(o0, a, i)
+#define C8_OUT1(i) C8_STORE(o1, c, i)
+                    C8_PARTS(C8_ZERO)
+                    for (int ky = 0; ky < KH; ky++)
+                        for (int kx = 0; kx < KW; kx++) {
+                            const float s0 = p0[(size_t)ky * PW + kx], s1 = p1[(size_t)ky * PW + kx];
+                            const v8f v0 = {s0, s0, s0, s0, s0, s0, s0, s0};
+                            const v8f v1 = {s1, s1, s1, s1, s1, s1, s1, s1};
+                            const float *wt = W + (size_t)(ky * KW + kx) * N + n0;
+                            C8_PARTS(C8_MAC)
+                        }
+                    C8_PARTS(C8_OUT0)
+                    if (two)
+                        C8_PARTS(C8_OUT1)
+                }
+                for (; n0 < N; n0++)
+                    for (int k = 0; k <= two; k++) {
+                        const float *pk = k ? p1 : p0;
+                        float acc = 0.0f;
+                        for (int ky = 0; ky < KH; ky++)
+                            for (int kx = 0; kx < KW; kx++)
+                                acc += pk[(size_t)ky * PW + kx] * W[(size_t)(ky * KW + kx) * N + n0];
+                        float z = acc + b[n0];
+                        (k ? o1 : o0)[n0] = relu && !(z > 0.0f) ? 0.0f : z;
+                    }
+            }
+    }
+}
+
+/* dW (db and din are conv1_backward's): per example, per tap, the sum over the
+ * pixels (row-major) of pad[tap's input] * dout[p, :]; acc and pad as there. */
+__attribute__((target("avx2"))) static void conv1_dW_avx2(float *dW, float *acc, float *pad,
+                                                           const float *dout, const float *in,
+                                                           int B, const model_layer *l)
+{
+    const int OH = l->out.h, OW = l->out.w, N = l->out.c, KH = l->kh, KW = l->kw, S = l->stride;
+    const int T = KH * KW;
+    const size_t nw = (size_t)T * N;
+    int PH, PW;
+    conv1_pad_dims(l, &PH, &PW);
+    const v8f zero = {0};
+    for (int e = 0; e < B; e++) {
+        conv1_pad(pad, in + (size_t)e * l->in_numel, PH, PW, l);
+        const float *de = dout + (size_t)e * l->out_numel;
+        float *g = e == 0 ? dW : acc;
+        for (int t = 0; t < T; t += 2) {
+            const int two = t + 1 < T;
+            const int t1 = two ? t + 1 : t;
+            const float *q0 = pad + (size_t)(t / KW) * PW + t % KW;
+            const float *q1 = pad + (size_t)(t1 / KW) * PW + t1 % KW;
+            float *g0 = g + (size_t)t * N, *g1 = g + (size_t)t1 * N;
+            int n0 = 0;
+            for (; n0 + C1_BLOCK <= N; n0 += C1_BLOCK) {
+#define C8_ACC(i)                                                                                  \
+    {                                                                                              \
+        v8f d;                                                                                     \
+        memcpy(&d, dp + 8 * (i), sizeof(d));                                                       \
+        a##i += v0 * d;                                                                            \
+        c##i += v1 * d;                                                                            \
+    }
+#define C8_SAVE0(i) memcpy(g0 + n0 + 8 * (i), &a##i, sizeof(a##i));
+#define C8_SAVE1(i) memcpy(g1 + n0 + 8 * (i), &c##i, sizeof(c##i));
+                C8_PARTS(C8_ZERO)
+                for (int oy = 0; oy < OH; oy++) {
+                    const float *r0 = q0 + (size_t)oy * S * PW, *r1 = q1 + (size_t)oy * S * PW;
+                    const float *drow = de + (size_t)oy * OW * N + n0;
+                    for (int ox = 0; ox < OW; ox++) {
+                        const float s0 = r0[(size_t)ox * S], s1 = r1[(size_t)ox * S];
+                        const v8f v0 = {s0, s0, s0, s0, s0, s0, s0, s0};
+                        const v8f v1 = {s1, s1, s1, s1, s1, s1, s1, s1};
+                        const float *dp = drow + (size_t)ox * N;
+                        C8_PARTS(C8_ACC)
+                    }
+                }
+                C8_PARTS(C8_SAVE0)
+                if (two)
+                    C8_PARTS(C8_SAVE1)
+            }
+            for (; n0 < N; n0++)
+                for (int k = 0; k <= two; k++) {
+                    const float *qk = k ? q1 : q0;
+                    float a = 0.0f;
+                    for (int oy = 0; oy < OH; oy++)
+                        for (int ox = 0; ox < OW; ox++)
+                            a += qk[(size_t)oy * S * PW + (size_t)ox * S] * de[((size_t)oy * OW + ox) * N + n0];
+                    (k ? g1 : g0)[n0] = a;
+                }
+        }
+        if (e > 0)
+            for (size_t j = 0; j < nw; j++)
+                dW[j] += acc[j];
+    }
+}
+
+static int conv1_avx2_ok(void)
+{
+    static int ok = -1;
+    if (ok < 0)
+        ok = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return ok;
+}
+#endif
+
 /* dW = sum over chunks col^T @ dout, db = column sums of dout, din = col2im(dout @ W^T). */
 static void conv_backward(float *din, float *dW, float *db, float *col, const float *dout,
                           const float *in, const float *W, int B, const model_layer *l)
@@ -429,17 +610,31 @@ static void conv_backward(float *din, float *dW, float *db, float *col, const fl
 }
 
 /* Where p[c] > o[c] (strictly: the first maximum stays): o[c] = p[c], a[c] =
- * base + c. Branch-free, in chunks of VEC, so that GCC vectorizes it. */
+ * base + c. Branch-free, 4 channels at a time in vector registers (GCC's
+ * vector extension: a comparison gives a mask of all ones where it holds;
+ * GCC did not vectorize the scalar form, and its branch is unpredictable). */
+typedef int32_t v4i __attribute__((vector_size(16)));
+
 static void maxpool_merge(float *restrict o, int32_t *restrict a, const float *restrict p,
                           int32_t base, int C)
 {
     int c = 0;
-    for (; c + VEC <= C; c += VEC)
-        for (int k = 0; k < VEC; k++) {
-            const int gt = p[c + k] > o[c + k];
-            o[c + k] = gt ? p[c + k] : o[c + k];
-            a[c + k] = gt ? base + c + k : a[c + k];
-        }
+    for (; c + 4 <= C; c += 4) {
+        v4i pv, ov, av;
+        memcpy(&pv, p + c, sizeof(pv));
+        memcpy(&ov, o + c, sizeof(ov));
+        memcpy(&av, a + c, sizeof(av));
+        v4f pf, of;
+        memcpy(&pf, &pv, sizeof(pf));
+        memcpy(&of, &ov, sizeof(of));
+        const v4i gt = pf > of;
+        const int32_t i0 = base + c;
+        const v4i idx = {i0, i0 + 1, i0 + 2, i0 + 3};
+        ov = (pv & gt) | (ov & ~gt);
+        av = (idx & gt) | (av & ~gt);
+        memcpy(o + c, &ov, sizeof(ov));
+        memcpy(a + c, &av, sizeof(av));
+    }
     for (; c < C; c++)
         if (p[c] > o[c]) {
             o[c] = p[c];
@@ -615,8 +810,13 @@ static model *cpu_create(const model_layout *layout, int max_batch, char *err, s
         }
         if (l->kind == LAYER_CONV2D) {
             size_t f = (size_t)conv_chunk(l, max_batch) * l->out.h * l->out.w * l->kh * l->kw * l->in.c;
-            if (l->in.c == 1) /* conv1_backward's per-example dW */
-                f = (size_t)l->kh * l->kw * l->out.c;
+            if (l->in.c == 1) { /* conv1_backward's per-example dW, then the padded example */
+                int PH = 0, PW = 0;
+#ifdef CONV1_AVX2
+                conv1_pad_dims(l, &PH, &PW);
+#endif
+                f = conv1_pad_offset(l) + (size_t)PH * PW;
+            }
             if (f > c->col_floats)
                 c->col_floats = f;
         }
@@ -666,6 +866,12 @@ static const float *forward(model_cpu *c, int first, int last, const float *para
              * convolution's own is not kept: nothing reads it) */
             const int r = li < last && ly->layers[li + 1].kind == LAYER_RELU;
             relu_done = r;
+#ifdef CONV1_AVX2
+            if (l->in.c == 1 && conv1_avx2_ok())
+                conv1_forward_avx2(y, r, c->col + conv1_pad_offset(l), x, params + ly->tensors[l->w].offset,
+                                   params + ly->tensors[l->b].offset, B, l);
+            else
+#endif
             if (l->in.c == 1)
                 conv1_forward(y, r, x, params + ly->tensors[l->w].offset,
                               params + ly->tensors[l->b].offset, B, l);
@@ -737,6 +943,13 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
                            (int)l->out_numel);
             break;
         case LAYER_CONV2D:
+#ifdef CONV1_AVX2
+            if (l->in.c == 1 && !dx && conv1_avx2_ok()) {
+                col_sums(grads + ly->tensors[l->b].offset, g, (size_t)B * l->out.h * l->out.w, l->out.c);
+                conv1_dW_avx2(grads + ly->tensors[l->w].offset, c->col, c->col + conv1_pad_offset(l), g,
+                              c->in[li], B, l);
+            } else
+#endif
             if (l->in.c == 1)
                 conv1_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset,
                                c->col, g, c->in[li], params + ly->tensors[l->w].offset, B, l);
