@@ -279,8 +279,11 @@ int train_pipeline(const train_config *c)
                 /* the micro-batch's first example: from the data, or (a stage
                  * without it) from the activations' sender */
                 int64_t ex0 = example0 + (int64_t)j * mb, theirs = ex0;
-                if (s > 0 && (e = receive(&r, &(pipe_key){step, j, PIPE_ACT}, s - 1, inbuf[q], &theirs, wait)) != 0)
+                if (s > 0 && (e = receive(&r, &(pipe_key){step, j, PIPE_ACT}, s - 1, inbuf[q], &theirs, wait)) != 0) {
+                    stopped = e == 2;
+                    failed = e != 2;
                     break;
+                }
                 if (!have_data) {
                     ex0 = theirs;
                 } else if (theirs != ex0) {
@@ -309,8 +312,11 @@ int train_pipeline(const train_config *c)
                 for (q = 0; q < P && owner[q] != j; q++) {
                 }
                 const float *d = is_last ? dlog[q] : dout;
-                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, NULL, wait)) != 0)
+                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, NULL, wait)) != 0) {
+                    stopped = e == 2;
+                    failed = e != 2;
                     break;
+                }
                 double t0 = clk_mono_secs();
                 if (model_backward_range(inst[q], first, last, params, d, mb, s > 0 ? din : NULL, grads) != 0) {
                     fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,

@@ -1,0 +1,357 @@
+"""Model parallelism (issue 21): workerd --pipeline_stages=K, the model's
+layers split over K stages that pass activations forward and their gradients
+back over HTTP.
+
+- Equivalence: a K-stage pipeline trains the model --local trains with the
+  same global batch: every exported parameter within rtol 1e-5 / atol 4e-5
+  (numpy on the two safetensors files), over a pairwise matrix of K = 2, 3,
+  M = 1, 2, 4 micro-batches, gpipe and 1f1b, sgd and Adam, on mlp:32,16 and
+  a small CNN with dropout (its mask must follow the example on every stage,
+  one without the data included); M = 1 is bit for bit --local. Two runs
+  with one seed export identical files, another seed another file.
+- A stage killed mid-run: each of the others stops within
+  --pipeline_timeout_secs (plus start-up slack), exit 1, naming the stage
+  and the message it waited for. Never a hang.
+- Bad input on a stage's activation endpoint (urllib): a wrong size, a wrong
+  step, a duplicate, a body too large, another plan, the wrong sender, no
+  token: 4xx, nothing buffered (GET /v1/pipeline says so), and the pipeline
+  then trains as if nothing happened.
+- GET /v1/pipeline: the split, the table (checked against the 1f1b rule
+  written out here), what the stage waits for and from whom.
+- Bad flag combinations: one line, exit 2.
+"""
+import gzip
+import json
+import os
+import signal
+import struct
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import BIN, SANITIZER_MARKS, binary, http
+from test_train import DATA, free_port, load_model
+
+ASAN = "asan" in BIN
+MLP = "mlp:32,16"
+CNN = "conv:3x3x4,pool:2,dense:16,dropout:0.25,dense:10"
+STEPS = 6
+pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
+                                reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """The first 7,000 training and 1,000 test images as raw IDX files (the
+    final evaluation of the full set would be most of each run's time)."""
+    d = tmp_path_factory.mktemp("fashion-small")
+    for kind, n in (("train", 7000), ("t10k", 1000)):
+        with gzip.open(os.path.join(DATA, f"{kind}-images-idx3-ubyte.gz")) as f:
+            img = f.read()
+        with gzip.open(os.path.join(DATA, f"{kind}-labels-idx1-ubyte.gz")) as f:
+            lab = f.read()
+        (d / f"{kind}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + img[16:16 + 784 * n])
+        (d / f"{kind}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + lab[8:8 + n])
+    return f"--data_dir={d}"
+
+
+class Stages:
+    """The processes of a test, killed by PID at teardown."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, argv):
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def stages():
+    s = Stages()
+    yield s
+    s.stop()
+
+
+def finish(p, timeout=120):
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise AssertionError("did not finish:\n" + out.decode()[-3000:])
+    out = out.decode()
+    for mark in SANITIZER_MARKS:
+        assert mark not in out, out[-6000:]
+    return p.returncode, out
+
+
+def common(data, model, opt, seed=3, steps=STEPS):
+    return [data, f"--model={model}", f"--optimizer={opt}", "--learning_rate=0.01", f"--train_steps={steps}",
+            "--batch_size=32", f"--seed={seed}", "--log_every=0"]
+
+
+def local(data, model, opt, path, seed=3):
+    r = subprocess.run([binary("workerd"), "--local", f"--export={path}"] + common(data, model, opt, seed),
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    return path
+
+
+def pipeline(stages, data, model, opt, k, m, sched, path, seed=3, extra=(), order=None):
+    """Start the K stages (stage 0 exports to path), wait for all; their outputs."""
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(k))
+    ps = []
+    for i in (order or range(k)):
+        argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--pipeline_stages={k}",
+                f"--micro_batches={m}", f"--pipeline_schedule={sched}", "--pipeline_timeout_secs=30"]
+        argv += common(data, model, opt, seed) + list(extra) + ([f"--export={path}"] if i == 0 else [])
+        ps.append((i, stages.start(argv)))
+    outs = {}
+    for i, p in ps:
+        rc, out = finish(p)
+        assert rc == 0, f"stage {i} exited {rc}:\n{out[-3000:]}"
+        outs[i] = out
+    return outs
+
+
+def compare(a_path, b_path):
+    a, _ = load_model(a_path)
+    b, _ = load_model(b_path)
+    assert set(a) == set(b)
+    worst = 0.0
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=4e-5, err_msg=name)
+        worst = max(worst, float(np.abs(a[name] - b[name]).max()))
+    return a, b, worst
+
+
+# (model, K, M, schedule, optimizer, extra flags): every pair of K x M x
+# schedule x optimizer values, both models, and a middle stage that has
+# the dropout but not the data
+MATRIX = [
+    (MLP, 2, 1, "gpipe", "sgd", ()),
+    (MLP, 2, 2, "1f1b", "adam", ()),
+    (MLP, 3, 4, "1f1b", "sgd", ()),
+    (MLP, 3, 2, "gpipe", "adam", ()),
+    (CNN, 2, 4, "gpipe", "adam", ()),
+    (CNN, 3, 1, "1f1b", "adam", ()),
+    (CNN, 3, 4, "gpipe", "sgd", ()),
+    (CNN, 3, 2, "1f1b", "sgd", ("--stage_layers=0-4,5-6,7-7",)),
+]
+
+
+@pytest.mark.parametrize("model,k,m,sched,opt,extra", MATRIX,
+                         ids=[f"{'mlp' if c[0] == MLP else 'cnn'}-K{c[1]}-M{c[2]}-{c[3]}-{c[4]}{'-split' if c[5] else ''}"
+                              for c in MATRIX])
+def test_a_pipeline_trains_what_local_trains(stages, tmp_path, small_data, model, k, m, sched, opt, extra):
+    ref = local(small_data, model, opt, str(tmp_path / "local.safetensors"))
+    got = str(tmp_path / "pipe.safetensors")
+    outs = pipeline(stages, small_data, model, opt, k, m, sched, got, extra=extra)
+    a, b, worst = compare(ref, got)
+    print(f"{model} K={k} M={m} {sched} {opt}: max abs diff against --local {worst:.2e}")
+    if m == 1:  # the same floats: the ranges compose to the whole step
+        assert open(ref, "rb").read() == open(got, "rb").read()
+    _, meta = load_model(got)
+    assert meta["global_step"] == str(STEPS) and meta["model"] == load_model(ref)[1]["model"]
+    # the biases moved: the comparison is not of two initializations
+    assert max(float(np.abs(a[n]).max()) for n in a if n.endswith("_b")) > 1e-4
+    assert "training done at global step" in outs[0]
+    for i in range(k):
+        assert f"pipeline stage {i} of {k}" in outs[i]
+
+
+def test_one_seed_one_file_another_seed_another(stages, tmp_path, small_data):
+    files = []
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        path = str(tmp_path / f"{name}.safetensors")
+        pipeline(stages, small_data, CNN, "adam", 3, 4, "1f1b", path, seed=seed, order=[2, 1, 0])
+        files.append(open(path, "rb").read())
+    assert files[0] == files[1]
+    assert files[0] != files[2]
+
+
+def wait_for_line(p, text, timeout=30):
+    """Read p's output until a line has text; the lines read."""
+    seen = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = p.stdout.readline().decode()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"no line with {text!r}:\n{''.join(seen)[-3000:]}")
+
+
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_a_dead_stage_stops_the_others_within_the_timeout(tmp_path, small_data, victim):
+    k, tmo = 3, 2
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(k))
+    ps, logs = [], []
+    try:
+        for i in range(k):
+            argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--pipeline_stages={k}",
+                    "--micro_batches=2", f"--pipeline_timeout_secs={tmo}"]
+            argv += common(small_data, MLP, "sgd", steps=10 ** 9) + ["--log_every=100"]
+            logs.append(tmp_path / f"stage{i}.log")
+            with open(logs[-1], "wb") as f:  # a file: a pipe nobody reads would stop the stage
+                ps.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while b"step 300 loss" not in logs[k - 1].read_bytes():  # every stage is running
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), \
+                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
+            time.sleep(0.05)
+        os.kill(ps[victim].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for i, p in enumerate(ps):
+            try:
+                rc = p.wait(timeout=3 * tmo + 30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"stage {i} did not stop after stage {victim} was killed (a hang):\n"
+                                     + logs[i].read_text(errors="replace")[-2000:])
+            if i == victim:
+                continue
+            took = time.monotonic() - t0
+            out = logs[i].read_text(errors="replace")
+            for mark in SANITIZER_MARKS:
+                assert mark not in out, out[-6000:]
+            # the neighbour waits tmo for it; a stage further off then waits tmo for the neighbour
+            assert took < 3 * tmo + 10, took
+            assert rc == 1, out[-2000:]
+            line = [ln for ln in out.splitlines() if "stopping" in ln][-1]
+            assert " of step " in line and "stage" in line, line
+            if abs(i - victim) == 1:
+                assert f"stage {victim}" in line, line
+            print(f"stage {victim} killed: stage {i} exited {rc} after {took:.1f} s: {line}")
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def waiting_for(port, timeout=10):
+    """GET /v1/pipeline until the stage says what it waits for; that state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = json.loads(http("GET", f"http://127.0.0.1:{port}/v1/pipeline")[2])
+        if state["waiting_for"] or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def crc32c(data):
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def post(port, query, body, token=None):
+    headers = {"Content-Type": "application/octet-stream"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return http("POST", f"http://127.0.0.1:{port}/v1/pipeline/msg?{query}", body=body, headers=headers)
+
+
+def test_bad_messages_are_refused_with_nothing_buffered_and_the_pipeline_unharmed(stages, tmp_path, small_data):
+    token = "pipeline-test-token"
+    tf = tmp_path / "token"
+    tf.write_text(token + "\n")
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    m, batch = 2, 32
+    flags = [f"--worker_hosts={hosts}", "--pipeline_stages=2", f"--micro_batches={m}", "--pipeline_schedule=1f1b",
+             "--pipeline_timeout_secs=60", f"--auth_token_file={tf}"] + common(small_data, MLP, "sgd")
+    s1 = stages.start([binary("workerd"), "--task_index=1"] + flags)
+    wait_for_line(s1, "pipeline stage 1 of 2")
+    st, _, body = http("GET", f"http://127.0.0.1:{ports[1]}/v1/pipeline")
+    assert st == 200
+    info = json.loads(body)
+    assert info["stage"] == 1 and info["stages"] == 2 and info["schedule"] == "1f1b"
+    assert info["stage_layers"] == "0-1,2-5" and info["split"][1]["layers"] == [2, 5]
+    # 1f1b written out: stage s warms up with min(K-1-s, M) forwards
+    for s, row in enumerate(info["table"]):
+        warm = min(2 - 1 - s, m)
+        ops = row.split()
+        assert ops[:warm] == [f"F{j}" for j in range(warm)]
+        assert sorted(ops) == sorted([f"F{j}" for j in range(m)] + [f"B{j}" for j in range(m)])
+    # it waits for stage 0's first activations
+    w = waiting_for(ports[1])["waiting_for"]
+    assert w == {"dir": "act", "step": 0, "micro_batch": 0, "from_stage": 0, "from": f"127.0.0.1:{ports[0]}"}, w
+    plan = crc32c(info["plan"].encode())
+    n = batch // m * 32  # floats: micro-batch x the 32 units of the first dense's output
+    good = np.arange(n, dtype="<f4").tobytes()
+    q = f"mb=0&dir=act&from=0&plan={plan}&example0=0"
+    assert post(ports[1], f"step=0&{q}", good)[0] == 401                    # no token
+    assert post(ports[1], f"step=0&{q}", good, token + "x")[0] == 401       # a wrong one
+    assert post(ports[1], f"step=0&{q}", good[:-4], token)[0] == 400        # one float short
+    assert post(ports[1], f"step=0&{q}", good + b"\0" * 4, token)[0] == 413  # one float over
+    assert post(ports[1], f"step=7&{q}", good, token)[0] == 409             # not its step
+    assert post(ports[1], f"step=0&mb=2&dir=act&from=0&plan={plan}&example0=0", good, token)[0] == 400
+    assert post(ports[1], f"step=0&mb=0&dir=act&from=0&plan={plan ^ 1}&example0=0", good, token)[0] == 409
+    assert post(ports[1], f"step=0&mb=0&dir=grad&from=0&plan={plan}", good, token)[0] == 409  # not from stage 0
+    assert post(ports[1], f"step=0&mb=0&dir=act&from=0&plan={plan}", good, token)[0] == 400  # no example0
+    assert post(ports[1], f"step=0&mb=0&dir=oops&from=0&plan={plan}", good, token)[0] == 400
+    st, _, body = http("GET", f"http://127.0.0.1:{ports[1]}/v1/pipeline")
+    assert json.loads(body)["buffered"] == 0
+    # a duplicate: stage 0's own message, sent again, after the real one (on stage 0's side: step 0, mb 0 taken)
+    path = str(tmp_path / "pipe.safetensors")
+    s0 = stages.start([binary("workerd"), "--task_index=0", f"--export={path}"] + flags)
+    rc0, out0 = finish(s0)
+    rc1, out1 = finish(s1)
+    assert rc0 == 0 and rc1 == 0, out0[-2000:] + out1[-2000:]
+    ref = local(small_data, MLP, "sgd", str(tmp_path / "local.safetensors"))
+    compare(ref, path)
+
+
+def test_a_duplicate_message_is_409_and_leaves_the_first(stages, tmp_path, small_data):
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    flags = [f"--worker_hosts={hosts}", "--pipeline_stages=2", "--micro_batches=1", "--pipeline_timeout_secs=60"]
+    s1 = stages.start([binary("workerd"), "--task_index=1"] + flags + common(small_data, MLP, "sgd"))
+    wait_for_line(s1, "pipeline stage 1 of 2")
+    url = f"http://127.0.0.1:{ports[1]}/v1/pipeline"
+    plan = crc32c(json.loads(http("GET", url)[2])["plan"].encode())
+    # step 1 arrives early (the stage waits for step 0): buffered, not taken
+    q = f"step=1&mb=0&dir=act&from=0&plan={plan}&example0=32"
+    first, second = np.ones(32 * 32, "<f4").tobytes(), np.zeros(32 * 32, "<f4").tobytes()
+    assert post(ports[1], q, first)[0] == 204
+    st, _, err = post(ports[1], q, second)
+    assert st == 409 and b"duplicate" in err, err
+    state = waiting_for(ports[1])
+    assert state["buffered"] == 1
+    assert state["waiting_for"]["step"] == 0 and state["current_step"] == 0, state
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--pipeline_stages=1"], "--pipeline_stages must be 2 to 8"),
+    (["--pipeline_stages=2", "--local"], "not for --local"),
+    (["--micro_batches=2"], "need --pipeline_stages"),
+    (["--pipeline_stages=2", "--micro_batches=3"], "divide --batch_size"),
+    (["--pipeline_stages=2", "--pipeline_schedule=pipedream"], "gpipe or 1f1b"),
+    (["--pipeline_stages=7", f"--model={MLP}"], "has 6 layers"),
+    (["--pipeline_stages=2", f"--model={MLP}", "--stage_layers=0-1,3-5"], "'3-5' starts at layer 3, not 2"),
+    (["--pipeline_stages=2", "--worker_hosts=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"], "not whole pipelines"),
+    (["--pipeline_stages=2", "--allreduce=ring"], "--allreduce=ring"),
+])
+def test_bad_pipeline_flags_exit_2_with_one_line(small_data, args, says):
+    r = subprocess.run([binary("workerd"), small_data] + args, capture_output=True, timeout=30)
+    err = r.stderr.decode()
+    assert r.returncode == 2, err
+    assert says in err, err
+    assert len([ln for ln in err.splitlines() if ln.startswith("workerd:")]) == 1, err
