@@ -7,6 +7,7 @@
 #include <curl/curl.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,9 @@ struct pipe_link {
     char *plan_text, *token, *name;
     char peer[PIPE_MAX_STAGES][CLUSTER_HOST_MAX + 16];
     char url[PIPE_MAX_STAGES][CLUSTER_HOST_MAX + 32];
+    int replicas, replica;
+    char rpeer[PIPE_MAX_REPLICAS][CLUSTER_HOST_MAX + 16];
+    char rurl[PIPE_MAX_REPLICAS][CLUSTER_HOST_MAX + 32];
     int (*abort)(void);
     size_t max_msg_bytes;
     CURL *curl;
@@ -40,6 +44,7 @@ struct pipe_link {
     json_t *info;
     uint64_t bytes_sent;
     double send_secs;
+    atomic_int active; /* messages being received: the stage waits for their answers before it stops */
 };
 
 /* ---- the endpoint ---- */
@@ -48,6 +53,7 @@ typedef struct msg_req {
     pipe_key key;
     size_t floats;
     int64_t example0; /* activations: the micro-batch's first example (dropout's mask) */
+    int counted;      /* in l->active */
 } msg_req;
 
 static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size_t cap)
@@ -64,7 +70,7 @@ static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size
         }
     pipe_dir d;
     if (pipe_dir_from_wire(dir, &d) != 0) {
-        snprintf(msg, cap, "query argument 'dir' must be act, grad or params");
+        snprintf(msg, cap, "query argument 'dir' must be act, grad, params or reduce");
         return 400;
     }
     if ((uint32_t)plan != l->plan_id) {
@@ -73,7 +79,12 @@ static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size
         return 409;
     }
     int want_from = d == PIPE_ACT ? l->stage - 1 : d == PIPE_GRAD ? l->stage + 1 : (int)mb;
-    if (from != want_from || from < 0 || from >= l->stages) {
+    if (d == PIPE_REDUCE && (from != mb || from == l->replica || from >= l->replicas)) {
+        snprintf(msg, cap, "gradient sums from replica %lld (mb=%lld): this is stage %d of replica %d of %d",
+                 from, mb, l->stage, l->replica, l->replicas);
+        return 409;
+    }
+    if (d != PIPE_REDUCE && (from != want_from || from < 0 || from >= l->stages)) {
         snprintf(msg, cap, "%s from stage %lld: stage %d takes them from %s", pipe_dir_name(d), from, l->stage,
                  d == PIPE_ACT   ? (l->stage > 0 ? "the stage before it" : "no one (it reads the data)")
                  : d == PIPE_GRAD ? (l->stage < l->stages - 1 ? "the stage after it" : "no one (it computes the loss)")
@@ -105,6 +116,8 @@ static enum MHD_Result msg_before_body(http_req *r)
     pipe_link *l = r->ctx;
     msg_req *q = r->ext;
     char msg[ENDPOINT_ERROR_MAX];
+    q->counted = 1;
+    atomic_fetch_add(&l->active, 1);
     unsigned bad = parse_msg(l, r, q, msg, sizeof(msg));
     if (bad == 413 || bad == 411)
         return http_reply_error(r, bad, "%s", msg); /* before a byte of the body is read */
@@ -165,6 +178,15 @@ static enum MHD_Result health_handle(http_req *r)
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
 }
 
+static void msg_done(http_req *r, int completed_ok)
+{
+    pipe_link *l = r->ctx;
+    msg_req *q = r->ext;
+    (void)completed_ok;
+    if (q && q->counted)
+        atomic_fetch_sub(&l->active, 1);
+}
+
 static const http_route link_routes[] = {
     {"POST", "/v1/pipeline/msg", HTTP_ROUTE_AUTH | HTTP_ROUTE_BODY, 0, msg_before_body, msg_handle,
      "one message from a neighbouring stage (raw float32)"},
@@ -191,17 +213,19 @@ static void sleep_ms(long ms)
     nanosleep(&t, NULL);
 }
 
-int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
-                   int64_t example0, double deadline, char *err, size_t errlen)
+static int send_msg(pipe_link *l, const char *base, const char *who, const pipe_key *k, int from,
+                    const float *data, size_t floats, int64_t example0, double deadline, char *err, size_t errlen)
 {
     char url[CLUSTER_HOST_MAX + 240];
-    int at = snprintf(url, sizeof(url), "%s/v1/pipeline/msg?step=%lld&mb=%d&dir=%s&from=%d&plan=%u", l->url[to],
-                      (long long)k->step, k->mb, pipe_dir_wire(k->dir), l->stage, (unsigned)l->plan_id);
+    int at = snprintf(url, sizeof(url), "%s/v1/pipeline/msg?step=%lld&mb=%d&dir=%s&from=%d&plan=%u", base,
+                      (long long)k->step, k->mb, pipe_dir_wire(k->dir), from, (unsigned)l->plan_id);
     if (k->dir == PIPE_ACT && at > 0 && (size_t)at < sizeof(url))
         snprintf(url + at, sizeof(url) - (size_t)at, "&example0=%lld", (long long)example0);
     double t0 = clk_mono_secs();
     CURL *h = l->curl;
+    int tries = 0;
     for (;;) {
+        tries++;
         if (l->abort && l->abort())
             return -2;
         double left = deadline - clk_mono_secs();
@@ -224,17 +248,39 @@ int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, s
         if (cc == CURLE_OK && status != 503) {
             json_t *j = json_loads(l->resp, 0, NULL);
             const char *e = j ? json_string_value(json_object_get(j, "error")) : NULL;
-            snprintf(err, errlen, "stage %d (%s) answered %ld: %s", to, l->peer[to], status, e ? e : l->resp);
+            if (status == 409 && tries > 1 && e && strstr(e, "(a duplicate)")) {
+                /* an earlier try arrived, its answer did not */
+                json_decref(j);
+                l->bytes_sent += floats * 4;
+                l->send_secs += clk_mono_secs() - t0;
+                return 0;
+            }
+            snprintf(err, errlen, "%s answered %ld: %s", who, status, e ? e : l->resp);
             json_decref(j);
             return -1;
         }
         if (clk_mono_secs() >= deadline) {
-            snprintf(err, errlen, "stage %d (%s) did not take it: %s", to, l->peer[to],
-                     cc != CURLE_OK ? curl_easy_strerror(cc) : "503");
+            snprintf(err, errlen, "%s did not take it: %s", who, cc != CURLE_OK ? curl_easy_strerror(cc) : "503");
             return -1;
         }
         sleep_ms(LINK_TRY_MS);
     }
+}
+
+int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
+                   int64_t example0, double deadline, char *err, size_t errlen)
+{
+    char who[CLUSTER_HOST_MAX + 40];
+    snprintf(who, sizeof(who), "stage %d (%s)", to, l->peer[to]);
+    return send_msg(l, l->url[to], who, k, l->stage, data, floats, example0, deadline, err, errlen);
+}
+
+int pipe_link_send_replica(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
+                           double deadline, char *err, size_t errlen)
+{
+    char who[CLUSTER_HOST_MAX + 60];
+    snprintf(who, sizeof(who), "stage %d of replica %d (%s)", l->stage, to, l->rpeer[to]);
+    return send_msg(l, l->rurl[to], who, k, l->replica, data, floats, 0, deadline, err, errlen);
 }
 
 /* ---- set-up ---- */
@@ -261,7 +307,17 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
         const cluster_addr *a = &o->peers[s];
         const char *fmt = strchr(a->host, ':') ? "[%s]:%d" : "%s:%d";
         snprintf(l->peer[s], sizeof(l->peer[s]), fmt, a->host, a->port);
-        snprintf(l->url[s], sizeof(l->url[s]), "http://%s", l->peer[s]);
+        snprintf(l->url[s], sizeof(l->url[s]), strchr(a->host, ':') ? "http://[%s]:%d" : "http://%s:%d", a->host,
+                 a->port);
+    }
+    l->replicas = o->replicas > 0 ? o->replicas : 1;
+    l->replica = o->replica;
+    for (int r = 0; r < l->replicas && o->replica_peers; r++) {
+        const cluster_addr *a = &o->replica_peers[r];
+        const char *fmt = strchr(a->host, ':') ? "[%s]:%d" : "%s:%d";
+        snprintf(l->rpeer[r], sizeof(l->rpeer[r]), fmt, a->host, a->port);
+        snprintf(l->rurl[r], sizeof(l->rurl[r]), strchr(a->host, ':') ? "http://[%s]:%d" : "http://%s:%d", a->host,
+                 a->port);
     }
     curl_global_init(CURL_GLOBAL_DEFAULT);
     l->curl = curl_easy_init();
@@ -307,7 +363,7 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
     http_module mod = {.name = "pipeline", .routes = link_routes,
                        .n_routes = sizeof(link_routes) / sizeof(link_routes[0]), .ctx = l,
                        .max_body = (uint64_t)64 << 20, .swallow_refused_max = (uint64_t)1 << 20,
-                       .ext_size = sizeof(msg_req)};
+                       .ext_size = sizeof(msg_req), .done = msg_done};
     if (!l->srv || http_server_add(l->srv, &mod, err, errlen) != 0 ||
         http_server_start(l->srv, err, errlen) < 0) {
         char e2[512];
@@ -323,6 +379,10 @@ void pipe_link_free(pipe_link *l)
 {
     if (!l)
         return;
+    /* a message this stage has taken may still wait for its 204: the
+     * sender would take the closed connection for a lost message */
+    for (int i = 0; i < 200 && l->srv && atomic_load(&l->active) > 0; i++)
+        sleep_ms(10);
     http_server_free(l->srv);
     if (l->curl)
         curl_easy_cleanup(l->curl);
@@ -343,5 +403,6 @@ void pipe_link_set_state(pipe_link *l, const pipe_link_state *st)
 }
 
 const char *pipe_link_peer(const pipe_link *l, int s) { return l->peer[s]; }
+const char *pipe_link_replica_peer(const pipe_link *l, int r) { return l->rpeer[r]; }
 uint64_t pipe_link_bytes_sent(const pipe_link *l) { return l->bytes_sent; }
 double pipe_link_send_secs(const pipe_link *l) { return l->send_secs; }

@@ -16,6 +16,9 @@
  *        must be started with the same flags); 411 no Content-Length; 413 a
  *        body larger than the message; 401 without the bearer token when the
  *        stage has one (workerd --auth_token_file). Nothing refused is buffered.
+ *        dir=reduce: with R > 1 replicas, the step's gradient sum of this
+ *        stage from replica mb (= from), which every replica adds up in
+ *        replica order.
  *   GET  /v1/pipeline  the plan, the table, the current step and slot, what
  *        the stage waits for and from whom, busy and idle seconds (JSON)
  *   GET  /healthz
@@ -36,6 +39,8 @@ typedef struct pipe_link pipe_link;
 typedef struct pipe_link_options {
     const cluster_addr *peers; /* this replica's stages, [stages]; peers[stage] is this task */
     int stages, stage;
+    const cluster_addr *replica_peers; /* this stage in every replica, [replicas] */
+    int replicas, replica;
     pipe_mailbox *mailbox;     /* borrowed: where the endpoint puts what it takes */
     uint32_t plan_id;
     const char *plan_text;     /* what the plan is, for the 409 of another plan (copied) */
@@ -56,6 +61,9 @@ void pipe_link_free(pipe_link *l);
  * -2 when abort() said stop. */
 int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
                    int64_t example0, double deadline, char *err, size_t errlen);
+/* The same to this stage of replica `to` (PIPE_REDUCE). */
+int pipe_link_send_replica(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
+                           double deadline, char *err, size_t errlen);
 
 /* What GET /v1/pipeline says of the stage now: the step and slot it is at,
  * what it waits for (waiting 0: nothing; else the key and the stage it
@@ -71,8 +79,9 @@ typedef struct pipe_link_state {
 } pipe_link_state;
 void pipe_link_set_state(pipe_link *l, const pipe_link_state *st);
 
-/* "host:port" of stage s, for messages. */
+/* "host:port" of stage s, of this stage in replica r, for messages. */
 const char *pipe_link_peer(const pipe_link *l, int s);
+const char *pipe_link_replica_peer(const pipe_link *l, int r);
 /* Body bytes this stage sent, and the seconds its sends took. */
 uint64_t pipe_link_bytes_sent(const pipe_link *l);
 double pipe_link_send_secs(const pipe_link *l);

@@ -28,23 +28,47 @@ struct pipe_mailbox {
     size_t act, grad;
     size_t params[PIPE_MAX_STAGES];
     int has_params;
+    int replicas;
+    size_t reduce;
     int64_t step;
-    mslot *slots; /* [2 parities][2 dirs][micro], then [PIPE_MAX_STAGES] params */
+    mslot *slots; /* [2 parities][2 dirs][micro], [PIPE_MAX_STAGES] params, [2 parities][PIPE_MAX_REPLICAS] sums */
 };
+
+static size_t n_slots(const pipe_mailbox *m)
+{
+    return 4 * (size_t)m->micro + PIPE_MAX_STAGES + 2 * PIPE_MAX_REPLICAS;
+}
+
+/* The slot of k (its numbers range-checked by the caller) and its size. */
+static mslot *slot_of(pipe_mailbox *m, const pipe_key *k, size_t *want)
+{
+    size_t base = 4 * (size_t)m->micro;
+    if (k->dir == PIPE_PARAMS) {
+        *want = m->params[k->mb];
+        return &m->slots[base + (size_t)k->mb];
+    }
+    if (k->dir == PIPE_REDUCE) {
+        *want = m->reduce;
+        return &m->slots[base + PIPE_MAX_STAGES + (size_t)(k->step & 1) * PIPE_MAX_REPLICAS + (size_t)k->mb];
+    }
+    *want = k->dir == PIPE_ACT ? m->act : m->grad;
+    return &m->slots[((size_t)(k->step & 1) * 2 + (size_t)k->dir) * (size_t)m->micro + (size_t)k->mb];
+}
 
 const char *pipe_dir_name(pipe_dir d)
 {
-    return d == PIPE_ACT ? "activations" : d == PIPE_GRAD ? "gradients" : "parameters";
+    return d == PIPE_ACT ? "activations" : d == PIPE_GRAD ? "gradients" : d == PIPE_PARAMS ? "parameters"
+                                                                                        : "gradient sums";
 }
 
 const char *pipe_dir_wire(pipe_dir d)
 {
-    return d == PIPE_ACT ? "act" : d == PIPE_GRAD ? "grad" : "params";
+    return d == PIPE_ACT ? "act" : d == PIPE_GRAD ? "grad" : d == PIPE_PARAMS ? "params" : "reduce";
 }
 
 int pipe_dir_from_wire(const char *s, pipe_dir *out)
 {
-    for (int d = PIPE_ACT; d <= PIPE_PARAMS; d++)
+    for (int d = PIPE_ACT; d <= PIPE_REDUCE; d++)
         if (s && strcmp(s, pipe_dir_wire((pipe_dir)d)) == 0) {
             *out = (pipe_dir)d;
             return 0;
@@ -53,14 +77,15 @@ int pipe_dir_from_wire(const char *s, pipe_dir *out)
 }
 
 pipe_mailbox *pipe_mailbox_new(int micro, size_t act_floats, size_t grad_floats, int stages,
-                               const size_t *param_floats)
+                               const size_t *param_floats, int replicas, size_t reduce_floats)
 {
-    if (micro < 1 || stages < 1 || stages > PIPE_MAX_STAGES)
+    if (micro < 1 || stages < 1 || stages > PIPE_MAX_STAGES || replicas < 1 || replicas > PIPE_MAX_REPLICAS)
         return NULL;
     pipe_mailbox *m = calloc(1, sizeof(*m));
     if (!m)
         return NULL;
-    size_t n = 4 * (size_t)micro + PIPE_MAX_STAGES;
+    m->micro = micro;
+    size_t n = n_slots(m);
     m->slots = calloc(n, sizeof(mslot));
     if (!m->slots) {
         free(m);
@@ -74,6 +99,8 @@ pipe_mailbox *pipe_mailbox_new(int micro, size_t act_floats, size_t grad_floats,
     m->stages = stages;
     m->act = act_floats;
     m->grad = grad_floats;
+    m->replicas = replicas;
+    m->reduce = reduce_floats;
     if (param_floats) {
         m->has_params = 1;
         memcpy(m->params, param_floats, sizeof(size_t) * (size_t)stages);
@@ -85,7 +112,7 @@ void pipe_mailbox_free(pipe_mailbox *m)
 {
     if (!m)
         return;
-    for (size_t i = 0; i < 4 * (size_t)m->micro + PIPE_MAX_STAGES; i++)
+    for (size_t i = 0; i < n_slots(m); i++)
         free(m->slots[i].data);
     pthread_mutex_destroy(&m->mu);
     pthread_cond_destroy(&m->cv);
@@ -109,8 +136,11 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
             snprintf(msg, cap, "this stage takes no parameters from stage %d", k->mb);
             return 400;
         }
-        *want = m->params[k->mb];
-        *out = &m->slots[4 * (size_t)m->micro + (size_t)k->mb];
+    } else if (k->dir == PIPE_REDUCE) {
+        if (m->replicas < 2 || k->mb < 0 || k->mb >= m->replicas) {
+            snprintf(msg, cap, "gradient sums of replica %d: this pipeline has %d replicas", k->mb, m->replicas);
+            return 400;
+        }
     } else {
         size_t w = k->dir == PIPE_ACT ? m->act : m->grad;
         if (w == 0) {
@@ -122,9 +152,8 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
                      m->micro - 1);
             return 400;
         }
-        *want = w;
-        *out = &m->slots[((size_t)(k->step & 1) * 2 + (size_t)k->dir) * (size_t)m->micro + (size_t)k->mb];
     }
+    *out = slot_of(m, k, want);
     if (k->step != m->step && k->step != m->step + 1) {
         snprintf(msg, cap, "%s for step %lld: this stage is at step %lld (it takes that step and the next)",
                  pipe_dir_name(k->dir), (long long)k->step, (long long)m->step);
@@ -133,7 +162,7 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
     if ((*out)->step == k->step && (*out)->state != SLOT_EMPTY) {
         snprintf(msg, cap, "%s of step %lld, %s %d: received already (a duplicate)",
                  pipe_dir_name(k->dir), (long long)k->step,
-                 k->dir == PIPE_PARAMS ? "stage" : "micro-batch", k->mb);
+                 k->dir == PIPE_PARAMS ? "stage" : k->dir == PIPE_REDUCE ? "replica" : "micro-batch", k->mb);
         return 409;
     }
     if (floats > *want) {
@@ -195,11 +224,7 @@ int pipe_mailbox_take(pipe_mailbox *m, const pipe_key *k, float *dst, int64_t *t
     int rc = 0;
     pthread_mutex_lock(&m->mu);
     /* the slot the key names (a message for it may be there already) */
-    if (k->dir == PIPE_PARAMS)
-        s = &m->slots[4 * (size_t)m->micro + (size_t)k->mb];
-    else
-        s = &m->slots[((size_t)(k->step & 1) * 2 + (size_t)k->dir) * (size_t)m->micro + (size_t)k->mb];
-    want = k->dir == PIPE_PARAMS ? m->params[k->mb] : k->dir == PIPE_ACT ? m->act : m->grad;
+    s = slot_of(m, k, &want);
     while (!(s->step == k->step && s->state == SLOT_FULL)) {
         double now = clk_mono_secs();
         if (abort && abort()) {
@@ -239,7 +264,7 @@ int pipe_mailbox_pending(pipe_mailbox *m)
 {
     int n = 0;
     pthread_mutex_lock(&m->mu);
-    for (size_t i = 0; i < 4 * (size_t)m->micro + PIPE_MAX_STAGES; i++)
+    for (size_t i = 0; i < n_slots(m); i++)
         n += m->slots[i].state == SLOT_FULL;
     pthread_mutex_unlock(&m->mu);
     return n;

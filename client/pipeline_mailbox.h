@@ -2,7 +2,9 @@
  * buffered until the stage's table gets to it: the activations of stage
  * s-1 (PIPE_ACT), the gradients of stage s+1 (PIPE_GRAD), and at the end of
  * training, on stage 0, each other stage's parameters (PIPE_PARAMS, keyed by
- * that stage's number). A message is keyed (step, micro-batch, direction).
+ * that stage's number), and with R > 1 replicas the step's gradient sum of
+ * the same stage of every other replica (PIPE_REDUCE, keyed by that
+ * replica's number). A message is keyed (step, micro-batch, direction).
  *
  * The HTTP thread puts (pipe_mailbox_check before it reads a body, then
  * pipe_mailbox_put), the stage's thread takes with a deadline. What a put
@@ -21,7 +23,9 @@
 
 #include "pipeline_plan.h"
 
-typedef enum { PIPE_ACT = 0, PIPE_GRAD = 1, PIPE_PARAMS = 2 } pipe_dir;
+typedef enum { PIPE_ACT = 0, PIPE_GRAD = 1, PIPE_PARAMS = 2, PIPE_REDUCE = 3 } pipe_dir;
+
+#define PIPE_MAX_REPLICAS 8
 
 typedef struct pipe_key {
     int64_t step;
@@ -29,8 +33,8 @@ typedef struct pipe_key {
     pipe_dir dir;
 } pipe_key;
 
-/* "activations", "gradients", "parameters"; and "act", "grad", "params"
- * (the wire's dir=) back to a direction (-1: none). */
+/* "activations", "gradients", "parameters", "gradient sums"; and "act",
+ * "grad", "params", "reduce" (the wire's dir=) back to a direction (-1: none). */
 const char *pipe_dir_name(pipe_dir d);
 const char *pipe_dir_wire(pipe_dir d);
 int pipe_dir_from_wire(const char *s, pipe_dir *out);
@@ -40,10 +44,11 @@ typedef struct pipe_mailbox pipe_mailbox;
 /* micro: M; act_floats, grad_floats: the floats of one micro-batch's
  * activations and gradients this stage receives (0: it receives none: stage
  * 0 no activations, the last stage no gradients); param_floats[k]: stage k's
- * parameters (stage 0 only; NULL elsewhere: it receives none). NULL when out
- * of memory. */
+ * parameters (stage 0 only; NULL elsewhere: it receives none); replicas: R,
+ * and reduce_floats the floats of this stage's gradient sum (each other
+ * replica sends one per step). NULL when out of memory. */
 pipe_mailbox *pipe_mailbox_new(int micro, size_t act_floats, size_t grad_floats, int stages,
-                               const size_t *param_floats);
+                               const size_t *param_floats, int replicas, size_t reduce_floats);
 void pipe_mailbox_free(pipe_mailbox *m);
 
 /* The step this stage is at (it accepts messages for it and the next). */

@@ -1,9 +1,13 @@
 /* pipeline_train.c - workerd --pipeline_stages=K: model parallelism by
  * layers. The training tasks form a grid of K stages x R replicas
- * (pipeline_plan.h); this version trains one replica (R = 1) with no ps:
- * each stage holds only its layers' parameters, gradients and optimizer
- * slots and applies the optimizer to them itself, exactly as --local applies
- * it to the whole model.
+ * (pipeline_plan.h), with no ps: each stage holds only its layers'
+ * parameters, gradients and optimizer slots and applies the optimizer to
+ * them itself, exactly as --local applies it to the whole model. With R > 1
+ * each replica takes its block of the data order (as R sync workers do),
+ * and at the end of a step every stage sends its gradient sum to the same
+ * stage of the other replicas; each adds the R sums up in replica order (the
+ * same floats on every replica) and applies their mean, so R replicas with
+ * --batch_size B train what --local trains with R x B.
  *
  * A step: the batch (--batch_size) is cut into --micro_batches=M
  * micro-batches of batch/M examples. Stage 0 reads the data; the last stage
@@ -116,8 +120,39 @@ static int send_to(stage_run *r, int to, const pipe_key *k, const float *data, s
     return 0;
 }
 
+/* The gradient sum to / from this stage of replica k; as send_to, receive. */
+static int send_replica(stage_run *r, int k, const pipe_key *key, const float *data, size_t n, double wait)
+{
+    char err[1024];
+    int rc = pipe_link_send_replica(r->link, k, key, data, n, clk_mono_secs() + wait, err, sizeof(err));
+    if (rc == -2)
+        return 2;
+    if (rc != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): sending the gradient sum of step %lld to replica %d: %s; stopping\n",
+                r->c->name, r->s, r->K, (long long)key->step, k, err);
+        return 1;
+    }
+    return 0;
+}
+
+static int receive_replica(stage_run *r, const pipe_key *key, int k, float *dst, double wait)
+{
+    double t0 = clk_mono_secs();
+    int rc = pipe_mailbox_take(r->box, key, dst, NULL, t0 + wait, train_stop_requested);
+    r->st.idle_secs += clk_mono_secs() - t0;
+    if (rc == -2)
+        return 2;
+    if (rc != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): no gradient sum of step %lld from replica %d (%s) within "
+                        "%.0f s (--pipeline_timeout_secs): that task died or is stuck; stopping\n",
+                r->c->name, r->s, r->K, (long long)key->step, k, pipe_link_replica_peer(r->link, k), wait);
+        return 1;
+    }
+    return 0;
+}
+
 static json_t *info_json(const train_config *c, const pipe_plan *p, const pipe_schedule *sch,
-                         int s, const char *plan)
+                         const pipe_grid *g, const char *plan)
 {
     char split[128];
     pipe_plan_format(p, split, sizeof(split));
@@ -130,8 +165,8 @@ static json_t *info_json(const train_config *c, const pipe_plan *p, const pipe_s
                                                 "flops_per_example", (json_int_t)p->cost[k],
                                                 "max_inflight", sch->max_inflight[k]));
     }
-    return json_pack("{s:i,s:i,s:i,s:s,s:s,s:s,s:i,s:i,s:o,s:o,s:s}", "stage", s, "stages", p->stages,
-                     "replica", 0, "model", c->layout.spec, "stage_layers", split, "schedule",
+    return json_pack("{s:i,s:i,s:i,s:i,s:s,s:s,s:s,s:i,s:i,s:o,s:o,s:s}", "stage", g->stage, "stages",
+                     p->stages, "replica", g->replica, "replicas", g->replicas, "model", c->layout.spec, "stage_layers", split, "schedule",
                      pipe_schedule_name(sch->kind), "micro_batches", sch->micro, "batch_size",
                      c->batch_size, "split", stages, "table", table, "plan", plan);
 }
@@ -150,7 +185,7 @@ int train_pipeline(const train_config *c)
         fprintf(stderr, "workerd: %s\n", err);
         return 2;
     }
-    const int s = g.stage, first = p.first[s], last = p.last[s], is_last = s == K - 1;
+    const int s = g.stage, first = p.first[s], last = p.last[s], is_last = s == K - 1, R = g.replicas;
     const size_t in_n = L->layers[first].in_numel, out_n = L->layers[last].out_numel;
     const size_t np = L->n_params;
     size_t poff[PIPE_MAX_STAGES], pn[PIPE_MAX_STAGES];
@@ -173,6 +208,8 @@ int train_pipeline(const train_config *c)
     float *params = calloc(np ? np : 1, sizeof(float)); /* this stage touches its own run only */
     float *grads = calloc(np ? np : 1, sizeof(float));
     float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    float *sum = R > 1 ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
+    float *theirs_g = R > 1 ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : NULL;
     float *s0 = calloc(np ? np : 1, sizeof(float)), *s1 = calloc(np ? np : 1, sizeof(float));
     float *out = malloc(sizeof(float) * (size_t)mb * out_n), *dout = malloc(sizeof(float) * (size_t)mb * out_n);
     float *din = malloc(sizeof(float) * (size_t)mb * in_n);
@@ -181,8 +218,8 @@ int train_pipeline(const train_config *c)
     batcher b = {0};
     pipe_mailbox *box = NULL;
     pipe_link *link = NULL;
-    cluster_addr *peers = NULL;
-    int ok = params && grads && acc && s0 && s1 && out && dout && din && (!have_data || (x && y));
+    cluster_addr *peers = NULL, *rpeers = NULL;
+    int ok = params && grads && acc && sum && (R == 1 || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
     for (int i = 0; ok && i < P; i++) {
         owner[i] = -1;
         inst[i] = model_new(model_device_backend(), L, mb, err, sizeof(err));
@@ -199,7 +236,7 @@ int train_pipeline(const train_config *c)
         ok = 0;
     if (ok)
         box = pipe_mailbox_new(M, s > 0 ? (size_t)mb * in_n : 0, is_last ? 0 : (size_t)mb * out_n, K,
-                               s == 0 ? pn : NULL);
+                               s == 0 ? pn : NULL, R, pn[s]);
     if (!ok || !box) {
         fprintf(stderr, "workerd: out of memory\n");
         goto out;
@@ -207,19 +244,22 @@ int train_pipeline(const train_config *c)
     /* this replica's stages, by the grid rule: the chief task (when there is one), then the workers */
     const cluster_spec *cs = c->cluster;
     int has_chief = cs->jobs[JOB_CHIEF].n > 0;
-    if (!(peers = calloc((size_t)K, sizeof(*peers)))) {
+    if (!(peers = calloc((size_t)K, sizeof(*peers))) || !(rpeers = calloc((size_t)R, sizeof(*rpeers)))) {
         fprintf(stderr, "workerd: out of memory\n");
         goto out;
     }
-    for (int k = 0; k < K; k++) {
-        int t = pipe_grid_task(&g, k, g.replica);
-        peers[k] = has_chief ? (t == 0 ? cs->jobs[JOB_CHIEF].tasks[0] : cs->jobs[JOB_WORKER].tasks[t - 1])
-                             : cs->jobs[JOB_WORKER].tasks[t];
-    }
+#define TASK_ADDR(t) (has_chief ? ((t) == 0 ? cs->jobs[JOB_CHIEF].tasks[0] : cs->jobs[JOB_WORKER].tasks[(t) - 1]) \
+                                : cs->jobs[JOB_WORKER].tasks[(t)])
+    for (int k = 0; k < K; k++)
+        peers[k] = TASK_ADDR(pipe_grid_task(&g, k, g.replica));
+    for (int k = 0; k < R; k++)
+        rpeers[k] = TASK_ADDR(pipe_grid_task(&g, s, k));
+#undef TASK_ADDR
     pipe_link_options lo = {.peers = peers, .stages = K, .stage = s, .mailbox = box,
+                            .replica_peers = rpeers, .replicas = R, .replica = g.replica,
                             .plan_id = plan_id, .plan_text = plan, .token = c->token,
                             .name = c->name, .abort = train_stop_requested,
-                            .info = info_json(c, &p, &sch, s, plan)};
+                            .info = info_json(c, &p, &sch, &g, plan)};
     if (!(link = pipe_link_new(&lo, err, sizeof(err)))) {
         fprintf(stderr, "workerd: pipeline: %s\n", err);
         goto out;
@@ -228,9 +268,9 @@ int train_pipeline(const train_config *c)
         char split[128], row[PIPE_MAX_MICRO * 10];
         pipe_plan_format(&p, split, sizeof(split));
         pipe_schedule_format(&sch, s, row, sizeof(row));
-        printf("%s: pipeline stage %d of %d (layers %d-%d of %s, split %s), %s, %d micro-batches of %d, "
-               "%s, until step %lld; serving on %s; %s\n",
-               c->name, s, K, first, last, L->spec, split, pipe_schedule_name(sch.kind), M, mb,
+        printf("%s: pipeline stage %d of %d, replica %d of %d (layers %d-%d of %s, split %s), %s, %d micro-batches "
+               "of %d, %s, until step %lld; serving on %s; %s\n",
+               c->name, s, K, g.replica, R, first, last, L->spec, split, pipe_schedule_name(sch.kind), M, mb,
                optim_name(c->optim.kind), (long long)c->train_steps, pipe_link_peer(link, s),
                model_device_describe(c->threads));
         printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
@@ -339,14 +379,37 @@ int train_pipeline(const train_config *c)
         }
         if (failed || stopped)
             break;
-        /* the mean over the batch: the sum over the micro-batches / M */
+        /* the replicas' sums: every stage adds the R sums in replica order */
+        if (R > 1) {
+            int e = 0;
+            const pipe_key rk = {step, g.replica, PIPE_REDUCE};
+            for (int k = 0; k < R && !e; k++)
+                if (k != g.replica)
+                    e = send_replica(&r, k, &rk, acc, pn[s], wait);
+            memset(sum, 0, sizeof(float) * pn[s]);
+            for (int k = 0; k < R && !e; k++) {
+                const float *src = acc;
+                if (k != g.replica) {
+                    e = receive_replica(&r, &(pipe_key){step, k, PIPE_REDUCE}, k, theirs_g, wait);
+                    src = theirs_g;
+                }
+                for (size_t u = 0; u < pn[s] && !e; u++)
+                    sum[u] += src[u];
+            }
+            if (e) {
+                stopped = e == 2;
+                failed = e != 2;
+                break;
+            }
+        }
+        /* the mean over the batch (all replicas'): the sum over the micro-batches / (M R) */
         double t0 = clk_mono_secs();
-        const float scale = 1.0f / (float)M;
+        const float scale = 1.0f / (float)(M * R);
         for (int k = 0; k < L->n_tensors; k++) {
             const model_tensor *t = &L->tensors[k];
             if (t->layer < first || t->layer > last)
                 continue;
-            optim_apply(&c->optim, params + t->offset, params + t->offset, acc + (t->offset - poff[s]),
+            optim_apply(&c->optim, params + t->offset, params + t->offset, sum + (t->offset - poff[s]),
                         scale, s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
         }
         r.st.busy_secs += clk_mono_secs() - t0;
@@ -382,6 +445,10 @@ int train_pipeline(const train_config *c)
     fflush(stdout);
     /* the end: every stage's parameters to stage 0 */
     const int64_t fin = c->train_steps - 1;
+    if (g.replica > 0) { /* replica 0 holds the same parameters */
+        rc = 0;
+        goto out;
+    }
     if (s > 0) {
         if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params + poff[s], pn[s], 0, tmo) != 0)
             goto out;
@@ -401,6 +468,10 @@ out:
     pipe_link_free(link); /* before the mailbox it fills */
     pipe_mailbox_free(box);
     free(peers);
+    free(rpeers);
+    if (sum != acc)
+        free(sum);
+    free(theirs_g);
     for (int i = 0; i < P; i++) {
         model_free(inst[i]);
         free(inbuf[i]);

@@ -13,6 +13,7 @@
 #include "idx.h"
 #include "libps.h"
 #include "model.h"
+#include "pipeline_mailbox.h"
 #include "pipeline_plan.h"
 #include "pipeline_schedule.h"
 #include "ring.h"
@@ -154,7 +155,7 @@ int main(int argc, char **argv)
         {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors (the newest valid one is restored at start), and its TensorBoard event files, <logdir>/train/events.out.tfevents.* (loss, global_step/sec, examples/sec, learning_rate) (default logs/ring); empty = neither", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
         {"log_param_hash", FLAG_BOOL, &log_param_hash, "ring: print a CRC-32C of the parameters after every step (replicas must agree; default false)", 0},
-        {"pipeline_stages", FLAG_INT, &pipeline_stages, "model parallelism: split the model's layers into K (2 to 8) contiguous stages, one per training task: task i (the chief task first, then the workers) is stage i mod K; each holds only its layers' parameters and optimizer slots, activations go forward and their gradients back to the neighbouring stage as HTTP POSTs to its own --worker_hosts (or --chief_hosts) address, and the chief (stage 0) reports and exports the whole model at the end. No ps (the ps flags are ignored); one replica: the training tasks must number K (default 0: off)", 0},
+        {"pipeline_stages", FLAG_INT, &pipeline_stages, "model parallelism: split the model's layers into K (2 to 8) contiguous stages, one per training task: task i (the chief task first, then the workers) is stage i mod K; each holds only its layers' parameters and optimizer slots, activations go forward and their gradients back to the neighbouring stage as HTTP POSTs to its own --worker_hosts (or --chief_hosts) address, and the chief (stage 0) reports and exports the whole model at the end. No ps (the ps flags are ignored). The training tasks number K x R: R replicas (task i is in replica i / K) each take their block of every batch, as sync workers do, and the stages sum their gradients with the same stage of the other replicas (default 0: off)", 0},
         {"stage_layers", FLAG_STRING, &stage_layers, "--pipeline_stages: the stages' layer ranges, e.g. 0-3,4-6,7-9 (the layers of the expanded model: flatten and ReLU count; the start line prints the split); default: balance the estimated forward+backward FLOPs", 0},
         {"pipeline_schedule", FLAG_STRING, &pipeline_schedule, "--pipeline_stages: gpipe (every micro-batch forward, then every backward: M activations in flight) or 1f1b (one forward, one backward in the steady state: at most K in flight; default)", 0},
         {"micro_batches", FLAG_INT, &micro_batches, "--pipeline_stages: cut each --batch_size batch into this many micro-batches (1 to 256, dividing --batch_size; default 4); the update is the mean over the whole batch, as one worker's", 0},
@@ -450,7 +451,8 @@ int main(int argc, char **argv)
         return 2;
     }
     c.replicas_to_aggregate = replicas ? replicas : c.n_trainers;
-    if (c.pipeline_stages && (cs.job == JOB_EVALUATOR || c.n_trainers != c.pipeline_stages)) {
+    if (c.pipeline_stages && (cs.job == JOB_EVALUATOR || c.n_trainers % c.pipeline_stages != 0 ||
+                              c.n_trainers / c.pipeline_stages > PIPE_MAX_REPLICAS)) {
         if (cs.job == JOB_EVALUATOR)
             fprintf(stderr, "workerd: --pipeline_stages has no evaluator task (no ps to read from): the chief "
                             "prints the test accuracy at the end\n");
@@ -459,9 +461,8 @@ int main(int argc, char **argv)
                             "pipelines: they must number K x R (stages x replicas)\n",
                     c.pipeline_stages, c.n_trainers);
         else
-            fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks would be %d replicas; this "
-                            "version trains one: start exactly %d training tasks\n",
-                    c.pipeline_stages, c.n_trainers, c.n_trainers / c.pipeline_stages, c.pipeline_stages);
+            fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks would be %d replicas: at most %d\n",
+                    c.pipeline_stages, c.n_trainers, c.n_trainers / c.pipeline_stages, PIPE_MAX_REPLICAS);
         cluster_spec_free(&cs);
         free((char *)c.token);
         return 2;

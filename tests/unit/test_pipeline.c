@@ -407,7 +407,7 @@ static void test_mailbox_refusals_leave_nothing(void **state)
 {
     (void)state;
     size_t params[3] = {0, 5, 7};
-    pipe_mailbox *m = pipe_mailbox_new(2, 4, 3, 3, params);
+    pipe_mailbox *m = pipe_mailbox_new(2, 4, 3, 3, params, 1, 0);
     assert_non_null(m);
     float a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, got[8];
     char msg[256];
@@ -449,9 +449,26 @@ static void test_mailbox_refusals_leave_nothing(void **state)
     assert_int_equal(pipe_mailbox_pending(m), 1);
     pipe_mailbox_free(m);
     /* the last stage takes no gradients, stage 0 no activations and no parameters elsewhere */
-    m = pipe_mailbox_new(2, 0, 3, 3, NULL);
+    m = pipe_mailbox_new(2, 0, 3, 3, NULL, 1, 0);
     assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 0, PIPE_ACT}, a, 0, 0, msg, sizeof(msg)), 400);
     assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 1, PIPE_PARAMS}, a, 5, 0, msg, sizeof(msg)), 400);
+    /* one replica takes no gradient sums; three take them from replicas 0..2, two steps at once */
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){0, 0, PIPE_REDUCE}, a, 3, 0, msg, sizeof(msg)), 400);
+    pipe_mailbox_free(m);
+    m = pipe_mailbox_new(2, 0, 3, 3, NULL, 3, 5);
+    pipe_mailbox_set_step(m, 4);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){4, 3, PIPE_REDUCE}, a, 5, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){4, 2, PIPE_REDUCE}, a, 4, 0, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){4, 2, PIPE_REDUCE}, a, 6, 0, msg, sizeof(msg)), 413);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){4, 2, PIPE_REDUCE}, a, 5, 0, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){5, 2, PIPE_REDUCE}, a + 1, 5, 0, msg, sizeof(msg)), 0);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){4, 2, PIPE_REDUCE}, a, 5, 0, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){6, 2, PIPE_REDUCE}, a, 5, 0, msg, sizeof(msg)), 409);
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){4, 2, PIPE_REDUCE}, got, NULL, clk_mono_secs() + 1, NULL), 0);
+    assert_memory_equal(got, a, 5 * sizeof(float));
+    assert_int_equal(pipe_mailbox_take(m, &(pipe_key){5, 2, PIPE_REDUCE}, got, NULL, clk_mono_secs() + 1, NULL), 0);
+    assert_memory_equal(got, a + 1, 5 * sizeof(float));
+    assert_int_equal(pipe_mailbox_pending(m), 0);
     pipe_mailbox_free(m);
 }
 
@@ -472,7 +489,7 @@ static void *put_later(void *arg)
 static void test_mailbox_take_waits_until_the_deadline(void **state)
 {
     (void)state;
-    pipe_mailbox *m = pipe_mailbox_new(1, 4, 4, 2, NULL);
+    pipe_mailbox *m = pipe_mailbox_new(1, 4, 4, 2, NULL, 1, 0);
     float got[4];
     double t0 = clk_mono_secs();
     assert_int_equal(pipe_mailbox_take(m, &(pipe_key){0, 0, PIPE_ACT}, got, NULL, t0 + 0.2, NULL), -1);
