@@ -35,12 +35,21 @@ TESTS = {
     ("test_openapi.py", "test_event_data_is_status"): "a check of the spec's schemas: no C code runs",
     ("test_history.py", "test_steps_per_sec"): "a rate measured over 7.5 s of pushes and waiting; the "
         "rate's code runs under the sanitizer in every /v1/status read",
+    ("test_pipeline.py", "test_one_seed_one_file_another_seed_another"): "three more runs of the pipeline "
+        "paths the equivalence matrix runs under the sanitizer (the same stages, schedule and optimizer code); "
+        "determinism is a property of the normal build's floats",
 }
 
 # matrices: (file name, function name) -> (keep(params) -> bool, reason)
 WRITE_KEPT = "/v1/grads"
 READ_KEPT = "/v1/params"
 MATRICES = {
+    ("test_pipeline.py", "test_a_pipeline_trains_what_local_trains"): (
+        lambda p: bool(p["extra"]) or (p["k"], p["m"], p["sched"], p["opt"]) in ((2, 1, "gpipe", "sgd"),
+                                                                               (2, 4, "gpipe", "adam")),
+        "the sanitizer build runs 3 of the 8 cases: K = 2 and 3, M = 1, 2 and 4, gpipe and 1f1b, sgd and adam, "
+        "both models' layer kinds, a middle stage without the data; the other cases repeat those code paths "
+        "with other numbers"),
     ("test_auth.py", "test_write_without_the_right_token_is_401"): (
         lambda p: p["auth"] == "none" or p["route"][1] == WRITE_KEPT,
         f"the sanitizer build runs every bad token on POST {WRITE_KEPT} and every write route "
