@@ -262,6 +262,7 @@ bench: deps all bench-bins
 	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py
+	/usr/bin/python3 bench/pipeline.py
 	sh bench/tls.sh
 	sh scripts/pydeps.sh bench/requirements.txt build/bench-venv
 	RESTPS_BIN_DIR=$(BIN) build/bench-venv/bin/python bench/tf_compare.py

@@ -291,6 +291,9 @@ int train_pipeline(const train_config *c)
     const double tmo = c->pipeline_timeout_secs;
     double t_start = clk_mono_secs(), t_log = t_start;
     int64_t step = 0, example0 = 0;
+    /* the steady state: from the end of step 0 (the start's waits left out) */
+    double t_steady = t_start, busy_steady = 0, idle_steady = 0;
+    uint64_t msgs = 0;
     int stopped = 0, failed = 0;
     progress bar;
     progress_init(&bar, c->name, c->train_steps, is_last ? -1 : 0);
@@ -414,6 +417,12 @@ int train_pipeline(const train_config *c)
         }
         r.st.busy_secs += clk_mono_secs() - t0;
         double loss = loss_sum / M;
+        msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M + (uint64_t)(R > 1) * (uint64_t)(R - 1);
+        if (step == 0) {
+            t_steady = clk_mono_secs();
+            busy_steady = r.st.busy_secs;
+            idle_steady = r.st.idle_secs;
+        }
         if (is_last) {
             progress_update(&bar, step + 1, loss, (double)((step + 1) * B) / (clk_mono_secs() - t_start));
             if (!bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
@@ -436,12 +445,19 @@ int train_pipeline(const train_config *c)
     }
     if (failed)
         goto out;
-    double secs = clk_mono_secs() - t_start;
+    double t_end = clk_mono_secs(), secs = t_end - t_start, steady = t_end - t_steady;
+    double busy1 = r.st.busy_secs - busy_steady, idle1 = r.st.idle_secs - idle_steady;
     printf("%s: stage %d finished %lld steps in %.2f s: %.2f steps/s, busy %.2f s, idle %.2f s (%.1f%% idle), "
            "%llu bytes sent\n",
            c->name, s, (long long)c->train_steps, secs, secs > 0 ? (double)c->train_steps / secs : 0.0,
            r.st.busy_secs, r.st.idle_secs, secs > 0 ? 100.0 * r.st.idle_secs / secs : 0.0,
            (unsigned long long)pipe_link_bytes_sent(link));
+    if (c->train_steps > 1 && steady > 0)
+        /* idle fraction: the part of the wall time not computing (the bubble, and the sends) */
+        printf("%s: stage %d steady state (steps 2-%lld): %.3f steps/s, %.3f s, busy %.3f s, waiting %.3f s, "
+               "idle fraction %.4f; received %llu messages; sends %.4f s in all\n",
+               c->name, s, (long long)c->train_steps, (double)(c->train_steps - 1) / steady, steady, busy1, idle1,
+               1.0 - busy1 / steady, (unsigned long long)msgs, pipe_link_send_secs(link));
     fflush(stdout);
     /* the end: every stage's parameters to stage 0 */
     const int64_t fin = c->train_steps - 1;

@@ -1,0 +1,146 @@
+"""bench/pipeline.py - `make bench`: model parallelism (workerd
+--pipeline_stages) on loopback, 2 stages of mlp:1024,784 (784x1024 and
+1024x784 dense layers: the balanced split puts one on each stage, 4.8 MFLOP
+per example each):
+
+1. the bubble: each stage's measured idle fraction in the steady state
+   (steps 2 on: 1 - compute time / wall time, from its last line) with gpipe
+   and M = 1, 2, 4, 8 micro-batches, against the fill-drain bound
+   (K-1)/(M+K-1) of equal stages;
+2. throughput: 2 stages with M = 8 against one process (--local) with the
+   same global batch, steps/s, in the same run; and 1f1b against gpipe;
+3. activation transfer: the bytes and seconds per message the stages'
+   sends took (libcurl POSTs to the neighbour) against GET /v1/vars/NAME of
+   a psd variable of the same bytes (the ps pull route; Python http.client
+   on a kept-alive connection, median of 50).
+
+Every process is started here on free 127.0.0.1 ports and stopped by PID.
+Prints figures, never fails on one. RESTPS_BIN_DIR picks the build (bin/).
+On this 2-core machine the two stages have a core each only when nothing
+else runs: the figures are ratios on this machine, not claims about a cluster.
+"""
+import http.client
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from benchlib import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
+DATA = os.environ.get("PIPELINE_DATA", "/usr/share/datasets/fashion-mnist")
+MODEL = "mlp:1024,784"
+BATCH = 256
+STEPS = int(os.environ.get("PIPELINE_STEPS", "12"))
+STEADY = re.compile(r"stage (\d+) steady state \(steps 2-\d+\): ([0-9.]+) steps/s, ([0-9.]+) s, busy ([0-9.]+) s, "
+                    r"waiting ([0-9.]+) s, idle fraction ([0-9.]+); received (\d+) messages; sends ([0-9.]+) s")
+SENT = re.compile(r"stage (\d+) finished .* (\d+) bytes sent")
+
+
+def common():
+    return [f"--data_dir={DATA}", f"--model={MODEL}", "--optimizer=sgd", "--learning_rate=0.01",
+            f"--train_steps={STEPS}", f"--batch_size={BATCH}", "--log_every=0", "--threads=1"]
+
+
+def pipeline(m, sched):
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
+    procs = []
+    try:
+        for i in (1, 0):
+            argv = [os.path.join(BIN, "workerd"), f"--worker_hosts={hosts}", f"--task_index={i}",
+                    "--pipeline_stages=2", f"--micro_batches={m}", f"--pipeline_schedule={sched}"] + common()
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outs = [p.communicate(timeout=600)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    stages = {}
+    for out in outs:
+        mt, ms = STEADY.search(out), SENT.search(out)
+        if not mt or not ms:
+            print("  a stage failed:", out[-1500:])
+            return None
+        s = int(mt.group(1))
+        stages[s] = {"sps": float(mt.group(2)), "idle": float(mt.group(6)), "msgs": int(mt.group(7)),
+                     "send_secs": float(mt.group(8)), "bytes": int(ms.group(2))}
+    return stages
+
+
+def local_sps():
+    out = subprocess.run([os.path.join(BIN, "workerd"), "--local"] + common(), capture_output=True,
+                         timeout=600).stdout.decode()
+    m = re.search(r"(\d+) steps in ([0-9.]+) s", out)
+    return int(m.group(1)) / float(m.group(2)) if m else None
+
+
+def ps_pull_secs(nbytes):
+    """Median seconds of GET /v1/vars/act (nbytes of float32) from a psd."""
+    p = subprocess.Popen([os.path.join(BIN, "psd"), "--port=0", "--logdir="], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL)
+    try:
+        line = p.stdout.readline().decode()
+        port = int(line.rsplit(":", 1)[1])
+        n = nbytes // 4
+        body = bytes(nbytes)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/vars/act?shape={n}", data=body, method="PUT",
+                                     headers={"Content-Type": "application/octet-stream", "X-Shape": str(n)})
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30).read()
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            c.request("GET", "/v1/vars/act")
+            r = c.getresponse()
+            data = r.read()
+            times.append(time.perf_counter() - t0)
+            assert r.status == 200 and len(data) == nbytes, (r.status, len(data))
+        return statistics.median(times)
+    except Exception as e:  # a figure, never a failure
+        print(f"  the psd pull failed: {e}")
+        return None
+    finally:
+        p.terminate()
+        p.wait()
+
+
+def main():
+    if not os.path.isdir(DATA):
+        print(f"bench/pipeline.py: {DATA} is missing: skipped")
+        return 0
+    print(f"pipeline: 2 stages of {MODEL}, batch {BATCH}, {STEPS} steps, sgd, 1 OpenBLAS thread each")
+    print("1. the bubble (gpipe): each stage's idle fraction against (K-1)/(M+K-1)")
+    runs = {}
+    for m in (1, 2, 4, 8):
+        st = pipeline(m, "gpipe")
+        if not st:
+            continue
+        runs[m] = st
+        bound = 1 / (m + 1)
+        print(f"  M={m}: bound {bound:.3f}; stage 0 idle {st[0]['idle']:.3f} ({st[0]['idle'] / bound:.2f}x), "
+              f"stage 1 idle {st[1]['idle']:.3f} ({st[1]['idle'] / bound:.2f}x); {st[0]['sps']:.2f} steps/s")
+    print("2. throughput at M = 8 against one process with the same batch")
+    loc = local_sps()
+    f1 = pipeline(8, "1f1b")
+    if loc and 8 in runs:
+        g = runs[8][0]["sps"]
+        print(f"  --local {loc:.2f} steps/s; 2 stages gpipe {g:.2f} steps/s ({g / loc:.2f}x)"
+              + (f", 1f1b {f1[0]['sps']:.2f} steps/s ({f1[0]['sps'] / loc:.2f}x)" if f1 else ""))
+    print("3. activation transfer against a ps pull of the same bytes")
+    if 8 in runs:
+        st = runs[8]
+        per_msg = st[0]["bytes"] // max(1, STEPS * 8 + 0)  # stage 0 sends M activations a step, then its 0 params
+        send = st[0]["send_secs"] / (STEPS * 8)
+        ps = ps_pull_secs(per_msg)
+        print(f"  stage 0 -> 1: {per_msg} bytes per message, {send * 1e3:.3f} ms per send (libcurl POST)"
+              + (f"; psd GET /v1/vars of {per_msg} bytes {ps * 1e3:.3f} ms ({send / ps:.2f}x)" if ps else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
