@@ -845,12 +845,18 @@ static const float *forward(model_cpu *c, int first, int last, const float *para
     const model_layout *ly = &c->base.layout;
     const float *x = in;
     int relu_done = 0; /* layer li is a ReLU its conv computed */
+    int pool_done = 0; /* layer li is a maxpool the conv two below computed */
     for (int li = first; li <= last; li++) {
         const model_layer *l = &ly->layers[li];
         c->in[li] = x;
         if (relu_done) { /* the conv below wrote this ReLU's output in its own place */
             relu_done = 0;
             c->act[li] = (float *)x;
+            continue;
+        }
+        if (pool_done) {
+            pool_done = 0;
+            x = c->act[li] = c->own[li];
             continue;
         }
         if (l->kind != LAYER_FLATTEN)
@@ -866,18 +872,31 @@ static const float *forward(model_cpu *c, int first, int last, const float *para
              * convolution's own is not kept: nothing reads it) */
             const int r = li < last && ly->layers[li + 1].kind == LAYER_RELU;
             relu_done = r;
+            /* and a maxpool after the ReLU: chunk by chunk of examples, each
+             * chunk pooled while the conv's output of it is in the cache (the
+             * same floats: every example is computed on its own) */
+            const model_layer *pl = r && li + 2 <= last && ly->layers[li + 2].kind == LAYER_MAXPOOL
+                                        ? &ly->layers[li + 2] : NULL;
+            pool_done = pl != NULL;
+            const int chunk = !pl ? B : l->in.c == 1 ? 2 : conv_chunk(l, B);
+            const float *W = params + ly->tensors[l->w].offset, *b = params + ly->tensors[l->b].offset;
+            for (int e0 = 0; e0 < B; e0 += chunk) {
+                const int nb = B - e0 < chunk ? B - e0 : chunk;
+                float *ye = y + (size_t)e0 * l->out_numel;
+                const float *xe = x + (size_t)e0 * l->in_numel;
 #ifdef CONV1_AVX2
-            if (l->in.c == 1 && conv1_avx2_ok())
-                conv1_forward_avx2(y, r, c->col + conv1_pad_offset(l), x, params + ly->tensors[l->w].offset,
-                                   params + ly->tensors[l->b].offset, B, l);
-            else
+                if (l->in.c == 1 && conv1_avx2_ok())
+                    conv1_forward_avx2(ye, r, c->col + conv1_pad_offset(l), xe, W, b, nb, l);
+                else
 #endif
-            if (l->in.c == 1)
-                conv1_forward(y, r, x, params + ly->tensors[l->w].offset,
-                              params + ly->tensors[l->b].offset, B, l);
-            else
-                conv_forward(y, r, c->col, x, params + ly->tensors[l->w].offset,
-                             params + ly->tensors[l->b].offset, B, l);
+                if (l->in.c == 1)
+                    conv1_forward(ye, r, xe, W, b, nb, l);
+                else
+                    conv_forward(ye, r, c->col, xe, W, b, nb, l);
+                if (pl)
+                    maxpool_forward(c->own[li + 2] + (size_t)e0 * pl->out_numel,
+                                    c->argmax[li + 2] + (size_t)e0 * pl->out_numel, ye, nb, pl);
+            }
             break;
         }
         case LAYER_MAXPOOL:
