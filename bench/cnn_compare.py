@@ -12,8 +12,11 @@ with OPENBLAS_CORETYPE set to the kernel restps chose, so both sides'
 matrix products use one OpenBLAS kernel (PyTorch's convolutions are oneDNN's:
 it says so). The FLOPs are tests/python/cnn_ref.py's count: per step the
 forward, the weight gradients and the input gradients of every layer but the
-first, 2 per multiply-add (8.2 GFLOP at batch 100). workerd's steps/s is its
-own figure for the training loop (the final evaluation is not in it).
+first, 2 per multiply-add (8.2 GFLOP at batch 100). Both sides time --steps
+steps after --warmup untimed ones (3): cnn_torch.py its loop, restps from
+workerd's per-step log lines (--log_every=1); workerd's own steps/s over the
+whole run (its first steps, where OpenBLAS sets up its buffers, included; the
+final evaluation is not in it) is printed beside it.
 """
 import argparse
 import gzip
@@ -33,9 +36,14 @@ import cnn_ref  # noqa: E402
 PY = "/usr/bin/python3"
 
 
-def run_restps(workerd, data_dir, steps, batch):
+def run_restps(workerd, data_dir, steps, batch, warmup):
+    """workerd's steps/s over the steps after the first warmup ones (as
+    cnn_torch.py times its steps after --warmup untimed ones), from its
+    per-step log lines (--log_every=1: each step's examples/s), and workerd's
+    own figure over all the steps (the first one included: OpenBLAS's
+    buffers are set up in it)."""
     argv = [workerd, "--local", "--model=cnn", f"--data_dir={data_dir}", f"--batch_size={batch}",
-            "--optimizer=sgd", "--learning_rate=0.01", f"--train_steps={steps}", "--log_every=0",
+            "--optimizer=sgd", "--learning_rate=0.01", f"--train_steps={warmup + steps}", "--log_every=1",
             "--threads=1", "--device=cpu"]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     r = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
@@ -43,11 +51,14 @@ def run_restps(workerd, data_dir, steps, batch):
     if r.returncode != 0:
         raise SystemExit(f"cnn_compare: {' '.join(argv)} exited {r.returncode}:\n{out[-2000:]}")
     rate = re.findall(r"([0-9.]+) steps/s", out)
-    if not rate:
-        raise SystemExit(f"cnn_compare: workerd printed no steps/s:\n{out[-2000:]}")
+    per_step = {int(n): float(r) for n, r in re.findall(r"step ([0-9]+) loss [-0-9.naif]+ examples/s ([0-9.]+)", out)}
+    timed = [per_step.get(n) for n in range(warmup + 1, warmup + steps + 1)]
+    if not rate or None in timed or min(timed) <= 0:
+        raise SystemExit(f"cnn_compare: workerd printed no steps/s, or not one line per step:\n{out[-2000:]}")
+    steady = steps / sum(batch / r for r in timed)
     k = re.search(r"cpu backend \(OpenBLAS ([A-Za-z0-9_]+)", out)
     acc = re.search(r"test accuracy ([0-9.]+)", out)
-    return float(rate[-1]), (k.group(1) if k else None), (acc.group(1) if acc else "?")
+    return steady, float(rate[-1]), (k.group(1) if k else None), (acc.group(1) if acc else "?")
 
 
 def subset(data_dir, n_train, n_test, out):
@@ -67,12 +78,12 @@ def subset(data_dir, n_train, n_test, out):
     return out
 
 
-def run_torch(steps, batch, coretype):
+def run_torch(steps, batch, coretype, warmup):
     env = dict(os.environ)
     if coretype:
         env["OPENBLAS_CORETYPE"] = coretype
     r = subprocess.run([PY, os.path.join(HERE, "cnn_torch.py"), "--json", f"--steps={steps}",
-                        f"--batch={batch}"], capture_output=True, text=True, timeout=1800, env=env)
+                        f"--batch={batch}", f"--warmup={warmup}"], capture_output=True, text=True, timeout=1800, env=env)
     if r.returncode != 0:
         raise SystemExit(f"cnn_compare: bench/cnn_torch.py exited {r.returncode}:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -85,6 +96,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps before the timed ones, on both sides")
     ap.add_argument("--full_data", action="store_true",
                     help="evaluate on the whole validation and test sets at the end of each workerd run")
     a = ap.parse_args()
@@ -99,23 +112,27 @@ def main():
                          "sh scripts/deps.sh python3-torch)")
 
     tmp = tempfile.TemporaryDirectory(prefix="cnn_compare-")
-    data_dir = a.data_dir if a.full_data else subset(a.data_dir, 5000 + a.steps * a.batch, 100, tmp.name)
+    data_dir = a.data_dir if a.full_data else subset(a.data_dir, 5000 + (a.warmup + a.steps) * a.batch, 100,
+                                                     tmp.name)
     _, step_flops = cnn_ref.Model("cnn").flops(a.batch)
-    ours, theirs = [], []
+    ours, overall, theirs = [], [], []
     kernel = acc = None
     for _ in range(a.reps):
-        rate, kernel, acc = run_restps(workerd, data_dir, a.steps, a.batch)
+        rate, whole, kernel, acc = run_restps(workerd, data_dir, a.steps, a.batch, a.warmup)
         ours.append(rate)
-        theirs.append(run_torch(a.steps, a.batch, kernel))
+        overall.append(whole)
+        theirs.append(run_torch(a.steps, a.batch, kernel, a.warmup))
     best = max(ours)
     t = max(theirs, key=lambda d: d["steps_per_s"])
     gemm = max(d["numpy_sgemm_gflops"] for d in theirs)
     gflops = best * step_flops / 1e9
     print(f"== the CNN's training step on the CPU, 1 thread, batch {a.batch}, sgd "
-          f"({step_flops / 1e9:.2f} GFLOP per step: conv + dense, forward and backward), best of {a.reps}")
+          f"({step_flops / 1e9:.2f} GFLOP per step: conv + dense, forward and backward), best of {a.reps}, "
+          f"{a.steps} steps timed after {a.warmup} on each side")
     print(f"restps  workerd --local --model=cnn  {best:7.2f} steps/s  {gflops:6.1f} GFLOP/s   "
-          f"OpenBLAS {kernel or '?'} (conv as im2col + sgemm); runs {', '.join(f'{r:.2f}' for r in ours)}; "
-          f"test accuracy after {a.steps} steps {acc}{'' if a.full_data else ' (100 test images)'}")
+          f"OpenBLAS {kernel or '?'} (conv as im2col + sgemm); runs {', '.join(f'{r:.2f}' for r in ours)} "
+          f"(workerd's own figure, its first {a.warmup} steps included: {', '.join(f'{r:.2f}' for r in overall)}); "
+          f"test accuracy after {a.warmup + a.steps} steps {acc}{'' if a.full_data else ' (100 test images)'}")
     runs = ", ".join("%.2f" % d["steps_per_s"] for d in theirs)
     print(f"pytorch {t['torch']} channels-last        {t['steps_per_s']:7.2f} steps/s  {t['gflops']:6.1f} GFLOP/s   "
           f"convolutions {t['conv_kernel']}, matmuls {t['numpy_blas']} "
