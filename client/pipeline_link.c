@@ -45,7 +45,26 @@ struct pipe_link {
     uint64_t bytes_sent;
     double send_secs;
     atomic_int active; /* messages being received: the stage waits for their answers before it stops */
+    /* the sender thread and its queue (pipe_link_post) */
+    pthread_t sender;
+    int sender_on;
+    pthread_mutex_t qmu;
+    pthread_cond_t qcv;
+    struct job *head, *tail;
+    int busy;              /* the thread is sending a message it took off the queue */
+    atomic_int stopping, failed;
+    char send_err[1024];
 };
+
+typedef struct job {
+    struct job *next;
+    int replica, to;
+    pipe_key k;
+    float *data;
+    size_t n;
+    int64_t ex0;
+    double deadline;
+} job;
 
 /* ---- the endpoint ---- */
 
@@ -226,7 +245,7 @@ static int send_msg(pipe_link *l, const char *base, const char *who, const pipe_
     int tries = 0;
     for (;;) {
         tries++;
-        if (l->abort && l->abort())
+        if ((l->abort && l->abort()) || atomic_load(&l->stopping))
             return -2;
         double left = deadline - clk_mono_secs();
         long ms = left > 30 ? 30000 : left > 0.2 ? (long)(left * 1000) : 200;
@@ -283,6 +302,104 @@ int pipe_link_send_replica(pipe_link *l, int to, const pipe_key *k, const float 
     return send_msg(l, l->rurl[to], who, k, l->replica, data, floats, 0, deadline, err, errlen);
 }
 
+static void *sender_main(void *arg)
+{
+    pipe_link *l = arg;
+    pthread_mutex_lock(&l->qmu);
+    for (;;) {
+        while (!l->head && !atomic_load(&l->stopping))
+            pthread_cond_wait(&l->qcv, &l->qmu);
+        if (atomic_load(&l->stopping))
+            break;
+        job *j = l->head;
+        l->head = j->next;
+        if (!l->head)
+            l->tail = NULL;
+        l->busy = 1;
+        pthread_mutex_unlock(&l->qmu);
+        char err[900];
+        int rc = atomic_load(&l->failed) ? -1
+                 : j->replica ? pipe_link_send_replica(l, j->to, &j->k, j->data, j->n, j->deadline, err, sizeof(err))
+                              : pipe_link_send(l, j->to, &j->k, j->data, j->n, j->ex0, j->deadline, err, sizeof(err));
+        pthread_mutex_lock(&l->qmu);
+        if (rc != 0 && !atomic_load(&l->failed)) {
+            if (rc == -2)
+                snprintf(l->send_err, sizeof(l->send_err), "stopped");
+            else
+                snprintf(l->send_err, sizeof(l->send_err), "sending the %s of step %lld, %s %d: %s",
+                         pipe_dir_name(j->k.dir), (long long)j->k.step,
+                         j->k.dir == PIPE_PARAMS ? "stage" : j->k.dir == PIPE_REDUCE ? "replica" : "micro-batch",
+                         j->k.mb, err);
+            atomic_store(&l->failed, 1);
+        }
+        free(j->data);
+        free(j);
+        l->busy = 0;
+        pthread_cond_broadcast(&l->qcv);
+    }
+    pthread_mutex_unlock(&l->qmu);
+    return NULL;
+}
+
+int pipe_link_post(pipe_link *l, int replica, int to, const pipe_key *k, const float *data, size_t floats,
+                   int64_t example0, double deadline, char *err, size_t errlen)
+{
+    if (atomic_load(&l->failed)) {
+        pthread_mutex_lock(&l->qmu);
+        snprintf(err, errlen, "%s", l->send_err);
+        pthread_mutex_unlock(&l->qmu);
+        return -1;
+    }
+    job *j = calloc(1, sizeof(*j));
+    float *copy = malloc(floats ? floats * sizeof(float) : 1);
+    if (!j || !copy) {
+        free(j);
+        free(copy);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (floats)
+        memcpy(copy, data, floats * sizeof(float));
+    *j = (job){NULL, replica, to, *k, copy, floats, example0, deadline};
+    pthread_mutex_lock(&l->qmu);
+    if (l->tail)
+        l->tail->next = j;
+    else
+        l->head = j;
+    l->tail = j;
+    pthread_cond_broadcast(&l->qcv);
+    pthread_mutex_unlock(&l->qmu);
+    return 0;
+}
+
+int pipe_link_flush(pipe_link *l, char *err, size_t errlen)
+{
+    int rc = 0;
+    pthread_mutex_lock(&l->qmu);
+    while ((l->head || l->busy) && !atomic_load(&l->failed)) {
+        if (l->abort && l->abort()) {
+            rc = -2;
+            break;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&l->qcv, &l->qmu, &ts);
+    }
+    if (rc == 0 && atomic_load(&l->failed)) {
+        snprintf(err, errlen, "%s", l->send_err);
+        rc = -1;
+    }
+    pthread_mutex_unlock(&l->qmu);
+    return rc;
+}
+
+int pipe_link_failed(pipe_link *l) { return atomic_load(&l->failed); }
+
 /* ---- set-up ---- */
 
 pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
@@ -319,6 +436,8 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
         snprintf(l->rurl[r], sizeof(l->rurl[r]), strchr(a->host, ':') ? "http://[%s]:%d" : "http://%s:%d", a->host,
                  a->port);
     }
+    pthread_mutex_init(&l->qmu, NULL);
+    pthread_cond_init(&l->qcv, NULL);
     curl_global_init(CURL_GLOBAL_DEFAULT);
     l->curl = curl_easy_init();
     if (!l->info || !l->plan_text || !l->name || (o->token && !l->token) || !l->curl) {
@@ -372,6 +491,12 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
         pipe_link_free(l);
         return NULL;
     }
+    if (pthread_create(&l->sender, NULL, sender_main, l) != 0) {
+        snprintf(err, errlen, "cannot start the sender thread");
+        pipe_link_free(l);
+        return NULL;
+    }
+    l->sender_on = 1;
     return l;
 }
 
@@ -383,6 +508,21 @@ void pipe_link_free(pipe_link *l)
      * sender would take the closed connection for a lost message */
     for (int i = 0; i < 200 && l->srv && atomic_load(&l->active) > 0; i++)
         sleep_ms(10);
+    if (l->sender_on) {
+        pthread_mutex_lock(&l->qmu);
+        atomic_store(&l->stopping, 1);
+        pthread_cond_broadcast(&l->qcv);
+        pthread_mutex_unlock(&l->qmu);
+        pthread_join(l->sender, NULL);
+    }
+    while (l->head) {
+        job *j = l->head;
+        l->head = j->next;
+        free(j->data);
+        free(j);
+    }
+    pthread_mutex_destroy(&l->qmu);
+    pthread_cond_destroy(&l->qcv);
     http_server_free(l->srv);
     if (l->curl)
         curl_easy_cleanup(l->curl);

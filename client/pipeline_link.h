@@ -65,6 +65,19 @@ int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, s
 int pipe_link_send_replica(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
                            double deadline, char *err, size_t errlen);
 
+/* The stage's sends without waiting for them: a copy of the message goes on
+ * the link's queue, which its sender thread sends in order (each as
+ * pipe_link_send, or pipe_link_send_replica when replica is 1), so the stage
+ * computes while its last output travels. 0, or -1 with err when an earlier
+ * queued send failed (that error) or out of memory. */
+int pipe_link_post(pipe_link *l, int replica, int to, const pipe_key *k, const float *data, size_t floats,
+                   int64_t example0, double deadline, char *err, size_t errlen);
+/* Wait until every queued message was delivered: 0; -1 with err (the first
+ * failure; the rest of the queue is dropped); -2 when abort() said stop. */
+int pipe_link_flush(pipe_link *l, char *err, size_t errlen);
+/* 1 once a queued send failed (a receive can stop waiting). */
+int pipe_link_failed(pipe_link *l);
+
 /* What GET /v1/pipeline says of the stage now: the step and slot it is at,
  * what it waits for (waiting 0: nothing; else the key and the stage it
  * comes from), and its busy and idle seconds so far. */

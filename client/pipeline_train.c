@@ -48,6 +48,24 @@
 
 #define PIPE_START_SECS 30.0
 
+/* The stage's link, for the receives' abort test: a stop, or a queued send that failed. */
+static pipe_link *abort_link;
+
+static int stop_or_send_failed(void)
+{
+    return train_stop_requested() || (abort_link && pipe_link_failed(abort_link));
+}
+
+/* After a wait that stopped: 2 for a signal; 1 after the failed send's message. */
+static int stopped_why(const train_config *c, pipe_link *link, int s, int K)
+{
+    char err[1024];
+    if (train_stop_requested() || pipe_link_flush(link, err, sizeof(err)) != -1)
+        return 2;
+    fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+    return 1;
+}
+
 int pipe_plan_for(const train_config *c, pipe_plan *p, char *err, size_t errlen)
 {
     if (c->stage_layers)
@@ -85,13 +103,13 @@ static int receive(stage_run *r, const pipe_key *k, int from, float *dst, int64_
     r->st.wait_from = from;
     pipe_link_set_state(r->link, &r->st);
     double t0 = clk_mono_secs();
-    int rc = pipe_mailbox_take(r->box, k, dst, tag, t0 + wait, train_stop_requested);
+    int rc = pipe_mailbox_take(r->box, k, dst, tag, t0 + wait, stop_or_send_failed);
     double t1 = clk_mono_secs();
     r->st.idle_secs += t1 - t0;
     r->st.waiting = 0;
     pipe_link_set_state(r->link, &r->st);
     if (rc == -2)
-        return 2;
+        return stopped_why(r->c, r->link, r->s, r->K);
     if (rc != 0) {
         fprintf(stderr, "workerd: %s (stage %d of %d): no %s of step %lld, %s %d from stage %d (%s) "
                         "within %.0f s (--pipeline_timeout_secs): stage %d died or is stuck; stopping\n",
@@ -108,13 +126,9 @@ static int send_to(stage_run *r, int to, const pipe_key *k, const float *data, s
                    double wait)
 {
     char err[1024];
-    int rc = pipe_link_send(r->link, to, k, data, n, example0, clk_mono_secs() + wait, err, sizeof(err));
-    if (rc == -2)
-        return 2;
-    if (rc != 0) {
-        fprintf(stderr, "workerd: %s (stage %d of %d): sending the %s of step %lld, %s %d to stage %d: %s; stopping\n",
-                r->c->name, r->s, r->K, pipe_dir_name(k->dir), (long long)k->step,
-                k->dir == PIPE_PARAMS ? "stage" : "micro-batch", k->mb, to, err);
+    /* queued: the sender thread sends it while this stage computes on */
+    if (pipe_link_post(r->link, 0, to, k, data, n, example0, clk_mono_secs() + wait, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", r->c->name, r->s, r->K, err);
         return 1;
     }
     return 0;
@@ -124,12 +138,8 @@ static int send_to(stage_run *r, int to, const pipe_key *k, const float *data, s
 static int send_replica(stage_run *r, int k, const pipe_key *key, const float *data, size_t n, double wait)
 {
     char err[1024];
-    int rc = pipe_link_send_replica(r->link, k, key, data, n, clk_mono_secs() + wait, err, sizeof(err));
-    if (rc == -2)
-        return 2;
-    if (rc != 0) {
-        fprintf(stderr, "workerd: %s (stage %d of %d): sending the gradient sum of step %lld to replica %d: %s; stopping\n",
-                r->c->name, r->s, r->K, (long long)key->step, k, err);
+    if (pipe_link_post(r->link, 1, k, key, data, n, 0, clk_mono_secs() + wait, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", r->c->name, r->s, r->K, err);
         return 1;
     }
     return 0;
@@ -138,10 +148,10 @@ static int send_replica(stage_run *r, int k, const pipe_key *key, const float *d
 static int receive_replica(stage_run *r, const pipe_key *key, int k, float *dst, double wait)
 {
     double t0 = clk_mono_secs();
-    int rc = pipe_mailbox_take(r->box, key, dst, NULL, t0 + wait, train_stop_requested);
+    int rc = pipe_mailbox_take(r->box, key, dst, NULL, t0 + wait, stop_or_send_failed);
     r->st.idle_secs += clk_mono_secs() - t0;
     if (rc == -2)
-        return 2;
+        return stopped_why(r->c, r->link, r->s, r->K);
     if (rc != 0) {
         fprintf(stderr, "workerd: %s (stage %d of %d): no gradient sum of step %lld from replica %d (%s) within "
                         "%.0f s (--pipeline_timeout_secs): that task died or is stuck; stopping\n",
@@ -264,6 +274,7 @@ int train_pipeline(const train_config *c)
         fprintf(stderr, "workerd: pipeline: %s\n", err);
         goto out;
     }
+    abort_link = link;
     {
         char split[128], row[PIPE_MAX_MICRO * 10];
         pipe_plan_format(&p, split, sizeof(split));
@@ -459,8 +470,17 @@ int train_pipeline(const train_config *c)
                c->name, s, (long long)c->train_steps, (double)(c->train_steps - 1) / steady, steady, busy1, idle1,
                1.0 - busy1 / steady, (unsigned long long)msgs, pipe_link_send_secs(link));
     fflush(stdout);
-    /* the end: every stage's parameters to stage 0 */
+    /* the end: what is queued delivered, then every stage's parameters to stage 0 */
     const int64_t fin = c->train_steps - 1;
+    {
+        int f = pipe_link_flush(link, err, sizeof(err));
+        if (f == -1)
+            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+        if (f != 0) {
+            rc = f == -2 ? 0 : 1;
+            goto out;
+        }
+    }
     if (g.replica > 0) { /* replica 0 holds the same parameters */
         rc = 0;
         goto out;
@@ -468,7 +488,10 @@ int train_pipeline(const train_config *c)
     if (s > 0) {
         if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params + poff[s], pn[s], 0, tmo) != 0)
             goto out;
-        rc = 0;
+        int f = pipe_link_flush(link, err, sizeof(err));
+        if (f == -1)
+            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+        rc = f == 0 ? 0 : f == -2 ? 0 : 1;
         goto out;
     }
     for (int k = 1; k < K; k++)
@@ -481,6 +504,7 @@ int train_pipeline(const train_config *c)
         rc = 1;
 out:
     fflush(stdout);
+    abort_link = NULL;
     pipe_link_free(link); /* before the mailbox it fills */
     pipe_mailbox_free(box);
     free(peers);
