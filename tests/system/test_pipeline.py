@@ -351,6 +351,29 @@ def test_a_duplicate_message_is_409_and_leaves_the_first(stages, tmp_path, small
     assert state["waiting_for"]["step"] == 0 and state["current_step"] == 0, state
 
 
+def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, small_data):
+    """The plan every message carries: another --stage_layers on stage 1
+    makes stage 0's first activations a 409, and stage 0 stops at once
+    (not after a timeout) saying so; stage 1 buffered nothing."""
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    base = [binary("workerd"), f"--worker_hosts={hosts}", "--pipeline_stages=2", "--micro_batches=2",
+            "--pipeline_timeout_secs=40"] + common(small_data, MLP, "sgd")
+    s1 = stages.start(base + ["--task_index=1", "--stage_layers=0-2,3-5"])
+    wait_for_line(s1, "pipeline stage 1 of 2")
+    t0 = time.monotonic()
+    s0 = stages.start(base + ["--task_index=0", "--stage_layers=0-1,2-5"])
+    rc0, out0 = finish(s0, timeout=60)
+    took = time.monotonic() - t0
+    assert rc0 == 1, out0[-2000:]
+    assert took < 20, took  # the refusal, not the 40 s timeout
+    line = [ln for ln in out0.splitlines() if "stopping" in ln][-1]
+    assert "answered 409" in line and "start every task with the same flags" in line, line
+    assert "--stage_layers=0-2,3-5" in line, line  # what the other stage runs
+    state = waiting_for(ports[1])
+    assert state["buffered"] == 0 and state["waiting_for"]["step"] == 0, state
+
+
 @pytest.mark.parametrize("args,says", [
     (["--pipeline_stages=1"], "--pipeline_stages must be 2 to 8"),
     (["--pipeline_stages=2", "--local"], "not for --local"),
