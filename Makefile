@@ -22,13 +22,15 @@ BIN   ?= bin
 
 COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
 COMMON_SRC += common/ckptdir.c
-SERVER_SRC = server/bufpool.c server/bulk.c server/reply_blobs.c server/routes.c \
-             server/status.c server/store.c server/vars.c \
-             server/training.c server/waiters.c server/ticker.c server/changes.c \
-             server/sync_agg.c server/worker_state.c \
-             server/metrics.c server/workers.c server/history.c server/events.c server/web.c \
-             server/checkpoint.c server/saver.c server/checkpoint_routes.c \
-             server/membership.c server/summaries.c
+SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_state.c \
+             server/waiters.c server/ticker.c server/changes.c \
+             server/metrics.c server/workers.c server/history.c server/shard_view.c server/membership.c \
+             server/checkpoint.c server/saver.c server/summaries.c \
+             server/routes.c server/request.c server/reply_blobs.c \
+             server/route_params.c server/route_grads.c server/route_vars.c server/route_config.c \
+             server/route_run.c server/route_placement.c server/route_sync.c server/route_status.c \
+             server/route_history.c server/route_metrics.c server/route_events.c \
+             server/route_checkpoint.c server/route_web.c
 CLIENT_SRC = client/libps.c client/transfer.c
 WORKER_SRC = client/idx.c client/model.c client/model_spec.c client/model_cpu.c client/blas_kernel.c client/model_device.c client/shards.c client/train.c client/batcher.c client/chief.c client/evaluator.c client/local.c client/model_file.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c \

@@ -48,11 +48,7 @@ heartbeat *heartbeat_start(ps_client *pc, int worker, long interval_ms)
     h->worker = worker;
     h->interval_ms = interval_ms;
     pthread_mutex_init(&h->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&h->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    clk_mono_cond_init(&h->cv);
     if (pthread_create(&h->thread, NULL, beat, h) != 0) {
         pthread_mutex_destroy(&h->mu);
         pthread_cond_destroy(&h->cv);

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "endpoint.h"
 #include "errmsg.h"
 #include "http_server.h"
@@ -90,13 +91,6 @@ struct ring {
     int has_loss;
     char ckpt_path[512];
 };
-
-static double now_secs(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
 
 static void sleep_ms(long ms)
 {
@@ -222,7 +216,7 @@ static void chunk_done(http_req *q, int completed_ok)
 static json_t *status_json(ring *r)
 {
     pthread_mutex_lock(&r->mu);
-    double up = now_secs() - ((double)r->started.tv_sec + (double)r->started.tv_nsec / 1e9);
+    double up = clk_mono_since(&r->started);
     json_t *o = json_pack("{s:{s:s,s:i},s:s,s:I,s:o,s:b,s:s,s:f,s:i,s:I,s:f}", "task", "type",
                           r->info.task_type ? r->info.task_type : "worker", "index", r->info.task_index,
                           "mode", "ring", "global_step", (json_int_t)r->global_step, "last_loss",
@@ -532,7 +526,7 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
         }
         if (r->abort && r->abort())
             return -2;
-        if (now_secs() + (double)wait / 1000 > deadline) {
+        if (clk_mono_secs() + (double)wait / 1000 > deadline) {
             if (cc != CURLE_OK)
                 errmsg(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
                        right, r->peer[right], r->curl_err[0] ? r->curl_err : curl_easy_strerror(cc));
@@ -554,7 +548,7 @@ static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, d
     int rc = 0;
     pthread_mutex_lock(&r->mu);
     while (st[p] != step) {
-        double t = now_secs();
+        double t = clk_mono_secs();
         if (r->abort && r->abort()) {
             rc = -2;
             break;
@@ -570,15 +564,8 @@ static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, d
         }
         /* wake at least every 200 ms to see abort() */
         double until = deadline < t + 0.2 ? deadline : t + 0.2;
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        double add = until - t;
-        ts.tv_sec += (time_t)add;
-        ts.tv_nsec += (long)((add - (double)(time_t)add) * 1e9);
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        double add = until - t; /* at most 0.2 s: whole milliseconds, rounded up */
+        struct timespec ts = clk_mono_after_ms(add > 0 ? (int64_t)(add * 1000.0 + 0.999) : 0);
         pthread_cond_timedwait(&r->cv, &r->mu, &ts);
     }
     pthread_mutex_unlock(&r->mu);
@@ -595,7 +582,7 @@ int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *er
     r->cur_step = step;
     pthread_mutex_unlock(&r->mu);
     double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
-    double deadline = now_secs() + patience;
+    double deadline = clk_mono_secs() + patience;
     /* ring step 0: this worker's own chunk */
     size_t len = chunk_len(r, r->rank);
     for (size_t o = 0; o < len; o += r->piece) {
@@ -603,7 +590,7 @@ int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *er
         int rc = send_piece(r, step, 0, o, buf + r->off[r->rank] + o, m, deadline, err, errlen);
         if (rc)
             return rc;
-        deadline = now_secs() + patience;
+        deadline = clk_mono_secs() + patience;
     }
     for (int k = 0; k < r->K; k++) {
         int c = recv_chunk(r, k);
@@ -621,9 +608,9 @@ int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *er
             else
                 memcpy(own + o, in + o, m * 4);
             if (k + 1 < r->K && (rc = send_piece(r, step, k + 1, o, own + o, m,
-                                                 now_secs() + patience, err, errlen)) != 0)
+                                                 clk_mono_secs() + patience, err, errlen)) != 0)
                 return rc;
-            deadline = now_secs() + patience;
+            deadline = clk_mono_secs() + patience;
         }
     }
     atomic_fetch_add(&r->allreduces, 1);
@@ -687,7 +674,7 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, r->auth);
     curl_easy_setopt(h, CURLOPT_ERRORBUFFER, curl_err);
     set_tls(r, h);
-    double deadline = now_secs() + wait_secs, said = now_secs();
+    double deadline = clk_mono_secs() + wait_secs, said = clk_mono_secs();
     int rc = -1;
     for (;;) {
         grow g = {0};
@@ -718,7 +705,7 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
             rc = -2;
             break;
         }
-        if (now_secs() > deadline) {
+        if (clk_mono_secs() > deadline) {
             if (cc != CURLE_OK)
                 errmsg(err, errlen, "cannot reach the chief, worker %d (%s), for %.0f s: %s", from,
                        r->peer[from], wait_secs, curl_err[0] ? curl_err : curl_easy_strerror(cc));
@@ -727,10 +714,10 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
                        status, url);
             break;
         }
-        if (now_secs() - said > 5) {
+        if (clk_mono_secs() - said > 5) {
             printf("%s: waiting for the chief (%s) to publish the parameters\n", r->name, r->peer[from]);
             fflush(stdout);
-            said = now_secs();
+            said = clk_mono_secs();
         }
         sleep_ms(200);
     }
@@ -814,12 +801,8 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         return NULL;
     }
     pthread_mutex_init(&r->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&r->cv, &ca);
-    pthread_condattr_destroy(&ca);
-    clock_gettime(CLOCK_MONOTONIC, &r->started);
+    clk_mono_cond_init(&r->cv);
+    r->started = clk_mono_ts();
     r->n = o->n;
     r->rank = o->rank;
     r->cur_step = -1;

@@ -46,6 +46,15 @@ static inline double clk_unix_secs(void)
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
+/* CLOCK_REALTIME now, as a timespec (a wall-clock stamp that leaves the
+ * process: a file's time, a log line) */
+static inline struct timespec clk_unix_ts(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return t;
+}
+
 /* CLOCK_MONOTONIC now, as a timespec (a stamp for clk_mono_since) */
 static inline struct timespec clk_mono_ts(void)
 {

@@ -192,11 +192,7 @@ struct conntrack *conntrack_start(int timeout_secs, int max_conns)
     int room = max_conns / 16 < 1 ? 1 : max_conns / 16 > 64 ? 64 : max_conns / 16;
     t->cap = max_conns > 1 ? max_conns - room : 0;
     pthread_mutex_init(&t->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&t->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    clk_mono_cond_init(&t->cv);
     if (pthread_create(&t->thread, NULL, reap, t) != 0) {
         pthread_cond_destroy(&t->cv);
         pthread_mutex_destroy(&t->mu);

@@ -375,11 +375,7 @@ int tfevents_open(tfevents **out, const char *who, const char *dir, int flush_ms
     w->fd = -1;
     pthread_mutex_init(&w->mu, NULL);
     pthread_mutex_init(&w->io_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&w->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    clk_mono_cond_init(&w->cv);
     if (pthread_create(&w->thread, NULL, flush_main, w) != 0) {
         pthread_mutex_destroy(&w->mu);
         pthread_mutex_destroy(&w->io_mu);

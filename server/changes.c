@@ -32,12 +32,7 @@ static int64_t feed_of(void *h) { return (int64_t)history_version(h); }
 
 void changes_follow(server *srv)
 {
-    int n, has_loss;
-    uint64_t bytes;
-    int64_t step;
-    double loss;
-    store_totals(&srv->store, &n, &bytes, &step, &has_loss, &loss);
-    waiters_raise(srv->waiters, WAIT_STEP, step);
+    waiters_raise(srv->waiters, WAIT_STEP, store_global_step(&srv->store));
     waiters_level_from(srv->waiters, WAIT_CLOCK, min_clock_of, &srv->store);
     waiters_level_from(srv->waiters, WAIT_FEED, feed_of, srv->history);
     history_on_move(srv->history, on_feed, srv);

@@ -2,14 +2,13 @@
  * recent points plus a decimated long history, so a run of millions of steps
  * keeps GET /v1/history and the page fast; the evaluator's reports likewise.
  *
- * Also the change feed behind GET /v1/events (events.c): a version that moves
- * whenever global_step or the evaluator's report does (the streams wait for
- * it in psd's waiters, WAIT_FEED); and, on ps 0 of a cluster with several ps tasks,
- * the other shards' status, fetched once a second (libcurl) for "shards".
+ * Also the change feed behind GET /v1/events (route_events.c): a version
+ * that moves whenever global_step or the evaluator's report does (the
+ * streams wait for it in psd's waiters, WAIT_FEED). The other shards' status
+ * is shard_view.h's.
  *
  * Thread-safe: the points under one mutex (held for a few memory operations
- * on the training path), the feed an atomic counter, the shards under a
- * second mutex.
+ * on the training path), the feed an atomic counter.
  *
  * Test hook: when the environment variable RESTPS_TEST_SYNTHETIC_HISTORY=N
  * (1 <= N <= 100000000) is set, history_new prefills N steps of a synthetic
@@ -22,8 +21,6 @@
 #include <jansson.h>
 #include <stdint.h>
 
-#include "cluster.h"
-
 /* Points kept: the last HISTORY_RECENT at full resolution, and
  * HISTORY_LONG_SLOTS of the older ones (every stride-th; when full, every
  * other one is dropped and the stride doubles; the first point always stays).
@@ -34,7 +31,6 @@
 struct history;
 /* NULL when out of memory. */
 struct history *history_new(void);
-/* Stops what history_start_shards started. */
 void history_free(struct history *h);
 
 /* The shard's global_step moved to step; loss is the last loss (has_loss 0:
@@ -58,30 +54,21 @@ double history_steps_per_sec(struct history *h);
 struct tfevents;
 void history_set_events(struct history *h, struct tfevents *train, struct tfevents *eval);
 
-/* Add to the /v1/status object: "steps_per_sec" and "shards" (on ps 0 of a
- * cluster with several ps tasks: every ps task's summary, itself included
- * from the status object's own fields; elsewhere just itself). */
+/* Add "steps_per_sec" to the /v1/status object. */
 void history_status(struct history *h, json_t *status);
 
-/* Remember this task's place in the cluster; on ps 0 with more than one ps
- * task, start the thread that fetches every other ps task's GET /v1/status
- * once a second (auth_token: sent as a bearer token when not NULL). Call once
- * the HTTP server runs. 0, or -1 when the thread could not start. */
-/* The other ps tasks speak HTTPS; ca_file (may be NULL: the system's) to
- * trust for them. Before history_start_shards. */
-void history_set_tls(struct history *h, const char *ca_file);
-
-int history_start_shards(struct history *h, const cluster_spec *c, const char *auth_token,
-                         const char *listening);
-
 /* ---- the change feed (GET /v1/events) ---- */
+
+/* GET /v1/history's body: {"global_step": global_step, "points": [[step,
+ * loss, unix time], ...], "eval": [[step, loss, accuracy, time], ...]} with
+ * the points after step `since` (-1: all), and a newline; malloc'd, its
+ * length in *len. NULL when out of memory. */
+char *history_json(struct history *h, long long since, int64_t global_step, size_t *len);
 
 /* Moves on every history_record and history_record_eval. */
 uint64_t history_version(struct history *h);
 /* fn(ctx) runs (on the recording thread) each time the version moved. Set
  * once, before anything records. */
 void history_on_move(struct history *h, void (*fn)(void *ctx), void *ctx);
-/* Before MHD_stop_daemon: stop the shards thread. */
-void history_stop(struct history *h);
 
 #endif

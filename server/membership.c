@@ -4,7 +4,7 @@
 #include <stdlib.h>
 
 #include "clock.h"
-#include "routes.h"
+#include "server.h"
 
 #define TICK_MS 100
 
@@ -44,34 +44,4 @@ json_t *membership_json(server *srv)
                      waiting, "dead", dead, "left", left, "lease_secs",
                      (double)v.lease_ms / 1000.0, "step_secs", v.step_secs, "waiting_secs",
                      v.waiting_secs);
-}
-
-enum MHD_Result h_sync(request *r)
-{
-    json_t *m = membership_json(req_srv(r));
-    if (!m)
-        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory building the sync state");
-    return http_reply_json(r, MHD_HTTP_OK, m);
-}
-
-enum MHD_Result h_heartbeat(request *r)
-{
-    json_error_t je;
-    json_t *j = json_loadb((const char *)req_body(r)->data, req_body(r)->len, JSON_REJECT_DUPLICATES, &je);
-    json_t *w = j ? json_object_get(j, "worker") : NULL;
-    int ok = json_is_integer(w) && json_integer_value(w) >= 0 &&
-             json_integer_value(w) < STORE_MAX_WORKERS;
-    int idx = ok ? (int)json_integer_value(w) : 0;
-    json_decref(j);
-    if (!ok)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
-    store_touch(&req_srv(r)->store, idx);
-    int n, has_loss;
-    uint64_t bytes;
-    int64_t step;
-    double loss;
-    store_totals(&req_srv(r)->store, &n, &bytes, &step, &has_loss, &loss);
-    return http_reply_json(r, MHD_HTTP_OK,
-                           json_pack("{s:I,s:f}", "global_step", (json_int_t)step, "lease_secs",
-                                     (double)store_lease_ms(&req_srv(r)->store) / 1000.0));
 }

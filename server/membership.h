@@ -1,9 +1,9 @@
 /* membership.h - which workers a sync step waits for: a job on psd's ticker
  * that completes a step once the workers still alive have pushed (leases run
- * out between pushes), POST /v1/heartbeat (a worker renews its lease while it
- * computes), and GET /v1/sync (the step in progress: whom it has gradients
- * from, whom it waits for, for how long). The leases themselves live in the
- * store (store_touch, store_leave). */
+ * out between pushes), and the view of the step in progress (whom it has
+ * gradients from, whom it waits for, for how long) that GET /v1/sync and
+ * /v1/status serve (route_sync.c, route_status.c). The leases themselves live
+ * in the store (store_touch, store_leave; POST /v1/heartbeat renews one). */
 #ifndef RESTPS_MEMBERSHIP_H
 #define RESTPS_MEMBERSHIP_H
 

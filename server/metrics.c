@@ -12,7 +12,7 @@
 #include <time.h>
 
 #include "clock.h"
-#include "routes.h"
+#include "server.h"
 #include "workers.h"
 
 /* Latency buckets, 100 us to 10 s; their upper bounds in ns and as printed. */
@@ -282,14 +282,12 @@ static void put_secs(out *o, uint64_t ns)
 
 static const char *route_label(const slot *s) { return s->rt ? s->rt->path : "unmatched"; }
 
-enum MHD_Result h_metrics(request *r)
+char *metrics_text(struct metrics *m, server *srv, size_t *len)
 {
-    server *srv = req_srv(r);
-    struct metrics *m = srv->metrics;
     out o = {.cap = 16384};
     o.p = malloc(o.cap);
     if (!o.p)
-        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        return NULL;
 
     /* the shard */
     int n_vars, has_loss;
@@ -479,7 +477,8 @@ enum MHD_Result h_metrics(request *r)
 
     if (o.oom) {
         free(o.p);
-        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        return NULL;
     }
-    return http_reply_text(r, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", o.p, o.len);
+    *len = o.len;
+    return o.p;
 }

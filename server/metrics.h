@@ -29,4 +29,8 @@ void metrics_free(struct metrics *m);
  * completed: the answer went out whole. m may be NULL. */
 void metrics_observe(struct metrics *m, const request *r, int completed);
 
+/* The exposition of m and of srv's shard, workers and saver, malloc'd, its
+ * length in *len; NULL when out of memory. */
+char *metrics_text(struct metrics *m, server *srv, size_t *len);
+
 #endif

@@ -21,6 +21,7 @@
 #include "token.h"
 #include "flags.h"
 #include "history.h"
+#include "shard_view.h"
 #include "metrics.h"
 #include "workers.h"
 #include "log.h"
@@ -102,8 +103,7 @@ static void random_instance(char out[17])
 {
     unsigned char b[8];
     if (getrandom(b, sizeof(b), 0) != (ssize_t)sizeof(b)) {
-        struct timespec t;
-        clock_gettime(CLOCK_REALTIME, &t);
+        struct timespec t = clk_unix_ts();
         uint64_t x = (uint64_t)t.tv_nsec ^ ((uint64_t)t.tv_sec << 20) ^ (uint64_t)getpid();
         memcpy(b, &x, 8);
     }
@@ -145,42 +145,51 @@ static int fail(server *srv, int status)
     return status;
 }
 
-int main(int argc, char **argv)
+/* The flags' values, as main's table fills them. */
+typedef struct psd_flags {
+    const char *job_name, *ps_hosts, *worker_hosts, *chief_hosts;
+    const char *bind_host, *auth_file, *logdir;
+    const char *tls_cert, *tls_key, *tls_ca, *tls_prio;
+    int task_index, task_index_given, port, http_threads, conn_timeout, max_conns;
+    int auth_reads, print_routes, sndbuf_kib, save_secs, keep_ckpts;
+    float lease_secs, lr;
+    uint64_t max_body, pool_mib;
+} psd_flags;
+
+/* The command line into o: -1 to go on, else the exit status (--help and
+ * --routes: 0, a bad flag: 2). */
+static int parse_flags(psd_flags *o, int argc, char **argv)
 {
-    const char *job_name = NULL, *ps_hosts = NULL, *worker_hosts = NULL, *chief_hosts = NULL;
-    const char *bind_host = NULL, *auth_file = NULL, *logdir = "./logs";
-    const char *tls_cert = NULL, *tls_key = NULL, *tls_ca = NULL, *tls_prio = NULL;
-    int task_index = -1, port = -1, http_threads = 2, conn_timeout = 60, max_conns = 1024;
-    int auth_reads = 0, print_routes = 0, sndbuf_kib = -1, save_secs = 60, keep_ckpts = 5;
-    float lease_secs = 10;
-    float lr = 0.01f;
-    uint64_t max_body = 1ULL << 30, pool_mib = 256;
+    *o = (psd_flags){.logdir = "./logs", .task_index = -1, .port = -1, .http_threads = 2,
+                     .conn_timeout = 60, .max_conns = 1024, .sndbuf_kib = -1, .save_secs = 60,
+                     .keep_ckpts = 5, .lease_secs = 10, .lr = 0.01f, .max_body = 1ULL << 30,
+                     .pool_mib = 256};
     flag flags[] = {
-        {"job_name", FLAG_STRING, &job_name, "this task's job: ps (default) or another job in the cluster", 0},
-        {"task_index", FLAG_INT, &task_index, "this task's index in its job (default 0)", 0},
-        {"ps_hosts", FLAG_STRING, &ps_hosts, "comma-separated host:port of the ps tasks (default localhost:2222)", 0},
-        {"worker_hosts", FLAG_STRING, &worker_hosts, "comma-separated host:port of the worker tasks", 0},
-        {"chief_hosts", FLAG_STRING, &chief_hosts, "host:port of the chief task, if the cluster has one", 0},
-        {"port", FLAG_INT, &port, "listen on this port instead of the one in this task's entry; 0 = any free port", 0},
-        {"bind", FLAG_STRING, &bind_host, "address to listen on (default: loopback when this task's host is localhost/127.x, else all)", 0},
-        {"learning_rate", FLAG_FLOAT, &lr, "learning rate until the chief sends the training configuration (default 0.01, plain SGD, async)", 0},
-        {"max_body_bytes", FLAG_U64, &max_body, "largest request body accepted, in bytes (default 1073741824); larger is refused with 413 before it is read", 0},
-        {"http_threads", FLAG_INT, &http_threads, "HTTP threads polling with epoll (default 2), 1..256", 0},
-        {"connection_timeout", FLAG_INT, &conn_timeout, "close a connection idle for this many seconds, or whose request headers take longer to arrive; past this many seconds a body must average 1 KiB/s or is cut off (default 60; long polls wait on)", 0},
-        {"max_connections", FLAG_INT, &max_conns, "most connections served at once; more wait in the listen queue (default 1024)", 0},
-        {"auth_token_file", FLAG_STRING, &auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
-        {"auth_reads", FLAG_BOOL, &auth_reads, "require the token for reads too, except /healthz (default false)", 0},
-        {"buffer_pool_mib", FLAG_U64, &pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
-        {"sndbuf_kib", FLAG_INT, &sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
-        {"tls_cert", FLAG_STRING, &tls_cert, "serve HTTPS with this PEM certificate (chain); needs --tls_key", 0},
-        {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
-        {"tls_priorities", FLAG_STRING, &tls_prio, "with --tls_cert: the GnuTLS priority string that picks the TLS versions and cipher suites (default " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order)", 0},
-        {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) to trust for the other ps tasks' certificates (ps 0 polls their status; default: the system's)", 0},
-        {"logdir", FLAG_STRING, &logdir, "folder for checkpoints and TensorBoard event files, as tf.train.Supervisor's logdir; this task's checkpoints go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start; ps 0 also writes TensorBoard's events.out.tfevents.* files: loss, global_step/sec, examples/sec, learning_rate, staleness in <logdir>/train/, the evaluator's loss and accuracy in <logdir>/eval/ (default ./logs); empty = no checkpoints, no event files", 0},
-        {"save_checkpoint_secs", FLAG_INT, &save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
-        {"keep_checkpoints", FLAG_INT, &keep_ckpts, "keep the newest this many checkpoints (default 5)", 0},
-        {"worker_lease_secs", FLAG_FLOAT, &lease_secs, "sync: a worker not heard from for this long no longer holds up a step (it counts again from its next request; default 10)", 0},
-        {"routes", FLAG_BOOL, &print_routes, "print the HTTP route table and exit", 0},
+        {"job_name", FLAG_STRING, &o->job_name, "this task's job: ps (default) or another job in the cluster", 0},
+        {"task_index", FLAG_INT, &o->task_index, "this task's index in its job (default 0)", 0},
+        {"ps_hosts", FLAG_STRING, &o->ps_hosts, "comma-separated host:port of the ps tasks (default localhost:2222)", 0},
+        {"worker_hosts", FLAG_STRING, &o->worker_hosts, "comma-separated host:port of the worker tasks", 0},
+        {"chief_hosts", FLAG_STRING, &o->chief_hosts, "host:port of the chief task, if the cluster has one", 0},
+        {"port", FLAG_INT, &o->port, "listen on this port instead of the one in this task's entry; 0 = any free port", 0},
+        {"bind", FLAG_STRING, &o->bind_host, "address to listen on (default: loopback when this task's host is localhost/127.x, else all)", 0},
+        {"learning_rate", FLAG_FLOAT, &o->lr, "learning rate until the chief sends the training configuration (default 0.01, plain SGD, async)", 0},
+        {"max_body_bytes", FLAG_U64, &o->max_body, "largest request body accepted, in bytes (default 1073741824); larger is refused with 413 before it is read", 0},
+        {"http_threads", FLAG_INT, &o->http_threads, "HTTP threads polling with epoll (default 2), 1..256", 0},
+        {"connection_timeout", FLAG_INT, &o->conn_timeout, "close a connection idle for this many seconds, or whose request headers take longer to arrive; past this many seconds a body must average 1 KiB/s or is cut off (default 60; long polls wait on)", 0},
+        {"max_connections", FLAG_INT, &o->max_conns, "most connections served at once; more wait in the listen queue (default 1024)", 0},
+        {"auth_token_file", FLAG_STRING, &o->auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
+        {"auth_reads", FLAG_BOOL, &o->auth_reads, "require the token for reads too, except /healthz (default false)", 0},
+        {"buffer_pool_mib", FLAG_U64, &o->pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
+        {"sndbuf_kib", FLAG_INT, &o->sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
+        {"tls_cert", FLAG_STRING, &o->tls_cert, "serve HTTPS with this PEM certificate (chain); needs --tls_key", 0},
+        {"tls_key", FLAG_STRING, &o->tls_key, "the PEM private key of --tls_cert", 0},
+        {"tls_priorities", FLAG_STRING, &o->tls_prio, "with --tls_cert: the GnuTLS priority string that picks the TLS versions and cipher suites (default " TLS_PRIORITIES_DEFAULT ": TLS 1.3/1.2, AEAD suites with AES-GCM first, ECDHE, the server's order)", 0},
+        {"tls_ca", FLAG_STRING, &o->tls_ca, "with --tls_cert: the CA(s) to trust for the other ps tasks' certificates (ps 0 polls their status; default: the system's)", 0},
+        {"logdir", FLAG_STRING, &o->logdir, "folder for checkpoints and TensorBoard event files, as tf.train.Supervisor's logdir; this task's checkpoints go in <logdir>/ps-<task_index>/ and the newest valid one is restored at start; ps 0 also writes TensorBoard's events.out.tfevents.* files: loss, global_step/sec, examples/sec, learning_rate, staleness in <logdir>/train/, the evaluator's loss and accuracy in <logdir>/eval/ (default ./logs); empty = no checkpoints, no event files", 0},
+        {"save_checkpoint_secs", FLAG_INT, &o->save_secs, "save a checkpoint this often when something changed (default 60); 0 = only on POST /v1/checkpoint and at a clean stop", 0},
+        {"keep_checkpoints", FLAG_INT, &o->keep_ckpts, "keep the newest this many checkpoints (default 5)", 0},
+        {"worker_lease_secs", FLAG_FLOAT, &o->lease_secs, "sync: a worker not heard from for this long no longer holds up a step (it counts again from its next request; default 10)", 0},
+        {"routes", FLAG_BOOL, &o->print_routes, "print the HTTP route table and exit", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
@@ -198,149 +207,161 @@ int main(int argc, char **argv)
         fprintf(stderr, "psd: %s (see psd --help)\n", err);
         return 2;
     }
-    if (print_routes) {
+    if (o->print_routes) {
         routes_print(stdout);
         return 0;
     }
+    o->task_index_given = flags_get(flags, nflags, "task_index")->given;
+    return -1;
+}
 
-    server *srv = calloc(1, sizeof(*srv));
-    if (!srv) {
-        fprintf(stderr, "psd: out of memory\n");
-        return 1;
+/* The flags checked and into srv->cfg (the cluster, the token, the TLS
+ * files read): 0, or 2 with a one-line message. */
+static int configure(server *srv, const psd_flags *o)
+{
+    char err[512];
+    if (o->task_index_given && o->task_index < 0) {
+        fprintf(stderr, "psd: --task_index=%d is negative\n", o->task_index);
+        return 2;
     }
-    if (flags_get(flags, nflags, "task_index")->given && task_index < 0) {
-        fprintf(stderr, "psd: --task_index=%d is negative\n", task_index);
-        return fail(srv, 2);
-    }
-    cluster_input in = {.job_name = job_name,
-                        .task_index = task_index,
-                        .ps_hosts = ps_hosts,
-                        .worker_hosts = worker_hosts,
-                        .chief_hosts = chief_hosts,
+    cluster_input in = {.job_name = o->job_name,
+                        .task_index = o->task_index,
+                        .ps_hosts = o->ps_hosts,
+                        .worker_hosts = o->worker_hosts,
+                        .chief_hosts = o->chief_hosts,
                         .tf_config = getenv("TF_CONFIG"),
                         .default_job = "ps"};
     if (cluster_spec_build(&in, &srv->cfg.cluster, err, sizeof(err)) != 0) {
         fprintf(stderr, "psd: %s\n", err);
-        return fail(srv, 2);
+        return 2;
     }
     if (srv->cfg.cluster.job != JOB_PS) {
         fprintf(stderr, "psd: this task is %s %d, but psd serves ps tasks only\n",
                 cluster_job_name(srv->cfg.cluster.job), srv->cfg.cluster.task_index);
-        return fail(srv, 2);
+        return 2;
     }
     const cluster_addr *self = cluster_self(&srv->cfg.cluster);
-    if (port < -1 || port > 65535) {
-        fprintf(stderr, "psd: --port=%d is out of range 0..65535\n", port);
-        return fail(srv, 2);
+    if (o->port < -1 || o->port > 65535) {
+        fprintf(stderr, "psd: --port=%d is out of range 0..65535\n", o->port);
+        return 2;
     }
-    if (!(lr > 0)) {
-        fprintf(stderr, "psd: --learning_rate must be positive, got %g\n", (double)lr);
-        return fail(srv, 2);
+    if (!(o->lr > 0)) {
+        fprintf(stderr, "psd: --learning_rate must be positive, got %g\n", (double)o->lr);
+        return 2;
     }
-    if (http_threads == 0) {
+    if (o->http_threads == 0) {
         /* a thread per connection measured no faster than the epoll pool
          * (0.6-1.1x) and needed a second, blocking path for every wait */
         fprintf(stderr, "psd: --http_threads=0 (a thread per connection) is no longer supported: "
                         "it was no faster than the epoll pool; use 1..256\n");
-        return fail(srv, 2);
+        return 2;
     }
-    if (http_threads < 1 || http_threads > 256) {
-        fprintf(stderr, "psd: --http_threads must be 1..256, got %d\n", http_threads);
-        return fail(srv, 2);
+    if (o->http_threads < 1 || o->http_threads > 256) {
+        fprintf(stderr, "psd: --http_threads must be 1..256, got %d\n", o->http_threads);
+        return 2;
     }
-    if (sndbuf_kib < -1 || sndbuf_kib > 1024 * 1024) {
-        fprintf(stderr, "psd: --sndbuf_kib must be 0..1048576, got %d\n", sndbuf_kib);
-        return fail(srv, 2);
+    if (o->sndbuf_kib < -1 || o->sndbuf_kib > 1024 * 1024) {
+        fprintf(stderr, "psd: --sndbuf_kib must be 0..1048576, got %d\n", o->sndbuf_kib);
+        return 2;
     }
-    if (conn_timeout < 1 || max_conns < 1 || max_body < 1) {
+    if (o->conn_timeout < 1 || o->max_conns < 1 || o->max_body < 1) {
         fprintf(stderr, "psd: --connection_timeout, --max_connections and --max_body_bytes must be positive\n");
-        return fail(srv, 2);
+        return 2;
     }
-    if (!(lease_secs >= 0.5 && lease_secs <= 86400)) {
-        fprintf(stderr, "psd: --worker_lease_secs must be from 0.5 to 86400, got %g\n", (double)lease_secs);
-        return fail(srv, 2);
+    if (!(o->lease_secs >= 0.5 && o->lease_secs <= 86400)) {
+        fprintf(stderr, "psd: --worker_lease_secs must be from 0.5 to 86400, got %g\n", (double)o->lease_secs);
+        return 2;
     }
-    if (!tls_cert != !tls_key || ((tls_ca || tls_prio) && !tls_cert)) {
+    if (!o->tls_cert != !o->tls_key || ((o->tls_ca || o->tls_prio) && !o->tls_cert)) {
         fprintf(stderr, "psd: --tls_cert and --tls_key go together (and --tls_ca and --tls_priorities need them)\n");
-        return fail(srv, 2);
+        return 2;
     }
-    if (tls_prio && tls_priorities_check(tls_prio, err, sizeof(err)) != 0) {
-        fprintf(stderr, "psd: --tls_priorities=%s: %s\n", tls_prio, err);
-        return fail(srv, 2);
+    if (o->tls_prio && tls_priorities_check(o->tls_prio, err, sizeof(err)) != 0) {
+        fprintf(stderr, "psd: --tls_priorities=%s: %s\n", o->tls_prio, err);
+        return 2;
     }
-    if (tls_cert && (!(srv->tls_cert_pem = pem_read(tls_cert, err, sizeof(err))) ||
-                     !(srv->tls_key_pem = pem_read(tls_key, err, sizeof(err))))) {
+    if (o->tls_cert && (!(srv->tls_cert_pem = pem_read(o->tls_cert, err, sizeof(err))) ||
+                        !(srv->tls_key_pem = pem_read(o->tls_key, err, sizeof(err))))) {
         fprintf(stderr, "psd: %s\n", err);
-        return fail(srv, 2);
+        return 2;
     }
-    if (save_secs < 0 || keep_ckpts < 1) {
+    if (o->save_secs < 0 || o->keep_ckpts < 1) {
         fprintf(stderr, "psd: --save_checkpoint_secs must be >= 0 and --keep_checkpoints >= 1\n");
-        return fail(srv, 2);
+        return 2;
     }
-    if (auth_reads && !auth_file) {
+    if (o->auth_reads && !o->auth_file) {
         fprintf(stderr, "psd: --auth_reads needs --auth_token_file\n");
-        return fail(srv, 2);
+        return 2;
     }
     server_config *cfg = &srv->cfg;
-    if (auth_file && !(cfg->auth_token = token_load(auth_file, err, sizeof(err)))) {
+    if (o->auth_file && !(cfg->auth_token = token_load(o->auth_file, err, sizeof(err)))) {
         fprintf(stderr, "psd: %s\n", err);
-        return fail(srv, 2);
+        return 2;
     }
-    cfg->auth_reads = auth_reads;
-    cfg->port = port >= 0 ? port : self->port;
-    if (bind_host)
-        snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s", bind_host);
+    cfg->auth_reads = o->auth_reads;
+    cfg->port = o->port >= 0 ? o->port : self->port;
+    if (o->bind_host)
+        snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s", o->bind_host);
     else if (is_loopback(self->host))
         /* the task's own loopback address: 127.0.0.1 does not answer for 127.0.0.2 */
         snprintf(cfg->bind_host, sizeof(cfg->bind_host), "%s",
                  !strcmp(self->host, "localhost") ? "127.0.0.1" : self->host);
     else
         cfg->bind_host[0] = '\0'; /* every address */
-    cfg->learning_rate = lr;
-    cfg->max_body_bytes = max_body;
-    cfg->http_threads = http_threads;
-    cfg->conn_timeout_secs = conn_timeout;
-    cfg->max_connections = max_conns;
-    cfg->pool_bytes = (size_t)pool_mib << 20;
+    cfg->learning_rate = o->lr;
+    cfg->max_body_bytes = o->max_body;
+    cfg->http_threads = o->http_threads;
+    cfg->conn_timeout_secs = o->conn_timeout;
+    cfg->max_connections = o->max_conns;
+    cfg->pool_bytes = (size_t)o->pool_mib << 20;
+    return 0;
+}
 
-    srv->pool = bufpool_new(cfg->pool_bytes);
-    if (!srv->pool || store_init(&srv->store, lr, srv->pool) != 0) {
-        fprintf(stderr, "psd: out of memory\n");
-        return 1;
-    }
+/* SIGTERM/SIGINT set stop_requested, blocked in every thread created from
+ * now on (call before any); *waitmask: the mask main waits with. */
+static void handle_signals(sigset_t *waitmask)
+{
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
-    /* Block the stop signals in every thread (before any is created); main waits for them in sigsuspend. */
-    sigset_t stopset, waitmask;
+    sigset_t stopset;
     sigemptyset(&stopset);
     sigaddset(&stopset, SIGTERM);
     sigaddset(&stopset, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &stopset, &waitmask);
-    sigdelset(&waitmask, SIGTERM);
-    sigdelset(&waitmask, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stopset, waitmask);
+    sigdelset(waitmask, SIGTERM);
+    sigdelset(waitmask, SIGINT);
+}
 
+/* The server's parts in order (the pool and store are made by main before
+ * the signals): ticker, waiters, metrics, workers, history, the saver with
+ * its restore, the summaries, the change notification. 0, or 1 with a
+ * message. */
+static int build_parts(server *srv, const psd_flags *o)
+{
+    server_config *cfg = &srv->cfg;
     pthread_mutex_init(&srv->info_mu, NULL);
     srv->ticker = ticker_new();
     srv->waiters = srv->ticker ? waiters_new(srv->ticker) : NULL;
     srv->metrics = metrics_new();
     srv->workers = workers_new();
     srv->history = history_new();
-    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->history) {
+    srv->shards = shard_view_new();
+    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->history || !srv->shards) {
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
-    store_set_lease_ms(&srv->store, (int64_t)(lease_secs * 1000));
+    store_set_lease_ms(&srv->store, (int64_t)(o->lease_secs * 1000));
     /* RESTPS_TEST_SYNTHETIC_HISTORY (history.h): the run goes on from there */
     store_start_at(&srv->store, history_last_step(srv->history));
-    if (logdir[0]) {
+    if (o->logdir[0]) {
         char dir[4096];
         ckpt_info ci = {cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n};
-        snprintf(dir, sizeof(dir), "%s/ps-%d", logdir, cfg->cluster.task_index);
-        if (!(srv->saver = saver_new(&srv->store, srv->pool, dir, save_secs, keep_ckpts, &ci))) {
+        snprintf(dir, sizeof(dir), "%s/ps-%d", o->logdir, cfg->cluster.task_index);
+        if (!(srv->saver = saver_new(&srv->store, srv->pool, dir, o->save_secs, o->keep_ckpts, &ci))) {
             fprintf(stderr, "psd: out of memory\n");
             return 1;
         }
@@ -355,28 +376,36 @@ int main(int argc, char **argv)
     } else {
         log_info("psd: --logdir is empty: no checkpoints");
     }
-    summaries_start(srv, logdir); /* ps 0: TensorBoard event files, from the restored step on */
+    summaries_start(srv, o->logdir); /* ps 0: TensorBoard event files, from the restored step on */
     changes_follow(srv); /* the store and the history tell the waiters from now on */
     random_instance(srv->instance);
     srv->started = clk_mono_ts();
+    return 0;
+}
 
-    int bound = 0;
+/* The socket, the shards poller, the HTTP server on the endpoint layer, the
+ * ticker's sync tick and the saver's thread; says where it listens. The
+ * server, or NULL (exit 1) with a message. */
+static http_server *serve(server *srv, const psd_flags *o)
+{
+    server_config *cfg = &srv->cfg;
+    const cluster_addr *self = cluster_self(&cfg->cluster);
+    char err[512];
+    int bound = 0, sndbuf_kib = o->sndbuf_kib;
     if (sndbuf_kib < 0)
         sndbuf_kib = cfg->bind_host[0] && is_loopback(cfg->bind_host) ? 256 : 0;
     int fd = listen_on(cfg->bind_host, cfg->port, sndbuf_kib * 1024, &bound, err, sizeof(err));
     if (fd < 0) {
         fprintf(stderr, "psd: %s\n", err);
-        return 1;
+        return NULL;
     }
-
-
     const char *shown = cfg->bind_host[0] ? cfg->bind_host : self->host;
     char listening[CLUSTER_HOST_MAX + 16];
     snprintf(listening, sizeof(listening), strchr(shown, ':') ? "[%s]:%d" : "%s:%d", shown, bound);
     /* before the server answers anyone: /v1/status reads what this sets */
-    if (tls_cert)
-        history_set_tls(srv->history, tls_ca);
-    history_start_shards(srv->history, &cfg->cluster, cfg->auth_token, listening);
+    if (o->tls_cert)
+        shard_view_set_tls(srv->shards, o->tls_ca);
+    shard_view_start(srv->shards, &cfg->cluster, cfg->auth_token, listening);
 
     MHD_set_panic_func(mhd_panic, NULL);
     /* slowloris: a deadline for request heads, beside the idle timeout, and
@@ -384,17 +413,17 @@ int main(int argc, char **argv)
     http_server_config hc = {
         .name = "psd",
         .listen_fd = fd,
-        .threads = http_threads,
+        .threads = o->http_threads,
         .suspend = 1,
-        .idle_timeout_secs = (unsigned)conn_timeout,
-        .header_timeout_secs = (unsigned)conn_timeout,
+        .idle_timeout_secs = (unsigned)o->conn_timeout,
+        .header_timeout_secs = (unsigned)o->conn_timeout,
         .body_min_rate = 1024,
-        .max_conns = (unsigned)max_conns,
+        .max_conns = (unsigned)o->max_conns,
         .conn_memory = 128 * 1024,
         .token = cfg->auth_token,
         .tls_cert_pem = srv->tls_cert_pem,
         .tls_key_pem = srv->tls_key_pem,
-        .tls_priorities = tls_prio,
+        .tls_priorities = o->tls_prio,
         .accept = accept_policy,
         .begin = routes_begin,
         .end = routes_end,
@@ -405,39 +434,38 @@ int main(int argc, char **argv)
     http_server *hs = http_server_new(&hc, err, sizeof(err));
     if (!hs || http_server_add(hs, &psd_routes, err, sizeof(err)) != 0) {
         fprintf(stderr, "psd: %s\n", err);
-        return 1;
+        return NULL;
     }
     if (http_server_start(hs, err, sizeof(err)) < 0) {
         fprintf(stderr, "psd: unable to start the HTTP server on port %d: %s\n", bound, err);
-        return 1;
+        return NULL;
     }
     if (membership_start(srv) != 0) {
         fprintf(stderr, "psd: out of memory\n");
-        return 1;
+        return NULL;
     }
     if (srv->saver && saver_start(srv->saver) != 0) {
         fprintf(stderr, "psd: cannot start the checkpoint thread\n");
-        return 1;
+        return NULL;
     }
-    printf("psd: listening on %s://%s\n", tls_cert ? "https" : "http", listening);
+    printf("psd: listening on %s://%s\n", o->tls_cert ? "https" : "http", listening);
     fflush(stdout);
     log_info("psd: ps task %d of %d, learning_rate %g, epoll thread pool of %d, max body %llu bytes%s",
-             cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n, (double)lr, http_threads,
-             (unsigned long long)max_body, cfg->auth_token ? ", writes need a token" : "");
+             cfg->cluster.task_index, cfg->cluster.jobs[JOB_PS].n, (double)o->lr, o->http_threads,
+             (unsigned long long)o->max_body, cfg->auth_token ? ", writes need a token" : "");
+    return hs;
+}
 
-
-    while (!stop_requested)
-        sigsuspend(&waitmask);
-
-    log_info("psd: stopping (%llu requests served)",
-             (unsigned long long)atomic_load(&srv->requests));
-    /* no new connections; answer the parked long polls and SSE streams and
-     * the checkpoint requests (once the save they wait for is written,
-     * however long that takes; new ones are refused), let the requests in
-     * flight finish (at most 5 s more), then stop. Nothing is suspended when
-     * MHD_stop_daemon runs: libmicrohttpd aborts the process if something is. */
+/* No new connections; answer the parked long polls and SSE streams and the
+ * checkpoint requests (once the save they wait for is written, however long
+ * that takes; new ones are refused), let the requests in flight finish (at
+ * most 5 s more). Nothing is suspended when the daemon stops after this:
+ * libmicrohttpd aborts the process if something is. */
+static void drain(server *srv)
+{
+    log_info("psd: stopping (%llu requests served)", (unsigned long long)atomic_load(&srv->requests));
     atomic_store(&closing, true);
-    history_stop(srv->history);
+    shard_view_stop(srv->shards);
     waiters_wake_all(srv->waiters);
     if (srv->saver)
         saver_drain(srv->saver);
@@ -446,10 +474,14 @@ int main(int argc, char **argv)
         nanosleep(&t, NULL);
     }
     if (atomic_load(&srv->in_flight) > 0)
-        log_info("psd: %d requests still in flight after 5 s: closing them",
-                 atomic_load(&srv->in_flight));
+        log_info("psd: %d requests still in flight after 5 s: closing them", atomic_load(&srv->in_flight));
+}
+
+/* Stop the HTTP server and the threads, write the final checkpoint, free
+ * everything: the exit status (1 when the final checkpoint failed). */
+static int stop(server *srv, http_server *hs)
+{
     http_server_free(hs); /* closes the listening socket, stops the connection tracker */
-    fd = -1;
     ticker_free(srv->ticker); /* the sync tick and the deadlines: nothing is parked any more */
     summaries_stop(srv); /* nothing records any more: write the rest of the events */
     int status = 0;
@@ -469,16 +501,46 @@ int main(int argc, char **argv)
     }
     waiters_free(srv->waiters);
     history_free(srv->history);
+    shard_view_free(srv->shards);
     workers_free(srv->workers);
     metrics_free(srv->metrics);
-    if (fd >= 0)
-        close(fd);
     store_destroy(&srv->store);
     bufpool_free(srv->pool);
-    cluster_spec_free(&cfg->cluster);
-    free(cfg->auth_token);
+    cluster_spec_free(&srv->cfg.cluster);
+    free(srv->cfg.auth_token);
     free(srv->tls_cert_pem);
     free(srv->tls_key_pem);
     free(srv);
     return status;
+}
+
+int main(int argc, char **argv)
+{
+    psd_flags o;
+    int st = parse_flags(&o, argc, argv);
+    if (st >= 0)
+        return st;
+    server *srv = calloc(1, sizeof(*srv));
+    if (!srv) {
+        fprintf(stderr, "psd: out of memory\n");
+        return 1;
+    }
+    if ((st = configure(srv, &o)) != 0)
+        return fail(srv, st);
+    srv->pool = bufpool_new(srv->cfg.pool_bytes);
+    if (!srv->pool || store_init(&srv->store, o.lr, srv->pool) != 0) {
+        fprintf(stderr, "psd: out of memory\n");
+        return 1;
+    }
+    sigset_t waitmask;
+    handle_signals(&waitmask);
+    if (build_parts(srv, &o) != 0)
+        return 1;
+    http_server *hs = serve(srv, &o);
+    if (!hs)
+        return 1;
+    while (!stop_requested)
+        sigsuspend(&waitmask);
+    drain(srv);
+    return stop(srv, hs);
 }

@@ -16,6 +16,11 @@
 
 typedef http_req request;
 
+/* The largest step or clock a request may carry (query or metadata): exact
+ * in JSON (2^53), and far from INT64_MAX, so step and clock arithmetic
+ * cannot overflow. */
+#define META_INT_MAX (1LL << 53)
+
 /* What psd keeps per request (the module's ext_size bytes at r->ext). */
 typedef struct psd_req {
     int parked;                /* suspended in a long poll or a save */
@@ -30,6 +35,15 @@ static inline server *req_srv(const request *r) { return (server *)r->ctx; }
 static inline psd_req *req_psd(const request *r) { return (psd_req *)r->ext; }
 /* The body of a body route: a blob from the server's pool (len: the bytes in). */
 static inline blob *req_body(const request *r) { return (blob *)r->body_h; }
+
+/* The body as a JSON object (duplicate keys refused); NULL with err ("body
+ * is not JSON: ...", "body must be a JSON object"). */
+json_t *req_body_json(request *r, char *err, size_t errlen);
+/* A number field of a JSON object: 0 absent, 1 *out, -1 present but not a number. */
+int body_number(json_t *o, const char *key, double *out);
+/* The "worker" field of {"worker": index} (o may be NULL): 0 to
+ * STORE_MAX_WORKERS - 1, or -1 when it is missing or not such an integer. */
+int body_worker(json_t *o);
 
 /* Answer with the concatenation of parts; takes one reference to each blob in
  * `hold` (released when the response is destroyed) and ownership of `head`

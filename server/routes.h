@@ -23,12 +23,12 @@ void routes_end(void *srv, http_req *r, int completed_ok);
 /* Print the table, one "METHOD PATH flags" line each (psd --routes). */
 void routes_print(FILE *out);
 
-/* Handlers (vars.c, bulk.c, status.c). */
-/* The /v1/status object (status.c); also the payload of /v1/events. */
+/* The handlers, by route file (each named for its paths). */
+/* route_status.c; status_json is also the payload of /v1/events */
 json_t *status_json(server *srv);
-
 enum MHD_Result h_healthz(request *r);
 enum MHD_Result h_status(request *r);
+/* route_vars.c */
 enum MHD_Result h_vars_list(request *r);
 enum MHD_Result h_var_get(request *r);
 enum MHD_Result h_var_put_check(request *r);
@@ -36,23 +36,30 @@ enum MHD_Result h_var_put(request *r);
 enum MHD_Result h_var_stats(request *r);
 enum MHD_Result h_var_grad_check(request *r);
 enum MHD_Result h_var_grad(request *r);
+/* route_params.c, route_grads.c */
 enum MHD_Result h_params_get(request *r);
 enum MHD_Result h_grads_post(request *r);
-enum MHD_Result h_readyz(request *r);
-enum MHD_Result h_web(request *r);      /* web.c */
-enum MHD_Result h_metrics(request *r);  /* metrics.c */
-enum MHD_Result h_history(request *r);  /* history.c */
-enum MHD_Result h_events(request *r);   /* events.c */
+/* route_config.c */
 enum MHD_Result h_config_get(request *r);
 enum MHD_Result h_config_put(request *r);
+enum MHD_Result h_readyz(request *r);
+/* route_run.c */
 enum MHD_Result h_eval_post(request *r);
 enum MHD_Result h_done_post(request *r);
 enum MHD_Result h_shutdown_post(request *r);
-enum MHD_Result h_checkpoint_get(request *r);  /* checkpoint_routes.c */
-enum MHD_Result h_checkpoint_post(request *r);
+/* route_placement.c */
 enum MHD_Result h_placement_get(request *r);
 enum MHD_Result h_placement_put(request *r);
-enum MHD_Result h_sync(request *r);       /* membership.c */
+/* route_sync.c */
+enum MHD_Result h_sync(request *r);
 enum MHD_Result h_heartbeat(request *r);
+/* route_checkpoint.c */
+enum MHD_Result h_checkpoint_get(request *r);
+enum MHD_Result h_checkpoint_post(request *r);
+/* route_web.c, route_metrics.c, route_history.c, route_events.c */
+enum MHD_Result h_web(request *r);
+enum MHD_Result h_metrics(request *r);
+enum MHD_Result h_history(request *r);
+enum MHD_Result h_events(request *r);
 
 #endif

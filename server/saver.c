@@ -67,8 +67,7 @@ struct saver {
 
 static double since(const struct timespec *t)
 {
-    struct timespec now;
-    clock_gettime(CLOCK_REALTIME, &now);
+    struct timespec now = clk_unix_ts();
     return (double)(now.tv_sec - t->tv_sec) + (double)(now.tv_nsec - t->tv_nsec) / 1e9;
 }
 
@@ -149,7 +148,7 @@ int saver_restore(saver *sv)
             sv->last_at = stt.st_mtim;
             sv->last_bytes = (uint64_t)stt.st_size;
         } else
-            clock_gettime(CLOCK_REALTIME, &sv->last_at);
+            sv->last_at = clk_unix_ts();
         sv->restored = 1;
         snprintf(sv->restored_path, sizeof(sv->restored_path), "%s", e[i].path);
         sv->restored_step = step;
@@ -225,7 +224,7 @@ int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char
     sv->last_step = gs;
     sv->last_bytes = bytes;
     sv->last_duration = secs;
-    clock_gettime(CLOCK_REALTIME, &sv->last_at);
+    sv->last_at = clk_unix_ts();
     sv->saves++;
     sv->consecutive_failures = 0;
     pthread_mutex_unlock(&sv->mu);
@@ -242,7 +241,7 @@ failed:
     sv->failures++;
     sv->consecutive_failures++;
     snprintf(sv->last_error, sizeof(sv->last_error), "%s", err);
-    clock_gettime(CLOCK_REALTIME, &sv->last_error_at);
+    sv->last_error_at = clk_unix_ts();
     pthread_mutex_unlock(&sv->mu);
     log_error("psd: checkpoints: save failed: %s (the previous checkpoint is intact; retrying at the next interval)",
               err);
@@ -391,7 +390,7 @@ int saver_result(saver *sv, void *key, char *path, size_t cap, int64_t *step, ch
         return rc;
     }
     pthread_mutex_unlock(&sv->mu);
-    return -2;
+    return SAVER_ENOJOB;
 }
 
 void saver_free(saver *sv)

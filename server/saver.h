@@ -60,7 +60,8 @@ void saver_stop(saver *sv);
 int saver_save_async(saver *sv, void *key, void (*resume)(void *key));
 /* The outcome of key's queued save, as saver_save's (0 or -1, with path,
  * step, err), or SAVER_STOPPING (refused: psd is stopping; err says so); the
- * job is then forgotten. -2 when key queued none. */
+ * job is then forgotten. SAVER_ENOJOB when key queued none. */
+#define SAVER_ENOJOB (-2)
 #define SAVER_STOPPING (-3)
 #define SAVER_STOPPING_MSG \
     "psd is stopping: no checkpoint on request now (the final checkpoint is written as psd exits)"

@@ -717,7 +717,7 @@ int store_get_config(store *h, store_config *out)
     int ok = s->configured;
     *out = s->config;
     pthread_rwlock_unlock(&s->lock);
-    return ok;
+    return ok ? STORE_OK : STORE_ENOENT;
 }
 
 void store_totals(store *h, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,
@@ -731,6 +731,15 @@ void store_totals(store *h, int *n_vars, uint64_t *bytes, int64_t *global_step, 
     *has_loss = s->has_loss;
     *last_loss = s->last_loss;
     pthread_rwlock_unlock(&s->lock);
+}
+
+int64_t store_global_step(store *h)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    int64_t step = s->global_step;
+    pthread_rwlock_unlock(&s->lock);
+    return step;
 }
 
 int store_save(store *h, store_saved *out)

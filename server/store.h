@@ -165,7 +165,7 @@ int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
 /* Set the training configuration (and mark the shard ready). Setting a
  * different one after global_step > 0 is STORE_ECONFLICT. */
 int store_configure(store *s, const store_config *c, char *err, size_t errlen);
-/* 1 and *out when configured. */
+/* STORE_OK and *out when configured, else STORE_ENOENT (*out: the defaults). */
 int store_get_config(store *s, store_config *out);
 
 /* A consistent copy of everything a checkpoint holds, taken under the read
@@ -251,5 +251,7 @@ int store_get_sync_view(store *s, store_sync_view *v);
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,
                   double *last_loss);
+/* The shard's global_step now. */
+int64_t store_global_step(store *s);
 
 #endif

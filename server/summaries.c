@@ -28,11 +28,7 @@ static void sample(void *ctx, tfevents *w)
 {
     server *srv = ctx;
     struct summaries *s = srv->summaries;
-    int n, has_loss;
-    uint64_t bytes;
-    int64_t step;
-    double loss;
-    store_totals(&srv->store, &n, &bytes, &step, &has_loss, &loss);
+    int64_t step = store_global_step(&srv->store);
     if (!s || step <= s->sampled_step)
         return;
     s->sampled_step = step;
@@ -59,10 +55,7 @@ int summaries_start(server *srv, const char *logdir)
         return -ENOMEM;
     }
     char dir[4200];
-    int n, has_loss;
-    uint64_t bytes;
-    double loss;
-    store_totals(&srv->store, &n, &bytes, &s->sampled_step, &has_loss, &loss);
+    s->sampled_step = store_global_step(&srv->store);
     srv->summaries = s; /* before the thread: sample() reads it */
     snprintf(dir, sizeof(dir), "%s/train", logdir);
     int rc = tfevents_open(&s->train, "psd", dir, SUMMARIES_FLUSH_MS, sample, srv);

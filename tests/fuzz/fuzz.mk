@@ -25,8 +25,8 @@ FUZZ_CFLAGS = -O1 -g $(FUZZ_SAN) -fsanitize=fuzzer-no-link -std=c11 -D_GNU_SOURC
 FUZZ_HARNESSES = fuzz_safetensors fuzz_idx fuzz_cluster fuzz_request fuzz_checkpoint
 
 FUZZ_COMMON = $(COMMON_SRC:%.c=$(FUZZ_BUILD)/%.o)
-# fuzz_request includes common/http_server.c and server/vars.c to reach their static parsers
-FUZZ_LEFT_OUT = $(FUZZ_BUILD)/server/vars.o $(FUZZ_BUILD)/common/http_server.o
+# fuzz_request includes common/http_server.c and server/route_vars.c to reach their static parsers
+FUZZ_LEFT_OUT = $(FUZZ_BUILD)/server/route_vars.o $(FUZZ_BUILD)/common/http_server.o
 FUZZ_SERVER = $(filter-out $(FUZZ_LEFT_OUT), \
                 $(SERVER_SRC:%.c=$(FUZZ_BUILD)/%.o) \
                 $(WEB_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%) $(ENDPOINT_OBJ:$(BUILD)/%=$(FUZZ_BUILD)/%))

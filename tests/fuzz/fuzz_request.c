@@ -7,7 +7,7 @@
  * (wants_json), ?offset=/?count= (query_count), and the JSON rendering of
  * float values as it is sent (json_stream_read, in blocks of every size).
  *
- * common/http_server.c and vars.c are included (and left out of the link) to
+ * common/http_server.c and route_vars.c are included (and left out of the link) to
  * reach their static helpers without widening their interfaces. libmicrohttpd's header
  * lookup is replaced below by one that answers from the fuzz input.
  *
@@ -15,7 +15,7 @@
  * Authorization, ?format=, Accept, ?count=; the rest is float32 values. */
 #include "../../common/http_server.c"
 #include "../../server/routes.h"
-#include "../../server/vars.c"
+#include "../../server/route_vars.c"
 
 #include "fuzz_util.h"
 

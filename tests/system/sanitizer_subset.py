@@ -53,7 +53,7 @@ MATRICES = {
     ("test_auth.py", "test_write_without_the_right_token_is_401"): (
         lambda p: p["auth"] == "none" or p["route"][1] == WRITE_KEPT,
         f"the sanitizer build runs every bad token on POST {WRITE_KEPT} and every write route "
-        "without a token; the token check (server/auth.c, common/token.c) runs before any route "
+        "without a token; the token check (common/http_server.c, common/token.c) runs before any route "
         "and does not depend on it"),
     ("test_auth.py", "test_auth_reads_closes_every_route_not_open"): (
         lambda p: p["auth"] == "none" or p["route"][1] == READ_KEPT,

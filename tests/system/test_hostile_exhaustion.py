@@ -5,11 +5,11 @@
   connection that has waited longest for a request's headers (conntrack.c),
   never one being served, and the log says so. The previous psd left a
   normal client waiting for the 60 s header deadline.
-- GET /v1/vars/{name}?format=json is formatted as it is sent (vars.c), so a
+- GET /v1/vars/{name}?format=json is formatted as it is sent (route_vars.c), so a
   client that does not read holds a block, not the whole text (6.8 MiB for
   a million values before).
 - A request head announcing Content-Length: 1073741824 and sending no body
-  reserves 64 KiB, not 1 GiB (routes.c grows the buffer as bytes arrive):
+  reserves 64 KiB, not 1 GiB (common/http_server.c grows the buffer as bytes arrive):
   the previous psd's virtual size grew by 1 GiB per head.
 
 The short forms run in make test (a few seconds each); RESTPS_HOSTILE_LONG=1

@@ -1,5 +1,6 @@
-/* web.c - psd's handler for the embedded page (common/web_assets.h):
- * content types, ETag, Cache-Control, If-None-Match. */
+/* route_web.c - GET /, /app.js, /style.css: the embedded monitoring page
+ * (common/web_assets.h), with content types, ETag, Cache-Control and
+ * If-None-Match. */
 #include <string.h>
 
 #include "routes.h"

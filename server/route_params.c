@@ -1,8 +1,9 @@
-/* bulk.c - the worker's path: every variable of the shard in one safetensors
- * body (GET /v1/params), and one safetensors body of gradients applied as one
- * update (POST /v1/grads). */
+/* route_params.c - GET /v1/params: every variable of the shard in one
+ * safetensors body, the worker's pull, as a long poll on the step
+ * (?min_step=) or the slowest clock (?min_clock=, stale-synchronous). */
 #include <errno.h>
 #include <math.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,24 +13,6 @@
 #include "token.h"
 #include "routes.h"
 #include "workers.h"
-
-/* The largest step or clock a request may carry: exact in JSON (2^53), and far
- * from INT64_MAX, so step and clock arithmetic cannot overflow. */
-#define META_INT_MAX (1LL << 53)
-
-/* A non-negative integer query argument: 0 absent, 1 ok, -1 bad. */
-static int query_int(request *r, const char *key, long long *out)
-{
-    const char *s = http_query(r, key);
-    if (!s)
-        return 0;
-    if (*s < '0' || *s > '9')
-        return -1;
-    errno = 0;
-    char *end;
-    *out = strtoll(s, &end, 10);
-    return (*end || errno) ? -1 : 1;
-}
 
 #define LONG_POLL_DEFAULT_MS 30000
 #define LONG_POLL_MAX_MS 300000
@@ -49,24 +32,24 @@ enum MHD_Result h_params_get(request *r)
 {
     server *srv = req_srv(r);
     long long min_step = -1, timeout_ms = LONG_POLL_DEFAULT_MS, worker = -1;
-    if (query_int(r, "min_step", &min_step) < 0)
+    if (http_query_int(r, "min_step", LLONG_MAX, &min_step) < 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_step must be a non-negative integer");
-    if (query_int(r, "worker", &worker) < 0 || worker >= STORE_MAX_WORKERS)
+    if (http_query_int(r, "worker", LLONG_MAX, &worker) < 0 || worker >= STORE_MAX_WORKERS)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "worker must be an integer from 0 to %d",
                                 STORE_MAX_WORKERS - 1);
-    if (query_int(r, "timeout_ms", &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
+    if (http_query_int(r, "timeout_ms", LLONG_MAX, &timeout_ms) < 0 || timeout_ms > LONG_POLL_MAX_MS)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
     long long min_clock = -1, clock = -1, avg = 0;
-    if (query_int(r, "moving_average", &avg) < 0 || avg > 1)
+    if (http_query_int(r, "moving_average", LLONG_MAX, &avg) < 0 || avg > 1)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "moving_average must be 0 or 1");
     if (avg) {
         store_config mc;
-        if (!store_get_config(&srv->store, &mc) || !(mc.moving_average_decay > 0))
+        if (store_get_config(&srv->store, &mc) != STORE_OK || !(mc.moving_average_decay > 0))
             return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                     "moving_average=1: the training configuration has no moving_average_decay");
     }
-    if (query_int(r, "min_clock", &min_clock) < 0 || query_int(r, "clock", &clock) < 0)
+    if (http_query_int(r, "min_clock", LLONG_MAX, &min_clock) < 0 || http_query_int(r, "clock", LLONG_MAX, &clock) < 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "min_clock and clock must be non-negative integers");
     if (min_step > META_INT_MAX || min_clock > META_INT_MAX || clock > META_INT_MAX)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s must be an integer from 0 to %lld",
@@ -110,7 +93,7 @@ enum MHD_Result h_params_get(request *r)
      * between would otherwise look like a lost gradient.) */
     int lost = 0;
     store_config cfg;
-    if (worker >= 0 && step < min_step && !req_psd(r)->parked && store_get_config(&srv->store, &cfg) &&
+    if (worker >= 0 && step < min_step && !req_psd(r)->parked && store_get_config(&srv->store, &cfg) == STORE_OK &&
         cfg.sync)
         lost = !pending;
     if (step < min_step && !lost && !req_psd(r)->parked && timeout_ms > 0 && !atomic_load(&srv->stopping)) {
@@ -162,135 +145,5 @@ out:
     free(parts);
     free(hold);
     store_snaps_release(v, n);
-    return rc;
-}
-
-/* A metadata value that must be an integer >= 0; 0 absent, 1 ok, -1 bad. */
-static int meta_int(const st_file *f, const char *key, long long *out)
-{
-    const char *s = st_meta_get(f, key);
-    if (!s)
-        return 0;
-    if (*s < '0' || *s > '9')
-        return -1;
-    errno = 0;
-    char *end;
-    *out = strtoll(s, &end, 10);
-    return (*end || errno) ? -1 : 1;
-}
-
-static int push_id_ok(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > STORE_PUSH_ID_MAX)
-        return 0;
-    for (size_t i = 0; i < n; i++) {
-        char c = s[i];
-        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '-' || c == '_' || c == '.' || c == ':'))
-            return 0;
-    }
-    return 1;
-}
-
-enum MHD_Result h_grads_post(request *r)
-{
-    char err[256];
-    blob *b = req_body(r);
-    uint64_t hl;
-    if (st_read_prefix(b->data, b->len, &hl, err, sizeof(err)) != 0)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    st_file f;
-    uint64_t data_len = b->len - 8 - hl;
-    int pr = st_parse_header(b->data + 8, hl, data_len, &f, err, sizeof(err));
-    if (pr != 0)
-        return http_reply_error(r, pr == ST_ENOMEM ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_BAD_REQUEST,
-                                "%s", err);
-    enum MHD_Result rc;
-    unsigned char *data = b->data + 8 + hl;
-    size_t mis = (uintptr_t)data % 4;
-    if (mis) { /* another writer's unpadded header: align the floats in place */
-        memmove(data - mis, data, data_len);
-        data -= mis;
-    }
-    long long worker = -1, step = -1, batch = -1, clock = -1;
-    /* each in range before any arithmetic on it (a clock of INT64_MAX
-     * overflowed at clock + 1; a worker of 2^32 became worker 0) */
-    static const struct {
-        const char *key;
-        long long max;
-    } ints[] = {{"worker", STORE_MAX_WORKERS - 1},
-                {"step", META_INT_MAX},
-                {"batch_size", INT32_MAX},
-                {"clock", META_INT_MAX}};
-    long long *outs[] = {&worker, &step, &batch, &clock};
-    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
-        if (meta_int(&f, ints[i].key, outs[i]) < 0) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "metadata worker, step, batch_size and clock must be non-negative integers");
-            goto out;
-        }
-        if (*outs[i] > ints[i].max) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "metadata %s '%.32s' must be an integer from 0 to %lld", ints[i].key,
-                                  st_meta_get(&f, ints[i].key), ints[i].max);
-            goto out;
-        }
-    }
-    store_push_meta meta = {.worker = worker, .step = step, .clock = clock, .body = b};
-    const char *loss = st_meta_get(&f, "loss");
-    if (loss) {
-        char *end;
-        errno = 0;
-        meta.loss = strtod(loss, &end);
-        if (!*loss || *end || errno || !isfinite(meta.loss)) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "metadata loss '%.32s' is not a finite number",
-                                  loss);
-            goto out;
-        }
-        meta.has_loss = 1;
-    }
-    meta.push_id = http_header(r, "X-Push-Id");
-    if (meta.push_id && !push_id_ok(meta.push_id)) {
-        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                              "X-Push-Id must be 1 to %d characters of [A-Za-z0-9._:-]",
-                              STORE_PUSH_ID_MAX);
-        goto out;
-    }
-    for (int k = 0; k < f.n_tensors; k++)
-        if (strcmp(f.tensors[k].dtype, "F32") != 0) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "gradient '%s' has dtype %s, only F32 is accepted",
-                                  f.tensors[k].name, f.tensors[k].dtype);
-            goto out;
-        }
-    for (int k = 0; k < f.n_tensors; k++) {
-        const st_tensor *t = &f.tensors[k];
-        const float *g = (const float *)(data + t->begin);
-        int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));
-        if (bad >= 0) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "gradient '%s' has %s at element %lld",
-                                  t->name, isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
-            goto out;
-        }
-    }
-    int64_t gstep;
-    int outcome;
-    static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
-    int src = store_apply_grads(&req_srv(r)->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
-    if (src == STORE_ENOMEM)
-        rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
-    else if (src == STORE_EAHEAD)
-        rc = http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
-    else if (src != STORE_OK)
-        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    else {
-        workers_seen(req_srv(r)->workers, worker, step, batch, outcome);
-        rc = http_reply_json(r, MHD_HTTP_OK,
-                             json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
-                                       outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));
-    }
-out:
-    st_file_free(&f);
     return rc;
 }

@@ -1,4 +1,4 @@
-/* status.c - /healthz and /v1/status. */
+/* route_status.c - GET /healthz and GET /v1/status. */
 #include <time.h>
 
 #include "clock.h"
@@ -6,6 +6,7 @@
 #include "membership.h"
 #include "saver.h"
 #include "routes.h"
+#include "shard_view.h"
 #include "workers.h"
 
 enum MHD_Result h_healthz(request *r)
@@ -29,7 +30,7 @@ json_t *status_json(server *srv)
                           "bytes", (json_int_t)bytes, "uptime_secs", up, "requests_served",
                           (json_int_t)atomic_load(&srv->requests), "learning_rate", 0.0);
     store_config c;
-    int ready = store_get_config(&srv->store, &c);
+    int ready = store_get_config(&srv->store, &c) == STORE_OK;
     json_object_set_new(o, "learning_rate", json_real(c.optim.learning_rate));
     json_object_set_new(o, "ready", json_boolean(ready));
     json_object_set_new(o, "mode", json_string(c.sync ? "sync" : "async"));
@@ -64,6 +65,7 @@ json_t *status_json(server *srv)
     json_object_set_new(o, "checkpoint", srv->saver ? saver_status_json(srv->saver) : json_null());
     workers_status(srv->workers, &srv->store, o);
     history_status(srv->history, o);
+    shard_view_status(srv->shards, o);
     return o;
 }
 

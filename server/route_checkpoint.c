@@ -1,4 +1,4 @@
-/* checkpoint_routes.c - GET /v1/checkpoint (the newest checkpoint file,
+/* route_checkpoint.c - GET /v1/checkpoint (the newest checkpoint file,
  * streamed with sendfile) and POST /v1/checkpoint (save now). */
 #include <errno.h>
 #include <fcntl.h>
@@ -69,7 +69,7 @@ enum MHD_Result h_checkpoint_post(request *r)
         return http_reply_error(r, MHD_HTTP_CONFLICT, "checkpoints are off on this ps (--logdir is empty)");
     char path[PATH_MAX], err[512];
     int64_t step = -1;
-    int rc = -2;
+    int rc = SAVER_ENOJOB;
     if (!req_psd(r)->parked) {
         /* a save takes seconds for a big model: the saver's thread writes it
          * while this connection is suspended, however long that takes, and
@@ -86,10 +86,10 @@ enum MHD_Result h_checkpoint_post(request *r)
     }
     if (req_psd(r)->parked) {
         rc = saver_result(sv, r->conn, path, sizeof(path), &step, err, sizeof(err));
-        if (rc != -2)
+        if (rc != SAVER_ENOJOB)
             req_psd(r)->saver_job = 0; /* collected */
     }
-    if (rc == -2) /* not queued (out of memory): on this thread (a stop waits for it) */
+    if (rc == SAVER_ENOJOB) /* not queued (out of memory): on this thread (a stop waits for it) */
         rc = saver_save_requested(sv, path, sizeof(path), &step, err, sizeof(err));
     if (rc == SAVER_STOPPING)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", err);

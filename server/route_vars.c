@@ -1,5 +1,7 @@
-/* vars.c - one variable at a time: list, read (raw, JSON, slices, ETag),
- * statistics, create/replace, and a gradient for one variable. */
+/* route_vars.c - one variable at a time: GET /v1/vars (the list), GET and
+ * PUT /v1/vars/{name} (read raw, JSON, slices, ETag; create or replace), GET
+ * /v1/vars/{name}/stats and POST /v1/vars/{name}/grad (a gradient for one
+ * variable). */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>

@@ -1,6 +1,6 @@
-/* training.c - what coordinates a training run on a ps task: the chief's
- * configuration (optimizer, sync or async), readiness, the evaluator's
- * reports, workers saying they are done, and shutdown at the end. */
+/* route_config.c - GET/PUT /v1/config (the chief's training configuration:
+ * optimizer, sync or async, parsed and range-checked) and GET /readyz (200
+ * once it is set). */
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -59,39 +59,13 @@ static json_t *config_json(const store_config *c)
     return o;
 }
 
-static json_t *body_json(request *r, char *err, size_t errlen)
-{
-    json_error_t je;
-    json_t *j = json_loadb((const char *)req_body(r)->data, req_body(r)->len, JSON_REJECT_DUPLICATES, &je);
-    if (!j)
-        snprintf(err, errlen, "body is not JSON: %s", je.text);
-    else if (!json_is_object(j)) {
-        snprintf(err, errlen, "body must be a JSON object");
-        json_decref(j);
-        j = NULL;
-    }
-    return j;
-}
-
-/* A number field; 0 absent, 1 ok, -1 present but not a number. */
-static int num_field(json_t *o, const char *key, double *out)
-{
-    json_t *v = json_object_get(o, key);
-    if (!v)
-        return 0;
-    if (!json_is_number(v))
-        return -1;
-    *out = json_number_value(v);
-    return 1;
-}
-
 /* A number field that must be finite as a float and satisfy ok; 0 absent,
  * 1 read into *out, -1 with err (what the field must be). */
 static int float_field(json_t *o, const char *key, int (*ok)(double), const char *must, float *out,
                        char *err, size_t errlen)
 {
     double x;
-    int k = num_field(o, key, &x);
+    int k = body_number(o, key, &x);
     if (k == 0)
         return 0;
     if (k < 0 || !(fabs(x) <= FLT_MAX) || !ok(x)) {
@@ -251,7 +225,7 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
 enum MHD_Result h_config_get(request *r)
 {
     store_config c;
-    if (!store_get_config(&req_srv(r)->store, &c))
+    if (store_get_config(&req_srv(r)->store, &c) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no training configuration yet: the chief sends it");
     return http_reply_json(r, MHD_HTTP_OK, config_json(&c));
 }
@@ -259,7 +233,7 @@ enum MHD_Result h_config_get(request *r)
 enum MHD_Result h_config_put(request *r)
 {
     char err[256];
-    json_t *j = body_json(r, err, sizeof(err));
+    json_t *j = req_body_json(r, err, sizeof(err));
     if (!j)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     store_config c;
@@ -279,156 +253,8 @@ enum MHD_Result h_config_put(request *r)
 enum MHD_Result h_readyz(request *r)
 {
     store_config c;
-    if (!store_get_config(&req_srv(r)->store, &c))
+    if (store_get_config(&req_srv(r)->store, &c) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE,
                                 "variables not initialized: waiting for the chief");
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ready"));
-}
-
-enum MHD_Result h_eval_post(request *r)
-{
-    char err[256];
-    json_t *j = body_json(r, err, sizeof(err));
-    if (!j)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    double loss = 0, acc = 0;
-    json_t *js = json_object_get(j, "global_step"), *je = json_object_get(j, "examples");
-    int ok = num_field(j, "loss", &loss) == 1 && num_field(j, "accuracy", &acc) == 1 &&
-             (!js || (json_is_integer(js) && json_integer_value(js) >= 0)) &&
-             (!je || (json_is_integer(je) && json_integer_value(je) >= 0)) &&
-             isfinite(loss) && loss >= 0 && acc >= 0 && acc <= 1;
-    int64_t step = ok && js ? json_integer_value(js) : 0;
-    int64_t ex = ok && je ? json_integer_value(je) : 0;
-    json_decref(j);
-    if (!ok)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                "eval report needs loss >= 0 and accuracy in [0, 1]; global_step and "
-                                "examples are optional non-negative integers");
-    server *srv = req_srv(r);
-    pthread_mutex_lock(&srv->info_mu);
-    srv->eval.has = 1;
-    srv->eval.loss = loss;
-    srv->eval.accuracy = acc;
-    srv->eval.global_step = step;
-    srv->eval.examples = ex;
-    srv->eval.at = clk_mono_ts();
-    pthread_mutex_unlock(&srv->info_mu);
-    history_record_eval(srv->history, step, loss, acc);
-    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "recorded"));
-}
-
-enum MHD_Result h_done_post(request *r)
-{
-    char err[256];
-    json_t *j = body_json(r, err, sizeof(err));
-    if (!j)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    json_t *w = json_object_get(j, "worker");
-    int ok = json_is_integer(w) && json_integer_value(w) >= 0 &&
-             json_integer_value(w) < STORE_MAX_WORKERS;
-    int idx = ok ? (int)json_integer_value(w) : 0;
-    json_decref(j);
-    if (!ok)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "body must be {\"worker\": index}");
-    server *srv = req_srv(r);
-    store_leave(&srv->store, idx); /* a step no longer waits for it */
-    store_sync_tick(&srv->store);
-    pthread_mutex_lock(&srv->info_mu);
-    if (!srv->done[idx]) {
-        srv->done[idx] = 1;
-        srv->n_done++;
-    }
-    int n = srv->n_done;
-    pthread_mutex_unlock(&srv->info_mu);
-    return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:i}", "workers_done", n));
-}
-
-enum MHD_Result h_shutdown_post(request *r)
-{
-    server *srv = req_srv(r);
-    atomic_store(&srv->stopping, 1);
-    log_info("psd: shutdown requested over HTTP");
-    enum MHD_Result rc = http_reply_json(r, MHD_HTTP_ACCEPTED, json_pack("{s:s}", "status", "stopping"));
-    kill(getpid(), SIGTERM); /* main stops the server cleanly after this answer goes out */
-    return rc;
-}
-
-/* The chief's placement map (client/placement.h), kept for GET /v1/placement
- * and the checkpoints; psd checks its shape, not its arithmetic. */
-#define PLACEMENT_MAX (1 << 20)
-enum MHD_Result h_placement_put(request *r)
-{
-    char err[256];
-    json_t *j = body_json(r, err, sizeof(err));
-    if (!j)
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    json_t *n = json_object_get(j, "ps_tasks"), *vars = json_object_get(j, "variables"),
-           *pol = json_object_get(j, "policy");
-    int ps = req_srv(r)->cfg.cluster.jobs[JOB_PS].n;
-    if (!json_is_integer(n) || !json_is_array(vars) || !json_is_string(pol)) {
-        json_decref(j);
-        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                "placement must be an object with policy, ps_tasks and variables");
-    }
-    if (json_integer_value(n) != ps) {
-        json_int_t got = json_integer_value(n);
-        json_decref(j);
-        return http_reply_error(r, MHD_HTTP_CONFLICT,
-                                "placement is for %lld ps tasks, this cluster has %d",
-                                (long long)got, ps);
-    }
-    /* the model the chief trains (client/model.h's canonical spec) and its
-     * input shape: they go into every checkpoint's __metadata__ */
-    static const struct { const char *key; size_t max; } named[] = {{"model", 511}, {"input_shape", 63}};
-    for (size_t i = 0; i < sizeof(named) / sizeof(named[0]); i++) {
-        json_t *v = json_object_get(j, named[i].key);
-        if (!v)
-            continue;
-        const char *t = json_string_value(v);
-        size_t len = t ? json_string_length(v) : 0;
-        int ok = t && len >= 1 && len <= named[i].max;
-        for (size_t k = 0; ok && k < len; k++)
-            ok = t[k] > ' ' && t[k] <= '~'; /* printable, no space: also no NUL inside */
-        if (!ok) {
-            json_decref(j);
-            return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                    "placement %s must be a string of 1 to %zu printable characters",
-                                    named[i].key, named[i].max);
-        }
-    }
-    json_object_del(j, "this_ps"); /* psd's own, added on GET */
-    char *text = json_dumps_checked(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
-    json_decref(j);
-    if (text && strlen(text) > PLACEMENT_MAX) {
-        free(text);
-        return http_reply_error(r, MHD_HTTP_CONTENT_TOO_LARGE,
-                                "placement map over %d bytes (it goes into every checkpoint)",
-                                PLACEMENT_MAX);
-    }
-    if (!text || store_set_placement(&req_srv(r)->store, text) != STORE_OK) {
-        free(text);
-        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
-    }
-    free(text);
-    return h_placement_get(r);
-}
-
-enum MHD_Result h_placement_get(request *r)
-{
-    char *text = store_get_placement(&req_srv(r)->store);
-    if (!text)
-        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no placement yet: the chief sends it");
-    json_t *j = json_loads(text, 0, NULL);
-    free(text);
-    if (!j)
-        return http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "stored placement is not JSON");
-    int n;
-    uint64_t bytes;
-    int64_t step;
-    int has_loss;
-    double loss;
-    store_totals(&req_srv(r)->store, &n, &bytes, &step, &has_loss, &loss);
-    json_object_set_new(j, "this_ps", json_pack("{s:i,s:i,s:I}", "task", req_srv(r)->cfg.cluster.task_index,
-                                                "variables", n, "bytes", (json_int_t)bytes));
-    return http_reply_json(r, MHD_HTTP_OK, j);
 }

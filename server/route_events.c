@@ -1,4 +1,4 @@
-/* events.c - GET /v1/events: the task's status as Server-Sent Events.
+/* route_events.c - GET /v1/events: the task's status as Server-Sent Events.
  *
  * One long response per client, produced by a content reader: `retry: 1000`
  * at once, then an event `id: <global_step>` / `event: status` / `data:
@@ -146,13 +146,7 @@ enum MHD_Result h_events(request *r)
         char *end;
         errno = 0;
         long long id = strtoll(last, &end, 10);
-        int n;
-        uint64_t bytes;
-        int64_t step;
-        int has_loss;
-        double loss;
-        store_totals(&srv->store, &n, &bytes, &step, &has_loss, &loss);
-        if (!*end && !errno && id == step)
+        if (!*end && !errno && id == store_global_step(&srv->store))
             c->need_first = 0; /* seen already: wait for the next change */
     }
     int64_t now = clk_mono_ms();
