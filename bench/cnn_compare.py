@@ -3,7 +3,7 @@ one thread, batch 100, sgd) against the same model in PyTorch on the CPU
 (bench/cnn_torch.py, one thread, channels-last) in one run, and restps's
 conv + dense FLOP rate against OpenBLAS sgemm's measured in the same run.
 
-    /usr/bin/python3 bench/cnn_compare.py [--bin=bin] [--steps=30] [--reps=2]
+    /usr/bin/python3 bench/cnn_compare.py [--bin=bin] [--steps=30] [--reps=3] [--warmup=3]
 
 Targets (issue 19): restps / PyTorch >= 1.0; restps's GFLOP/s >= 50% of
 sgemm's. The runs alternate, reps times each, and the best of each side is
@@ -95,7 +95,7 @@ def main():
     ap.add_argument("--data_dir", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps before the timed ones, on both sides")
     ap.add_argument("--full_data", action="store_true",
