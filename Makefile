@@ -139,7 +139,7 @@ $(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
 UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_tfevents test_blas_kernel
 UNIT_TESTS += test_ckptdir
 UNIT_TESTS += test_model
-UNIT_TESTS += test_retry
+UNIT_TESTS += test_retry test_while_waiting
 UNIT_TESTS += test_placement
 UNIT_TESTS += test_waiters test_sync
 UNIT_TESTS += test_http_server
@@ -173,6 +173,9 @@ $(COMMON_UNIT_TESTS:%=$(BIN)/%): $(BIN)/%: $(BUILD)/tests/unit/%.o $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
 $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
+$(BIN)/test_while_waiting: $(BUILD)/tests/unit/test_while_waiting.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
 $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/placement.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
@@ -259,11 +262,14 @@ bench: deps all bench-bins
 	@sh scripts/nginx.sh
 	sh bench/run.sh
 	sh bench/train.sh
+	/usr/bin/python3 bench/small_step.py --bin=$(BIN)
 	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
 	BIN=$(BIN) sh bench/cnn_accuracy.sh
 	/usr/bin/python3 bench/async_accuracy.py
 	/usr/bin/python3 bench/scale.py
 	/usr/bin/python3 bench/ring.py
+	/usr/bin/python3 bench/gloo_allreduce.py --bin=$(BIN)
+	/usr/bin/python3 bench/torch_rpc_ps.py --bin=$(BIN)
 	/usr/bin/python3 bench/pipeline.py
 	sh bench/tls.sh
 	sh scripts/pydeps.sh bench/requirements.txt build/bench-venv

@@ -92,6 +92,16 @@ int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, co
  * (PS_ENET) instead of retrying or waiting on, e.g. after SIGTERM. */
 void ps_set_abort(ps_client *c, int (*fn)(void));
 
+/* Work to do while the next request waits for its answer: fn(arg) is called
+ * once, on this thread, as soon as the whole body of the next request that
+ * has one (a push) is in the socket, while the ps reads and applies it; the
+ * answer is read after fn returns. One-shot: the request after that one does
+ * not call it, and when the body never went out (a failure first) fn is not
+ * called at all, so the caller must not count on it. With several shards it
+ * runs once, after the last body. fn must not use this ps_client nor change
+ * the memory the request sends. NULL: nothing (the default). */
+void ps_set_while_waiting(ps_client *c, void (*fn)(void *), void *arg);
+
 /* Change the retry time budget (ps_options.retry_ms) from now on. */
 void ps_set_retry_ms(ps_client *c, long retry_ms);
 /* on: a pull that does not wait (min_step < 0) reads the moving averages

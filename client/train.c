@@ -175,6 +175,26 @@ int train_check_placement(const train_config *c, ps_client *pc, const shards *sh
     return bad ? -1 : 0;
 }
 
+/* The next batch, gathered into the other buffer and staged while a push's
+ * answer is awaited (ps_set_while_waiting): the ps reads and applies the
+ * gradient meanwhile. */
+typedef struct next_batch {
+    batcher *b;
+    batch_pair *bp;
+    model *m;
+    int idx, batch, n_features;
+    int64_t k, *next_k;
+} next_batch;
+
+static void stage_next_batch(void *arg)
+{
+    next_batch *n = arg;
+    batcher_at(n->b, n->k, n->batch, n->n_features, n->bp->x[n->idx], n->bp->y[n->idx],
+               &n->bp->example0[n->idx]);
+    (void)model_stage_batch(n->m, n->bp->x[n->idx], n->bp->y[n->idx], n->batch); /* -1: copied then */
+    *n->next_k = n->k;
+}
+
 int train_worker(const train_config *c)
 {
     idx_dataset ds;
@@ -346,7 +366,12 @@ int train_worker(const train_config *c)
         push_meta pm = {c->trainer, step, loss, c->batch_size, id, ssp >= 0 ? k - 1 : -1};
         int64_t after;
         int outcome;
+        /* the next batch (as predicted below) while the ps applies this push */
+        next_batch nb = {&b, &bp, m, cur ^ 1, c->batch_size, ds.n_features, sync ? step + 1 : k, &next_k};
+        if ((max_local < 0 || local + 1 < max_local) && (!sync || nb.k < c->train_steps))
+            ps_set_while_waiting(pc, stage_next_batch, &nb);
         prc = shards_push(&sh, grads, &pm, &after, &outcome);
+        ps_set_while_waiting(pc, NULL, NULL); /* nb goes out of scope */
         if (prc == PS_EHTTP && ps_http_status(pc) == 409 && sync) {
             /* a shard is behind the step we computed from: it restarted
              * from a checkpoint; pull again and compute for its step */
@@ -389,7 +414,7 @@ int train_worker(const train_config *c)
          * device while the pull waits; gathered here, not before the push,
          * so as not to delay the push the other workers may be waiting for */
         int64_t nk = sync ? step + 1 : k;
-        if ((max_local < 0 || local < max_local) && (!sync || nk < c->train_steps)) {
+        if (next_k != nk && (max_local < 0 || local < max_local) && (!sync || nk < c->train_steps)) {
             batcher_at(&b, nk, c->batch_size, ds.n_features, bp.x[cur ^ 1], bp.y[cur ^ 1],
                        &bp.example0[cur ^ 1]);
             (void)model_stage_batch(m, bp.x[cur ^ 1], bp.y[cur ^ 1], c->batch_size); /* -1: copied then */

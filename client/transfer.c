@@ -210,14 +210,28 @@ static size_t on_read(char *p, size_t size, size_t nmemb, void *ud)
     return done;
 }
 
+/* libcurl calls it after every read or write of a transfer: the work of
+ * ps_set_while_waiting once the whole body is in the socket (un counts the
+ * body bytes written), and the abort check. */
 static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un)
 {
-    (void)dt, (void)dn, (void)ut, (void)un;
-    ps_client *c = ud;
+    (void)dt, (void)dn;
+    xfer *x = ud;
+    ps_client *c = x->c;
+    if (x->hook && c->while_fn && ut > 0 && un >= ut) {
+        void (*fn)(void *) = c->while_fn;
+        c->while_fn = NULL;
+        fn(c->while_arg);
+    }
     return c->abort_fn && c->abort_fn() ? 1 : 0;
 }
 
 void ps_set_abort(ps_client *c, int (*fn)(void)) { c->abort_fn = fn; }
+void ps_set_while_waiting(ps_client *c, void (*fn)(void *), void *arg)
+{
+    c->while_fn = fn;
+    c->while_arg = arg;
+}
 
 void ps_set_retry_ms(ps_client *c, long retry_ms) { c->opt.retry_ms = retry_ms > 0 ? retry_ms : 0; }
 void ps_set_moving_average(ps_client *c, int on) { c->moving_average = on != 0; }
@@ -296,10 +310,11 @@ static CURL *xfer_setup(ps_client *c, xfer *x)
     curl_easy_setopt(h, CURLOPT_ERRORBUFFER, x->curl_err);
     if (c->ca_file)
         curl_easy_setopt(h, CURLOPT_CAINFO, c->ca_file);
-    if (c->abort_fn) {
+    x->c = c;
+    if (c->abort_fn || (x->hook && c->while_fn)) {
         curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
         curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, on_progress);
-        curl_easy_setopt(h, CURLOPT_XFERINFODATA, c);
+        curl_easy_setopt(h, CURLOPT_XFERINFODATA, x);
     }
     if (x->src) {
         x->src->idx = 0;
@@ -360,41 +375,25 @@ static void xfer_judge(ps_client *c, xfer *x, CURLcode cr)
     }
 }
 
-/* One try of every x not done yet: one at a time when it is one or when
- * every body is small, else all at once over libcurl's multi interface (one
- * connection per shard). */
-#define MULTI_MIN_BYTES ((size_t)1 << 20)
-static void xfer_try(ps_client *c, xfer *xs, int n)
+/* Whether the body of every x not done has gone to the socket: libcurl
+ * counts the body bytes it wrote. */
+static int bodies_sent(ps_client *c, xfer *xs, int n)
 {
-    int todo = 0, last = -1;
-    for (int i = 0; i < n; i++)
-        if (!xs[i].done) {
-            todo++;
-            last = i;
-        }
-    if (todo == 1) {
-        CURL *h = xfer_setup(c, &xs[last]);
-        xfer_judge(c, &xs[last], curl_easy_perform(h));
-        return;
+    for (int i = 0; i < n; i++) {
+        if (xs[i].done)
+            continue;
+        curl_off_t up = 0;
+        if (!xs[i].src || curl_easy_getinfo(c->h[xs[i].shard], CURLINFO_SIZE_UPLOAD_T, &up) != CURLE_OK ||
+            up < (curl_off_t)(xs[i].src->len[0] + xs[i].src->len[1]))
+            return 0;
     }
-    /* small bodies go one after the other: on loopback the multi interface's
-     * extra wake-ups cost more than the overlap saves (measured: the example
-     * model on 2 ps, 1 sync worker, 580 vs 414 steps/s) */
-    size_t biggest = 0;
-    for (int i = 0; i < n; i++)
-        if (!xs[i].done) {
-            size_t b = xs[i].src ? xs[i].src->len[0] + xs[i].src->len[1] : xs[i].s->cap;
-            if (b > biggest)
-                biggest = b;
-        }
-    if (biggest < MULTI_MIN_BYTES) {
-        for (int i = 0; i < n; i++)
-            if (!xs[i].done) {
-                CURL *h = xfer_setup(c, &xs[i]);
-                xfer_judge(c, &xs[i], curl_easy_perform(h));
-            }
-        return;
-    }
+    return 1;
+}
+
+/* Every x not done at once over libcurl's multi interface, one connection
+ * per shard; the work of ps_set_while_waiting once every body is sent. */
+static void multi_try(ps_client *c, xfer *xs, int n)
+{
     if (!c->multi && !(c->multi = curl_multi_init())) {
         for (int i = 0; i < n; i++)
             if (!xs[i].done) {
@@ -410,6 +409,12 @@ static void xfer_try(ps_client *c, xfer *xs, int n)
     int running = 1;
     while (running) {
         CURLMcode mc = curl_multi_perform(c->multi, &running);
+        if (mc == CURLM_OK && c->while_fn && bodies_sent(c, xs, n)) {
+            void (*fn)(void *) = c->while_fn;
+            c->while_fn = NULL;
+            fn(c->while_arg);
+            continue; /* the answers may be here already */
+        }
         if (mc == CURLM_OK && running)
             mc = curl_multi_poll(c->multi, NULL, 0, 1000, NULL);
         if (mc != CURLM_OK)
@@ -433,6 +438,50 @@ static void xfer_try(ps_client *c, xfer *xs, int n)
         }
     for (int i = 0; i < n; i++)
         curl_multi_remove_handle(c->multi, c->h[xs[i].shard]);
+}
+
+/* One try of every x not done yet: one at a time when it is one or when
+ * every body is small, else all at once over libcurl's multi interface (one
+ * connection per shard). The work of ps_set_while_waiting runs once the
+ * body is sent: of the one transfer, of the last of several one after the
+ * other, or of all at once. */
+#define MULTI_MIN_BYTES ((size_t)1 << 20)
+static void xfer_try(ps_client *c, xfer *xs, int n)
+{
+    int todo = 0, last = -1;
+    for (int i = 0; i < n; i++)
+        if (!xs[i].done) {
+            todo++;
+            last = i;
+        }
+    if (todo == 1) {
+        xs[last].hook = xs[last].src != NULL;
+        CURL *h = xfer_setup(c, &xs[last]);
+        xfer_judge(c, &xs[last], curl_easy_perform(h));
+        return;
+    }
+    /* small bodies go one after the other: on loopback the multi interface's
+     * extra wake-ups cost more than the overlap saves (measured: the example
+     * model on 2 ps, 1 sync worker, 580 vs 414 steps/s) */
+    size_t biggest = 0;
+    for (int i = 0; i < n; i++)
+        if (!xs[i].done) {
+            size_t b = xs[i].src ? xs[i].src->len[0] + xs[i].src->len[1] : xs[i].s->cap;
+            if (b > biggest)
+                biggest = b;
+        }
+    if (biggest < MULTI_MIN_BYTES) {
+        for (int i = 0; i < n; i++)
+            if (!xs[i].done) {
+                xs[i].hook = i == last && xs[i].src; /* after the last body only */
+                CURL *h = xfer_setup(c, &xs[i]);
+                xfer_judge(c, &xs[i], curl_easy_perform(h));
+            }
+        return;
+    }
+    for (int i = 0; i < n; i++)
+        xs[i].hook = 0; /* multi_try calls it once every body is sent */
+    multi_try(c, xs, n);
 }
 
 int xfer_run(ps_client *c, xfer *xs, int n)
@@ -474,6 +523,9 @@ int xfer_run(ps_client *c, xfer *xs, int n)
     if (rc == PS_OK && n > 0)
         c->status = xs[n - 1].status;
     c->extra_timeout_ms = 0;
+    for (int i = 0; i < n; i++)
+        if (xs[i].src)
+            c->while_fn = NULL; /* one-shot: used or not, it was for this request */
     return rc;
 }
 

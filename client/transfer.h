@@ -31,6 +31,8 @@ struct ps_client {
     CURLM *multi;          /* requests to every shard at once */
     char *ca_file;         /* HTTPS: the CAs to trust, or NULL (the system's) */
     int (*abort_fn)(void); /* nonzero: stop waiting (a signal asked the program to stop) */
+    void (*while_fn)(void *); /* ps_set_while_waiting: once the next body is sent */
+    void *while_arg;
 };
 
 /* Where an answer goes. */
@@ -73,6 +75,8 @@ typedef struct xfer {
     struct curl_slist *hdrs;
     size_t start_len;
     int rc, done, retry;
+    int hook;                 /* call the client's while_fn once the body is sent (on_progress) */
+    ps_client *c;
     long status;
     char err[1024];
     char curl_err[CURL_ERROR_SIZE]; /* libcurl's own words (certificate problems) */
