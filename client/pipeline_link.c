@@ -192,6 +192,88 @@ static enum MHD_Result state_handle(http_req *r)
     return http_reply_json(r, MHD_HTTP_OK, j);
 }
 
+/* What a stage's /v1/pipeline says of its progress (from j, a whole answer). */
+static json_t *progress_of(json_t *j, int stage, const char *url)
+{
+    json_t *o = json_pack("{s:i,s:s}", "stage", stage, "url", url);
+    const char *keys[] = {"current_step", "current_slot", "done", "waiting_for", "busy_secs", "idle_secs",
+                          "buffered"};
+    for (size_t i = 0; o && i < sizeof(keys) / sizeof(keys[0]); i++) {
+        json_t *v = json_object_get(j, keys[i]);
+        if (v)
+            json_object_set(o, keys[i], v);
+    }
+    return o;
+}
+
+static size_t on_grow(char *p, size_t size, size_t n, void *ctx)
+{
+    char **buf = ctx;
+    size_t len = size * n, have = *buf ? strlen(*buf) : 0;
+    if (have + len > (1 << 20))
+        return 0; /* a status is small */
+    char *b = realloc(*buf, have + len + 1);
+    if (!b)
+        return 0;
+    memcpy(b + have, p, len);
+    b[have + len] = 0;
+    *buf = b;
+    return len;
+}
+
+/* GET /v1/pipeline of stage k (1 s); its progress, or {"stage", "url", "error"}. */
+static json_t *fetch_progress(pipe_link *l, int k)
+{
+    char url[CLUSTER_HOST_MAX + 64], *body = NULL;
+    snprintf(url, sizeof(url), "%s/v1/pipeline", l->url[k]);
+    CURL *h = curl_easy_init();
+    long status = 0;
+    CURLcode cc = CURLE_FAILED_INIT;
+    if (h) {
+        curl_easy_setopt(h, CURLOPT_URL, url);
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1000L);
+        curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_grow);
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, &body);
+        cc = curl_easy_perform(h);
+        if (cc == CURLE_OK)
+            curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+        curl_easy_cleanup(h);
+    }
+    json_t *j = cc == CURLE_OK && status == 200 && body ? json_loads(body, 0, NULL) : NULL, *o;
+    if (j) {
+        o = progress_of(j, k, l->peer[k]);
+    } else {
+        char e[200];
+        snprintf(e, sizeof(e), "%s", cc != CURLE_OK ? curl_easy_strerror(cc) : "not a pipeline stage's answer");
+        o = json_pack("{s:i,s:s,s:s}", "stage", k, "url", l->peer[k], "error", e);
+    }
+    json_decref(j);
+    free(body);
+    return o;
+}
+
+static enum MHD_Result status_handle(http_req *r)
+{
+    pipe_link *l = r->ctx;
+    pthread_mutex_lock(&l->mu);
+    pipe_link_state st = l->st;
+    pthread_mutex_unlock(&l->mu);
+    json_t *j = json_pack("{s:s,s:i,s:i,s:i,s:i,s:I,s:o}", "mode", "pipeline", "stage", l->stage, "stages",
+                          l->stages, "replica", l->replica, "replicas", l->replicas, "global_step",
+                          (json_int_t)st.step, "last_loss", st.loss == st.loss ? json_real(st.loss) : json_null());
+    if (j && l->stage == 0 && l->replica == 0) {
+        json_t *all = json_array();
+        for (int k = 0; k < l->stages && all; k++)
+            json_array_append_new(all, fetch_progress(l, k));
+        json_object_set_new(j, "pipeline", all);
+    }
+    if (!j)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    return http_reply_json(r, MHD_HTTP_OK, j);
+}
+
 static enum MHD_Result health_handle(http_req *r)
 {
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
@@ -210,6 +292,7 @@ static const http_route link_routes[] = {
     {"POST", "/v1/pipeline/msg", HTTP_ROUTE_AUTH | HTTP_ROUTE_BODY, 0, msg_before_body, msg_handle,
      "one message from a neighbouring stage (raw float32)"},
     {"GET", "/v1/pipeline", HTTP_ROUTE_OPEN, 0, NULL, state_handle, "the stage's plan, table and state"},
+    {"GET", "/v1/status", HTTP_ROUTE_OPEN, 0, NULL, status_handle, "the stage; on the chief, every stage"},
     {"GET", "/healthz", HTTP_ROUTE_OPEN, 0, NULL, health_handle, "alive"},
 };
 

@@ -21,6 +21,10 @@
  *        replica order.
  *   GET  /v1/pipeline  the plan, the table, the current step and slot, what
  *        the stage waits for and from whom, busy and idle seconds (JSON)
+ *   GET  /v1/status  {"mode": "pipeline", the stage, its step and loss, and
+ *        on the chief (stage 0 of replica 0) "pipeline": every stage of its
+ *        replica as its /v1/pipeline says now (fetched, 1 s each), or the
+ *        error that stage gave}
  *   GET  /healthz
  * A send retries a neighbour that does not answer yet (starting, or busy)
  * until its deadline; a refusal (4xx) is final. Nothing here exits. */
@@ -89,6 +93,7 @@ typedef struct pipe_link_state {
     int wait_from;
     double busy_secs, idle_secs;
     int done;
+    double loss;  /* the last stage: the last step's mean loss; NAN: none (other stages) */
 } pipe_link_state;
 void pipe_link_set_state(pipe_link *l, const pipe_link_state *st);
 

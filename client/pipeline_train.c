@@ -299,6 +299,7 @@ int train_pipeline(const train_config *c)
         free(all);
     }
     stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
+    r.st.loss = NAN;
     const double tmo = c->pipeline_timeout_secs;
     double t_start = clk_mono_secs(), t_log = t_start;
     int64_t step = 0, example0 = 0;
@@ -428,6 +429,11 @@ int train_pipeline(const train_config *c)
         }
         r.st.busy_secs += clk_mono_secs() - t0;
         double loss = loss_sum / M;
+        if (is_last) {
+            r.st.loss = loss;
+            r.st.step = step + 1;
+            pipe_link_set_state(link, &r.st);
+        }
         msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M + (uint64_t)(R > 1) * (uint64_t)(R - 1);
         if (step == 0) {
             t_steady = clk_mono_secs();

@@ -351,6 +351,35 @@ def test_a_duplicate_message_is_409_and_leaves_the_first(stages, tmp_path, small
     assert state["waiting_for"]["step"] == 0 and state["current_step"] == 0, state
 
 
+def test_the_chiefs_status_shows_every_stage(stages, small_data):
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    base = [binary("workerd"), f"--worker_hosts={hosts}", "--pipeline_stages=2", "--micro_batches=2"]
+    base += common(small_data, MLP, "sgd", steps=10 ** 9)
+    s1 = stages.start(base + ["--task_index=1"])
+    s0 = stages.start(base + ["--task_index=0"])
+    wait_for_line(s0, "pipeline stage 0 of 2")  # printed once its endpoint serves
+    wait_for_line(s1, "pipeline stage 1 of 2")
+    deadline = time.monotonic() + 30
+    while True:  # until the last stage has a loss
+        last = json.loads(http("GET", f"http://127.0.0.1:{ports[1]}/v1/status")[2])
+        if last["last_loss"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert last["mode"] == "pipeline" and last["stage"] == 1 and "pipeline" not in last, last
+    assert last["global_step"] >= 1 and 0 < last["last_loss"] < 10, last
+    st = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/status")[2])
+    assert st["mode"] == "pipeline" and st["stage"] == 0 and st["last_loss"] is None, st
+    assert [e["stage"] for e in st["pipeline"]] == [0, 1], st
+    assert [e["url"] for e in st["pipeline"]] == [f"127.0.0.1:{p}" for p in ports], st
+    for e in st["pipeline"]:
+        assert "error" not in e and e["current_step"] >= 0 and e["busy_secs"] >= 0, e
+    os.kill(s1.pid, signal.SIGKILL)
+    s1.wait()
+    st = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/status")[2])
+    assert "error" in st["pipeline"][1], st  # a stage that does not answer says so
+
+
 def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, small_data):
     """The plan every message carries: another --stage_layers on stage 1
     makes stage 0's first activations a 409, and stage 0 stops at once
