@@ -199,7 +199,8 @@ def main():
             print(f"torch_rpc_ps: {a.bin}/{f} is missing (make all)", file=sys.stderr)
             return 1
     print(f"== parameter server peers: restps vs PyTorch torch.distributed.rpc (TensorPipe over TCP), "
-          f"784-100-10 batch {BATCH} sgd {LR}, async, {a.steps} global steps, best of {a.reps}, "
+          f"784-100-10 batch {BATCH} sgd {LR}, async, {a.steps} global steps (torch {max(200, a.steps // 3)}: "
+          f"it is slower), best of {a.reps}, "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'setup':>16} {'restps':>16} {'pytorch rpc':>16} {'restps/torch':>13}  kernels")
     for workers in (1, 2):
