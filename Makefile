@@ -142,6 +142,7 @@ UNIT_TESTS += test_model
 UNIT_TESTS += test_retry test_while_waiting
 UNIT_TESTS += test_placement
 UNIT_TESTS += test_waiters test_sync
+UNIT_TESTS += test_history
 UNIT_TESTS += test_http_server
 UNIT_TESTS += test_pipeline
 IDX_OBJ = $(BUILD)/client/idx.o
@@ -193,6 +194,10 @@ $(BIN)/test_http_server: $(BUILD)/tests/unit/test_http_server.o $(ENDPOINT_OBJ) 
 $(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
+# the history alone (the TensorBoard writer faked in the test)
+$(BIN)/test_history: $(BUILD)/tests/unit/test_history.o $(BUILD)/server/history.o $(BUILD)/common/log.o
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lpthread -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
