@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <curl/curl.h>
 #include <netinet/in.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -494,6 +495,9 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
         return NULL;
     }
     pthread_mutex_init(&l->mu, NULL);
+    /* no loss until the stage's first set_state: /v1/status may be asked
+     * before it (it said last_loss 0.0 at global_step 0) */
+    l->st.loss = NAN;
     l->box = o->mailbox;
     l->stages = o->stages;
     l->stage = o->stage;
