@@ -119,8 +119,12 @@ def test_async_with_a_staleness_bound_learns(cluster, tmp_path, small_data):
 
 def test_backup_workers(cluster, tmp_path, small_data):
     """3 sync workers, 2 gradients make a step; the slow one's come late."""
+    # under ASan the two fast workers once made all 20 steps before the slow
+    # one (100 ms a step, and a slower start) pushed its first gradient, so
+    # nothing came late: twice the steps there gives it the time
+    steps = 40 if ASAN else 20
     args = [small_data, f"--model={SMALL}", "--sync=1", "--replicas_to_aggregate=2", "--optimizer=sgd",
-            "--learning_rate=0.05", "--batch_size=20", "--train_steps=20", "--log_every=0", "--keep_ps"]
+            "--learning_rate=0.05", "--batch_size=20", f"--train_steps={steps}", "--log_every=0", "--keep_ps"]
     c = cluster(3)
     path = str(tmp_path / "backup.safetensors")
     c.worker(2, *args, "--step_delay_ms=100")
@@ -129,7 +133,7 @@ def test_backup_workers(cluster, tmp_path, small_data):
     for rc, out in c.finish():
         assert rc == 0, out[-3000:]
     m, meta = load_model(path)
-    assert set(m) == NAMES and meta["global_step"] == "20" and moved(m)
+    assert set(m) == NAMES and meta["global_step"] == str(steps) and moved(m)
     st, _, body = http("GET", f"{c.psd.url}/v1/status")
     assert st == 200 and json.loads(body)["stale_dropped"] > 0
 
