@@ -119,17 +119,21 @@ def test_async_with_a_staleness_bound_learns(cluster, tmp_path, small_data):
 
 def test_backup_workers(cluster, tmp_path, small_data):
     """3 sync workers, 2 gradients make a step; the slow one's come late."""
-    # under ASan the two fast workers once made all 20 steps before the slow
-    # one (100 ms a step, and a slower start) pushed its first gradient, so
-    # nothing came late: twice the steps there gives it the time
-    steps = 40 if ASAN else 20
+    # The slow worker must push while the fast two still train. Each non-chief
+    # polls for the chief's initialization every --recovery_wait_secs (1 s by
+    # default): the slow one once joined after the fast two had made all
+    # their steps, so nothing came late. Polling every 20 ms, and the fast two
+    # taking at least 10 ms a step for 30 steps, leaves the slow one (100 ms a
+    # step) about 200 ms to spare for its first push.
+    steps = 30
     args = [small_data, f"--model={SMALL}", "--sync=1", "--replicas_to_aggregate=2", "--optimizer=sgd",
-            "--learning_rate=0.05", "--batch_size=20", f"--train_steps={steps}", "--log_every=0", "--keep_ps"]
+            "--learning_rate=0.05", "--batch_size=20", f"--train_steps={steps}", "--log_every=0", "--keep_ps",
+            "--recovery_wait_secs=0.02"]
     c = cluster(3)
     path = str(tmp_path / "backup.safetensors")
     c.worker(2, *args, "--step_delay_ms=100")
-    c.worker(1, *args)
-    c.worker(0, *args, f"--export={path}")
+    c.worker(1, *args, "--step_delay_ms=10")
+    c.worker(0, *args, "--step_delay_ms=10", f"--export={path}")
     for rc, out in c.finish():
         assert rc == 0, out[-3000:]
     m, meta = load_model(path)
