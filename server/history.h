@@ -35,8 +35,9 @@ void history_free(struct history *h);
 
 /* The shard's global_step moved to step; loss is the last loss (has_loss 0:
  * none yet: no point is kept, but steps_per_sec and the feed move). Called
- * after the store's lock is released; a step at or below the last one kept
- * is not kept again. */
+ * after the store's lock is released; a step below the last one kept is
+ * not kept, the same step again replaces it (and goes to the event file
+ * once more: TensorBoard keeps the newer of two points of one step). */
 void history_record(struct history *h, int64_t step, int has_loss, double loss);
 /* The evaluator reported loss and accuracy at step (h_eval_post). A report
  * for the step of the last one replaces it; one for an older step is not

@@ -192,7 +192,7 @@ static void test_forget_a_done_job(void **state)
     wait_resumed(&resumed_a, 1);
     saver_forget(fx->sv, &conn);
     assert_int_equal(saver_result(fx->sv, &conn, path, sizeof(path), &step, err, sizeof(err)),
-                     -2);
+                     SAVER_ENOJOB);
     saver_forget(fx->sv, &conn); /* nothing: fine */
 
     /* the store moves on; the same key asks again: a save of now */
