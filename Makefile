@@ -183,7 +183,7 @@ $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/plac
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
 # model parallelism's split, tables and receive buffer (the layout from model_spec.o)
-$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
+$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/model_spec.o $(BUILD)/client/model.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lm -lpthread -lcmocka
 # the endpoint layer alone, on a real daemon on 127.0.0.1:0, spoken to with libcurl

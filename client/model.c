@@ -43,10 +43,75 @@ void model_init_params(const model_layout *layout, float *params, uint64_t seed)
             continue;
         }
         double stddev = 1.0 / sqrt((double)t->fan_in);
-        uint64_t st = rng_stream(seed, (uint64_t)i);
+        uint64_t st = rng_stream(seed, (uint64_t)(layout->range_tensor0 + i));
         for (size_t k = 0; k < t->numel; k++)
             p[k] = (float)(stddev * rng_truncated_normal(&st));
     }
+}
+
+int model_layout_range(const model_layout *whole, int first, int last, model_layout *out, char *err,
+                       size_t errlen)
+{
+    if (!whole || !out || first < 0 || first > last || last >= whole->n_layers) {
+        errmsg(err, errlen, "model: layers %d-%d are not a range of the %d layers of %s", first, last,
+               whole ? whole->n_layers : 0, whole ? whole->spec : "?");
+        return -1;
+    }
+    model_layout r;
+    memset(&r, 0, sizeof(r));
+    memcpy(r.spec, whole->spec, sizeof(r.spec));
+    r.input = whole->layers[first].in;
+    r.n_classes = whole->n_classes;
+    r.n_layers = last - first + 1;
+    r.n_in = whole->layers[first].in_numel;
+    r.range_first = whole->range_first + first;
+    r.range_tensor0 = -1;
+    int t0 = -1;
+    for (int li = first; li <= last; li++) {
+        model_layer l = whole->layers[li];
+        if (l.in_numel > r.max_act)
+            r.max_act = l.in_numel;
+        if (l.out_numel > r.max_act)
+            r.max_act = l.out_numel;
+        if (l.kind == LAYER_DROPOUT)
+            r.n_dropout++;
+        /* the layer's tensors (buffer order is layer order, W then b) */
+        int *idx[2] = {&l.w, &l.b};
+        for (int k = 0; k < 2; k++) {
+            if (*idx[k] < 0)
+                continue;
+            const model_tensor *t = &whole->tensors[*idx[k]];
+            if (t0 < 0) {
+                t0 = *idx[k];
+                r.range_tensor0 = whole->range_tensor0 + t0;
+                r.range_offset = whole->range_offset + t->offset;
+            }
+            model_tensor *u = &r.tensors[r.n_tensors];
+            *u = *t;
+            u->offset = t->offset - whole->tensors[t0].offset;
+            u->layer = li - first;
+            if (u->offset != r.n_params) { /* a layout not packed in layer order */
+                errmsg(err, errlen, "model: the tensors of layers %d-%d of %s are not one run of the buffer", first,
+                       last, whole->spec);
+                return -1;
+            }
+            r.n_params += u->numel;
+            *idx[k] = r.n_tensors++;
+        }
+        r.layers[li - first] = l;
+    }
+    if (t0 < 0) { /* no parameters in the range: where the next tensor would start */
+        r.range_tensor0 = whole->range_tensor0 + whole->n_tensors;
+        r.range_offset = whole->range_offset + whole->n_params;
+        for (int k = 0; k < whole->n_tensors; k++)
+            if (whole->tensors[k].layer > last) {
+                r.range_tensor0 = whole->range_tensor0 + k;
+                r.range_offset = whole->range_offset + whole->tensors[k].offset;
+                break;
+            }
+    }
+    *out = r;
+    return 0;
 }
 
 model *model_new(const model_backend *backend, const model_layout *layout, int max_batch,

@@ -114,6 +114,14 @@ typedef struct model_layout {
     size_t n_in;               /* input floats per example: h * w * c */
     size_t max_act;            /* the largest in_numel or out_numel of any layer */
     int n_dropout;             /* dropout layers */
+    /* A range layout (model_layout_range) is layers range_first.. of a whole
+     * model; these say where it sits in the whole one (all 0 for a whole model):
+     * its layer 0 is the whole model's layer range_first, its tensor 0 the
+     * whole one's tensor range_tensor0, its offset 0 the whole buffer's
+     * range_offset. */
+    int range_first;
+    int range_tensor0;
+    size_t range_offset;
 } model_layout;
 
 /* Parse spec (above) for examples of shape input and n_classes classes into
@@ -133,6 +141,35 @@ int model_tf_padding(int in, int k, int s, int same, int *out, int *pad_before, 
 int model_shape_format(model_shape s, char *buf, size_t buflen);
 int model_shape_parse(const char *s, model_shape *out);
 
+/* The layout of layers first..last (0 <= first <= last < n_layers) of whole,
+ * as a model of its own: the same layers (shapes, windows, dropout ordinals)
+ * renumbered from 0, only their tensors, with offsets from the range's first
+ * tensor, so that n_params is the range's parameters alone and max_act the
+ * range's largest activation. A model_new on it sizes its workspace for
+ * these layers only and takes parameter and gradient buffers of the range's
+ * n_params floats; its forward_range(0, last - first) computes the floats
+ * forward_range(first, last) of a whole-model instance computes (the
+ * backends see an ordinary layout). input is layers[first].in; n_classes is
+ * whole's (it means something only when the range ends at the logits);
+ * model_init_params on it writes what it writes into the whole buffer at
+ * range_offset. A range of a range is relative to the range. 0, or -1 with
+ * err. (model.c) */
+int model_layout_range(const model_layout *whole, int first, int last, model_layout *out, char *err,
+                       size_t errlen);
+
+/* The bytes a task holds per parameter float it trains: the parameters, the
+ * gradients and the optimizer's two slot buffers (4 x 4 bytes; --local), and
+ * one more buffer, the step's gradient sum, for a pipeline stage (5 x 4),
+ * two more with replicas (7 x 4): what workerd's --max_model_bytes counts.
+ * The activations and workspace are not counted (they scale with the batch). */
+#define MODEL_STATE_FLOATS_LOCAL 4
+#define MODEL_STATE_FLOATS_STAGE 5
+#define MODEL_STATE_FLOATS_STAGE_REPLICAS 7
+static inline uint64_t model_state_bytes(size_t n_params, int floats_per_param)
+{
+    return (uint64_t)n_params * (uint64_t)floats_per_param * sizeof(float);
+}
+
 /* Index of the tensor called name, or -1. */
 int model_layout_find(const model_layout *layout, const char *name);
 
@@ -143,7 +180,8 @@ const char *model_layer_kind_name(layer_kind kind);
  * normal with stddev 1/sqrt(fan_in) truncated at 2 stddev (redrawn beyond, like
  * tf.truncated_normal), fan_in = K for dense and KH*KW*C_in for conv; biases 0.
  * Each tensor has its own stream, rng_stream(seed, tensor index) (rng.h),
- * filled in row-major order (mlp:100 gets what mlp_init_params gave). */
+ * filled in row-major order (mlp:100 gets what mlp_init_params gave); the
+ * index in the whole model (range_tensor0 + i for a range layout). */
 void model_init_params(const model_layout *layout, float *params, uint64_t seed);
 
 /* What a training step's dropout depends on. Row i of a batch is example

@@ -27,6 +27,29 @@ uint64_t pipe_layer_flops(const model_layer *l)
     return 0;
 }
 
+uint64_t pipe_layer_cost(const model_layout *L, int i)
+{
+    const model_layer *l = &L->layers[i];
+    int params_below = 0;
+    for (int k = 0; k < i; k++)
+        params_below |= L->layers[k].w >= 0;
+    uint64_t full = pipe_layer_flops(l);
+    if (params_below)
+        return full;
+    switch (l->kind) {
+    case LAYER_DENSE:
+    case LAYER_CONV2D:
+        return full / 6 * 4; /* the forward and the kernel's gradient: no input gradient */
+    case LAYER_MAXPOOL:
+    case LAYER_RELU:
+    case LAYER_DROPOUT:
+        return full / 2; /* the forward only: the backward stops above */
+    case LAYER_FLATTEN:
+        return 0;
+    }
+    return full;
+}
+
 /* The fewest ranges of cost <= bound that layers [from, n) split into, or
  * n + 1 when one layer alone is over it. */
 static int parts_needed(const uint64_t *cost, int from, int n, uint64_t bound)
@@ -65,7 +88,7 @@ int pipe_split_balanced(const model_layout *L, int K, pipe_plan *p, char *err, s
     }
     uint64_t cost[MODEL_MAX_LAYERS], total = 0;
     for (int i = 0; i < n; i++)
-        total += cost[i] = pipe_layer_flops(&L->layers[i]);
+        total += cost[i] = pipe_layer_cost(L, i);
     /* the smallest bound that K stages can meet: bisection over integers */
     uint64_t lo = 0, hi = total;
     while (lo < hi) {
@@ -171,7 +194,7 @@ int pipe_split_parse(const model_layout *L, const char *s, int K, pipe_plan *p, 
         p->first[k] = (int)a;
         p->last[k] = (int)b;
         for (long i = a; i <= b; i++)
-            p->cost[k] += pipe_layer_flops(&L->layers[i]);
+            p->cost[k] += pipe_layer_cost(L, (int)i);
         k++;
         expect = (int)b + 1;
         if (!*q)

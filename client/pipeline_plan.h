@@ -9,6 +9,14 @@
  * 2 x out x KH x KW (the window scan and the scatter back); relu, dropout: 2
  * per element; flatten: 0. Biases are left out.
  *
+ * What a layer really computes depends on where it is (pipe_layer_cost): the
+ * backward computes a layer's input gradient only when a layer below it has
+ * parameters, so the model's first parameter layer (dense or conv at the
+ * bottom, after the flatten of the images) computes the forward and its
+ * kernel's gradient only, 4KN (dense) or 4 x out_h x out_w x KH x KW x C_in x
+ * C_out (conv), and a relu, dropout or maxpool below it only its forward
+ * (out, out x KH x KW). The split balances these costs.
+ *
  * The balanced split (pipe_split_balanced) minimizes the largest stage's
  * cost over all splits into K non-empty contiguous ranges; among the splits
  * that reach that minimum it takes, stage by stage from the first, the
@@ -32,11 +40,16 @@ typedef struct pipe_plan {
     int stages;                     /* K */
     int first[PIPE_MAX_STAGES];     /* stage s runs layers first[s]..last[s], inclusive */
     int last[PIPE_MAX_STAGES];
-    uint64_t cost[PIPE_MAX_STAGES]; /* pipe_layer_flops summed over the stage */
+    uint64_t cost[PIPE_MAX_STAGES]; /* pipe_layer_cost summed over the stage */
 } pipe_plan;
 
 /* Forward + backward FLOPs per example of one layer (the estimate above). */
 uint64_t pipe_layer_flops(const model_layer *l);
+
+/* Forward + backward FLOPs per example of layer i of L as the backward runs
+ * it there (above: without the input gradient when no layer below has
+ * parameters). */
+uint64_t pipe_layer_cost(const model_layout *L, int i);
 
 /* The balanced split of L's layers into K stages (2..8, at most n_layers).
  * 0, or -1 with one line in err. */

@@ -43,21 +43,26 @@ static void expect_split(const pipe_plan *p, const char *want)
 }
 
 /* mlp:32,16: flatten of the 28x28x1 images (0), dense 784x32 (6*784*32 =
- * 150528), relu 32 (64), dense 32x16 (3072), relu 16 (32), dense 16x10 (960). */
+ * 150528), relu 32 (64), dense 32x16 (3072), relu 16 (32), dense 16x10 (960).
+ * What is computed: the first dense has no parameters below it, so no input
+ * gradient: 4*784*32 = 100352. */
 static void test_flops_and_split_of_the_mlp(void **state)
 {
     (void)state;
     model_layout L = layout("mlp:32,16");
     assert_int_equal(L.n_layers, 6);
     const uint64_t want[] = {0, 150528, 64, 3072, 32, 960};
-    for (int i = 0; i < 6; i++)
+    const uint64_t cost[] = {0, 100352, 64, 3072, 32, 960};
+    for (int i = 0; i < 6; i++) {
         assert_int_equal(pipe_layer_flops(&L.layers[i]), want[i]);
+        assert_int_equal(pipe_layer_cost(&L, i), cost[i]);
+    }
     pipe_plan p;
     char err[256];
-    /* K=2: the first dense (and the flatten) is the bottleneck (150528); 0-2 would be 150592 */
+    /* K=2: the first dense (and the flatten) is the bottleneck (100352); 0-2 would be 100416 */
     assert_int_equal(pipe_split_balanced(&L, 2, &p, err, sizeof(err)), 0);
     expect_split(&p, "0-1,2-5");
-    assert_int_equal(p.cost[0], 150528);
+    assert_int_equal(p.cost[0], 100352);
     assert_int_equal(p.cost[1], 64 + 3072 + 32 + 960);
     /* K=3: the same bottleneck; stage 1 takes all it can and leaves one layer */
     assert_int_equal(pipe_split_balanced(&L, 3, &p, err, sizeof(err)), 0);
@@ -74,7 +79,8 @@ static void test_flops_and_split_of_the_mlp(void **state)
 /* conv:3x3x4,pool:2,dense:16,dropout:0.25,dense:10: conv 28x28x1->28x28x4
  * (6*28*28*9*4 = 169344), relu (2*3136 = 6272), pool 2 -> 14x14x4 (2*784*4 =
  * 6272), flatten (0), dense 784x16 (75264), relu (32), dropout (32), dense
- * 16x10 (960). */
+ * 16x10 (960). Computed: the conv at the bottom without its input gradient,
+ * 4*28*28*9*4 = 112896. */
 static void test_flops_and_split_of_a_cnn(void **state)
 {
     (void)state;
@@ -83,14 +89,18 @@ static void test_flops_and_split_of_a_cnn(void **state)
     const layer_kind kinds[] = {LAYER_CONV2D, LAYER_RELU, LAYER_MAXPOOL, LAYER_FLATTEN,
                                 LAYER_DENSE, LAYER_RELU, LAYER_DROPOUT, LAYER_DENSE};
     const uint64_t want[] = {169344, 6272, 6272, 0, 75264, 32, 32, 960};
+    const uint64_t cost[] = {112896, 6272, 6272, 0, 75264, 32, 32, 960};
     for (int i = 0; i < 8; i++) {
         assert_int_equal(L.layers[i].kind, kinds[i]);
         assert_int_equal(pipe_layer_flops(&L.layers[i]), want[i]);
+        assert_int_equal(pipe_layer_cost(&L, i), cost[i]);
     }
     pipe_plan p;
     char err[256];
     assert_int_equal(pipe_split_balanced(&L, 2, &p, err, sizeof(err)), 0);
-    expect_split(&p, "0-0,1-7"); /* 169344 | 88832; conv+relu would be 175616 */
+    expect_split(&p, "0-0,1-7"); /* 112896 | 88832; conv+relu would be 119168 */
+    assert_int_equal(p.cost[0], 112896);
+    assert_int_equal(p.cost[1], 88832);
     /* K=3: the conv alone still bounds it; stage 1 takes relu..dense 784x16
      * (6272 + 6272 + 0 + 75264 = 87808) and can take relu and dropout too (87872),
      * leaving the last dense */
@@ -114,8 +124,8 @@ static void test_flops_and_split_of_a_cnn(void **state)
     assert_int_equal(n, 0);
 }
 
-/* Layers of given costs (dense 1 x c / 6 ... simply dense layers with
- * in_numel 1 and out_numel c: 6c each). */
+/* Layers of given costs: dense layers with in_numel 1 and out_numel c, and
+ * parameters: 6c each, but 4c for layer 0 (no input gradient below it). */
 static model_layout costs_layout(const uint64_t *c, int n)
 {
     model_layout L;
@@ -126,8 +136,15 @@ static model_layout costs_layout(const uint64_t *c, int n)
         L.layers[i].kind = LAYER_DENSE;
         L.layers[i].in_numel = 1;
         L.layers[i].out_numel = c[i];
+        L.layers[i].w = 2 * i;
+        L.layers[i].b = 2 * i + 1;
     }
     return L;
+}
+
+static uint64_t synthetic_cost(const uint64_t *c, int i)
+{
+    return (i ? 6 : 4) * c[i];
 }
 
 /* The smallest largest-stage cost over every split of n layers into K, by
@@ -144,7 +161,7 @@ static uint64_t brute_best(const uint64_t *c, int n, int K)
             int a = s ? cut[s - 1] : 0, b = s < K - 1 ? cut[s] : n;
             uint64_t run = 0;
             for (int i = a; i < b; i++)
-                run += 6 * c[i];
+                run += synthetic_cost(c, i);
             if (run > worst)
                 worst = run;
         }
@@ -184,13 +201,105 @@ static void test_the_balanced_split_is_optimal_and_deterministic(void **state)
             assert_true(p.last[s] >= p.first[s]);
             uint64_t run = 0;
             for (int i = p.first[s]; i <= p.last[s]; i++)
-                run += 6 * c[i];
+                run += synthetic_cost(c, i);
             assert_int_equal(run, p.cost[s]);
             worst = run > worst ? run : worst;
             at = p.last[s] + 1;
         }
         assert_int_equal(at, n);
         assert_int_equal(worst, brute_best(c, n, K));
+    }
+}
+
+/* The split balances what is computed. Dense layers 1x3, 1x2, 1x2: 12, 12, 12
+ * computed (the first without its input gradient, 4 x 3) where the full
+ * estimate says 18, 12, 12: K = 2 splits 0-1 | 2 (24 | 12), which the full
+ * estimate would not (30 | 12 against 18 | 24: 0 | 1-2). And a model with a
+ * pool at the bottom, pool:2,dense:10: the pool computes its forward only,
+ * 14*14*4 = 784 window reads; the flatten 0; the dense 196x10 its forward and
+ * kernel gradient, 4*1960 = 7840. */
+static void test_the_cost_counts_no_input_gradient_below_the_first_parameters(void **state)
+{
+    (void)state;
+    const uint64_t c[] = {3, 2, 2};
+    model_layout L = costs_layout(c, 3);
+    assert_int_equal(pipe_layer_cost(&L, 0), 12);
+    assert_int_equal(pipe_layer_flops(&L.layers[0]), 18);
+    assert_int_equal(pipe_layer_cost(&L, 1), 12);
+    assert_int_equal(pipe_layer_cost(&L, 2), 12);
+    pipe_plan p;
+    char err[256];
+    assert_int_equal(pipe_split_balanced(&L, 2, &p, err, sizeof(err)), 0);
+    expect_split(&p, "0-1,2-2");
+    assert_int_equal(p.cost[0], 24);
+    assert_int_equal(p.cost[1], 12);
+    model_layout P = layout("pool:2,dense:10");
+    assert_int_equal(P.n_layers, 3);
+    assert_int_equal(P.layers[0].kind, LAYER_MAXPOOL);
+    assert_int_equal(pipe_layer_cost(&P, 0), 784);
+    assert_int_equal(pipe_layer_flops(&P.layers[0]), 2 * 784);
+    assert_int_equal(pipe_layer_cost(&P, 1), 0);
+    assert_int_equal(pipe_layer_cost(&P, 2), 4 * 196 * 10);
+}
+
+/* model_layout_range: a stage's layers as a model of their own. For every
+ * split of the cnn above and of mlp:32,16 into two ranges, each range has the
+ * stage's parameters alone (pipe_stage_params: the whole buffer's run), its
+ * tensors the whole one's with offsets from the run's start, its layers the
+ * whole one's renumbered, the largest activation of its layers, and its
+ * initialization is the whole one's run, float for float. */
+static void test_a_range_layout_is_the_stages_part_of_the_whole(void **state)
+{
+    (void)state;
+    const char *specs[] = {"conv:3x3x4,pool:2,dense:16,dropout:0.25,dense:10", "mlp:32,16"};
+    char err[256];
+    for (int m = 0; m < 2; m++) {
+        model_layout L = layout(specs[m]);
+        float *whole = malloc(sizeof(float) * L.n_params);
+        assert_non_null(whole);
+        model_init_params(&L, whole, 7);
+        for (int cut = 0; cut + 1 < L.n_layers; cut++) {
+            pipe_plan p = {.stages = 2, .first = {0, cut + 1}, .last = {cut, L.n_layers - 1}};
+            for (int s = 0; s < 2; s++) {
+                size_t off, n;
+                pipe_stage_params(&L, &p, s, &off, &n);
+                model_layout R;
+                assert_int_equal(model_layout_range(&L, p.first[s], p.last[s], &R, err, sizeof(err)), 0);
+                assert_int_equal(R.n_layers, p.last[s] - p.first[s] + 1);
+                assert_int_equal(R.n_params, n);
+                assert_int_equal(R.range_offset, off);
+                assert_int_equal(R.range_first, p.first[s]);
+                assert_int_equal(R.n_in, L.layers[p.first[s]].in_numel);
+                size_t act = 0;
+                for (int i = p.first[s]; i <= p.last[s]; i++) {
+                    const model_layer *a = &L.layers[i], *b = &R.layers[i - p.first[s]];
+                    assert_int_equal(a->kind, b->kind);
+                    assert_int_equal(a->in_numel, b->in_numel);
+                    assert_int_equal(a->out_numel, b->out_numel);
+                    assert_int_equal(a->dropout_index, b->dropout_index);
+                    assert_int_equal(a->w < 0, b->w < 0);
+                    if (a->w >= 0) {
+                        assert_string_equal(L.tensors[a->w].name, R.tensors[b->w].name);
+                        assert_int_equal(L.tensors[a->w].offset - off, R.tensors[b->w].offset);
+                        assert_int_equal(L.tensors[a->b].offset - off, R.tensors[b->b].offset);
+                        assert_int_equal(R.tensors[b->w].layer, i - p.first[s]);
+                    }
+                    act = a->in_numel > act ? a->in_numel : act;
+                    act = a->out_numel > act ? a->out_numel : act;
+                }
+                assert_int_equal(R.max_act, act);
+                float *part = malloc(sizeof(float) * (n ? n : 1));
+                assert_non_null(part);
+                model_init_params(&R, part, 7);
+                assert_memory_equal(part, whole + off, sizeof(float) * n);
+                free(part);
+            }
+        }
+        model_layout R;
+        assert_int_equal(model_layout_range(&L, 2, 1, &R, err, sizeof(err)), -1);
+        assert_int_equal(model_layout_range(&L, 0, L.n_layers, &R, err, sizeof(err)), -1);
+        assert_int_equal(model_layout_range(&L, -1, 0, &R, err, sizeof(err)), -1);
+        free(whole);
     }
 }
 
@@ -202,7 +311,7 @@ static void test_stage_layers_and_its_refusals(void **state)
     char err[256];
     assert_int_equal(pipe_split_parse(&L, "0-2,3-5", 2, &p, err, sizeof(err)), 0);
     expect_split(&p, "0-2,3-5");
-    assert_int_equal(p.cost[0], 150528 + 64);
+    assert_int_equal(p.cost[0], 100352 + 64);
     assert_int_equal(pipe_split_parse(&L, "0,1-4,5", 3, &p, err, sizeof(err)), 0);
     expect_split(&p, "0-0,1-4,5-5");
     static const struct {
@@ -509,6 +618,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flops_and_split_of_the_mlp),
         cmocka_unit_test(test_flops_and_split_of_a_cnn),
+        cmocka_unit_test(test_the_cost_counts_no_input_gradient_below_the_first_parameters),
+        cmocka_unit_test(test_a_range_layout_is_the_stages_part_of_the_whole),
         cmocka_unit_test(test_the_balanced_split_is_optimal_and_deterministic),
         cmocka_unit_test(test_stage_layers_and_its_refusals),
         cmocka_unit_test(test_the_grid_rule),
