@@ -26,6 +26,16 @@
  * its model instance (the activations the backward needs) until its
  * backward: gpipe needs M instances, 1f1b at most K - s.
  *
+ * Memory: a stage's instances are of its range layout (model_layout_range:
+ * workspace for its layers only), and its parameters, gradients, step sum
+ * and optimizer slots are buffers of its own parameters (5 floats per
+ * parameter, 7 with replicas: model_state_bytes). --max_model_bytes=N
+ * refuses to start a stage whose buffers exceed N; stage 0 also counts the
+ * whole model's parameters it gathers at the end for the test accuracy and
+ * --export, after its training buffers are freed: the whole buffer (4 bytes
+ * per parameter) and the other stages' parameters twice while they arrive
+ * (the HTTP body and the mailbox's copy: 8 bytes per parameter).
+ *
  * Every receive waits at most --pipeline_timeout_secs (the first step at
  * least PIPE_START_SECS, while the others start): then the stage says which
  * stage and which message it waited for and exits 1. At the end the other
@@ -71,6 +81,24 @@ int pipe_plan_for(const train_config *c, pipe_plan *p, char *err, size_t errlen)
     if (c->stage_layers)
         return pipe_split_parse(&c->layout, c->stage_layers, c->pipeline_stages, p, err, errlen);
     return pipe_split_balanced(&c->layout, c->pipeline_stages, p, err, errlen);
+}
+
+/* The training buffers, freed once the last step is done (before the final
+ * parameters travel); what acc was the sum of with one replica is not freed twice. */
+typedef struct train_bufs {
+    float **grads, **acc, **sum, **s0, **s1, **theirs;
+} train_bufs;
+
+static void free_training_state(train_bufs b)
+{
+    if (*b.sum != *b.acc)
+        free(*b.sum);
+    free(*b.grads);
+    free(*b.acc);
+    free(*b.s0);
+    free(*b.s1);
+    free(*b.theirs);
+    *b.grads = *b.acc = *b.sum = *b.s0 = *b.s1 = *b.theirs = NULL;
 }
 
 /* What every stage must agree on, as text and its CRC-32C. */
@@ -201,6 +229,34 @@ int train_pipeline(const train_config *c)
     size_t poff[PIPE_MAX_STAGES], pn[PIPE_MAX_STAGES];
     for (int k = 0; k < K; k++)
         pipe_stage_params(L, &p, k, &poff[k], &pn[k]);
+    model_layout RL; /* this stage's layers as a model: its instances and buffers are of them alone */
+    if (model_layout_range(L, first, last, &RL, err, sizeof(err)) != 0 || RL.n_params != pn[s]) {
+        fprintf(stderr, "workerd: %s\n", err);
+        pipe_schedule_free(&sch);
+        return 2;
+    }
+    const int rlast = last - first;
+    {
+        uint64_t need = model_state_bytes(pn[s], R > 1 ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE);
+        /* the whole buffer, and the others' parameters twice while they arrive (the HTTP body, the mailbox's copy) */
+        uint64_t gather = s == 0 ? (uint64_t)(np + 2 * (np - pn[0])) * sizeof(float) : 0;
+        if (c->max_model_bytes && (need > c->max_model_bytes || gather > c->max_model_bytes)) {
+            if (need > c->max_model_bytes)
+                fprintf(stderr, "workerd: %s (stage %d of %d): layers %d-%d hold %zu parameters, %llu bytes with "
+                                "their gradients, step sum and optimizer slots (%d floats each): more than "
+                                "--max_model_bytes=%llu; split the model into more stages\n",
+                        c->name, s, K, first, last, pn[s], (unsigned long long)need,
+                        R > 1 ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE,
+                        (unsigned long long)c->max_model_bytes);
+            else
+                fprintf(stderr, "workerd: %s (stage 0 of %d): the whole model's %zu parameters, which stage 0 gathers "
+                                "at the end (%llu bytes with the two copies of the messages they arrive in), are more than "
+                                "--max_model_bytes=%llu\n",
+                        c->name, K, np, (unsigned long long)gather, (unsigned long long)c->max_model_bytes);
+            pipe_schedule_free(&sch);
+            return 2;
+        }
+    }
     char plan[1024];
     uint32_t plan_id = plan_text(c, &p, plan, sizeof(plan));
 
@@ -215,12 +271,14 @@ int train_pipeline(const train_config *c)
     model *inst[PIPE_MAX_MICRO] = {0};
     float *inbuf[PIPE_MAX_MICRO] = {0}, *dlog[PIPE_MAX_MICRO] = {0};
     int owner[PIPE_MAX_MICRO];
-    float *params = calloc(np ? np : 1, sizeof(float)); /* this stage touches its own run only */
-    float *grads = calloc(np ? np : 1, sizeof(float));
+    float *params = calloc(pn[s] ? pn[s] : 1, sizeof(float)); /* this stage's run of the whole buffer */
+    float *grads = calloc(pn[s] ? pn[s] : 1, sizeof(float));
     float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
     float *sum = R > 1 ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
     float *theirs_g = R > 1 ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : NULL;
-    float *s0 = calloc(np ? np : 1, sizeof(float)), *s1 = calloc(np ? np : 1, sizeof(float));
+    float *s0 = calloc(pn[s] ? pn[s] : 1, sizeof(float)), *s1 = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    float *whole = NULL; /* stage 0 at the end: every stage's parameters */
+    model *eval = NULL;
     float *out = malloc(sizeof(float) * (size_t)mb * out_n), *dout = malloc(sizeof(float) * (size_t)mb * out_n);
     float *din = malloc(sizeof(float) * (size_t)mb * in_n);
     float *x = have_data ? malloc(sizeof(float) * (size_t)B * L->n_in) : NULL;
@@ -232,7 +290,7 @@ int train_pipeline(const train_config *c)
     int ok = params && grads && acc && sum && (R == 1 || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
     for (int i = 0; ok && i < P; i++) {
         owner[i] = -1;
-        inst[i] = model_new(model_device_backend(), L, mb, err, sizeof(err));
+        inst[i] = model_new(model_device_backend(), &RL, mb, err, sizeof(err));
         if (!inst[i]) {
             fprintf(stderr, "workerd: %s\n", err);
             goto out;
@@ -287,17 +345,8 @@ int train_pipeline(const train_config *c)
         printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
         fflush(stdout);
     }
-    /* the parameters: the whole initialization computed, this stage's run kept */
-    {
-        float *all = malloc(sizeof(float) * (np ? np : 1));
-        if (!all) {
-            fprintf(stderr, "workerd: out of memory\n");
-            goto out;
-        }
-        model_init_params(L, all, c->seed);
-        memcpy(params + poff[s], all + poff[s], sizeof(float) * pn[s]);
-        free(all);
-    }
+    /* the parameters: this stage's run of the whole initialization */
+    model_init_params(&RL, params, c->seed);
     stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
     r.st.loss = NAN;
     const double tmo = c->pipeline_timeout_secs;
@@ -352,7 +401,7 @@ int train_pipeline(const train_config *c)
                 double t0 = clk_mono_secs();
                 const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = ex0};
                 double loss = 0;
-                if (model_forward_range(inst[q], first, last, params, in, mb, &ctx, out) != 0 ||
+                if (model_forward_range(inst[q], 0, rlast, params, in, mb, &ctx, out) != 0 ||
                     (is_last && model_loss_head(inst[q], out, y + (size_t)j * mb, mb, dlog[q], &loss) != 0)) {
                     fprintf(stderr, "workerd: %s: the forward of step %lld, micro-batch %d failed\n", c->name,
                             (long long)step, j);
@@ -373,15 +422,14 @@ int train_pipeline(const train_config *c)
                     break;
                 }
                 double t0 = clk_mono_secs();
-                if (model_backward_range(inst[q], first, last, params, d, mb, s > 0 ? din : NULL, grads) != 0) {
+                if (model_backward_range(inst[q], 0, rlast, params, d, mb, s > 0 ? din : NULL, grads) != 0) {
                     fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,
                             (long long)step, j);
                     failed = 1;
                     break;
                 }
-                const float *gs = grads + poff[s];
                 for (size_t k = 0; k < pn[s]; k++)
-                    acc[k] += gs[k];
+                    acc[k] += grads[k];
                 owner[q] = -1;
                 r.st.busy_secs += clk_mono_secs() - t0;
                 if (s > 0)
@@ -420,12 +468,10 @@ int train_pipeline(const train_config *c)
         /* the mean over the batch (all replicas'): the sum over the micro-batches / (M R) */
         double t0 = clk_mono_secs();
         const float scale = 1.0f / (float)(M * R);
-        for (int k = 0; k < L->n_tensors; k++) {
-            const model_tensor *t = &L->tensors[k];
-            if (t->layer < first || t->layer > last)
-                continue;
-            optim_apply(&c->optim, params + t->offset, params + t->offset, sum + (t->offset - poff[s]),
-                        scale, s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
+        for (int k = 0; k < RL.n_tensors; k++) {
+            const model_tensor *t = &RL.tensors[k];
+            optim_apply(&c->optim, params + t->offset, params + t->offset, sum + t->offset, scale,
+                        s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
         }
         r.st.busy_secs += clk_mono_secs() - t0;
         double loss = loss_sum / M;
@@ -487,12 +533,13 @@ int train_pipeline(const train_config *c)
             goto out;
         }
     }
+    free_training_state((train_bufs){&grads, &acc, &sum, &s0, &s1, &theirs_g});
     if (g.replica > 0) { /* replica 0 holds the same parameters */
         rc = 0;
         goto out;
     }
     if (s > 0) {
-        if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params + poff[s], pn[s], 0, tmo) != 0)
+        if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params, pn[s], 0, tmo) != 0)
             goto out;
         int f = pipe_link_flush(link, err, sizeof(err));
         if (f == -1)
@@ -500,13 +547,26 @@ int train_pipeline(const train_config *c)
         rc = f == 0 ? 0 : f == -2 ? 0 : 1;
         goto out;
     }
+    /* stage 0: its training buffers freed, then the whole model's parameters */
+    for (int i = 0; i < P; i++) {
+        model_free(inst[i]);
+        inst[i] = NULL;
+    }
+    if (!(whole = malloc(sizeof(float) * (np ? np : 1))) ||
+        !(eval = model_new(model_device_backend(), L, mb, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: %s\n", whole ? err : "out of memory for the whole model's parameters");
+        goto out;
+    }
+    memcpy(whole + poff[0], params, sizeof(float) * pn[0]);
+    free(params);
+    params = NULL;
     for (int k = 1; k < K; k++)
-        if (receive(&r, &(pipe_key){fin, k, PIPE_PARAMS}, k, params + poff[k], NULL, tmo) != 0)
+        if (receive(&r, &(pipe_key){fin, k, PIPE_PARAMS}, k, whole + poff[k], NULL, tmo) != 0)
             goto out;
     rc = 0;
-    if (final_report(c, inst[0], params, &ds, c->train_steps) != 0)
+    if (final_report(c, eval, whole, &ds, c->train_steps) != 0)
         rc = 1;
-    if (c->export_path && export_model(c, params, c->train_steps) != 0)
+    if (c->export_path && export_model(c, whole, c->train_steps) != 0)
         rc = 1;
 out:
     fflush(stdout);
@@ -517,6 +577,8 @@ out:
     free(rpeers);
     if (sum != acc)
         free(sum);
+    model_free(eval);
+    free(whole);
     free(theirs_g);
     for (int i = 0; i < P; i++) {
         model_free(inst[i]);

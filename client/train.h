@@ -62,6 +62,7 @@ typedef struct train_config {
     int pipeline_schedule;      /* pipe_schedule_kind: gpipe or 1f1b */
     int micro_batches;          /* M; --batch_size is a multiple of it */
     double pipeline_timeout_secs; /* wait this long for a neighbouring stage */
+    uint64_t max_model_bytes;   /* --local, a stage: refuse to train more model state than this (model_state_bytes); 0: no limit */
 } train_config;
 
 /* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */

@@ -85,6 +85,7 @@ int main(int argc, char **argv)
     const char *allreduce = "none", *logdir = "logs/ring";
     float ring_timeout = 30;
     uint64_t ring_piece = 1ULL << 20;
+    uint64_t max_model_bytes = 0; /* --max_model_bytes: 0 = no limit */
     int save_ckpt_secs = 60, log_param_hash = 0;
     const char *device = "auto";
     int gpu = 0, tf32 = 0;
@@ -159,6 +160,7 @@ int main(int argc, char **argv)
         {"stage_layers", FLAG_STRING, &stage_layers, "--pipeline_stages: the stages' layer ranges, e.g. 0-3,4-6,7-9 (the layers of the expanded model: flatten and ReLU count; the start line prints the split); default: balance the estimated forward+backward FLOPs", 0},
         {"pipeline_schedule", FLAG_STRING, &pipeline_schedule, "--pipeline_stages: gpipe (every micro-batch forward, then every backward: M activations in flight) or 1f1b (one forward, one backward in the steady state: at most K in flight; default)", 0},
         {"micro_batches", FLAG_INT, &micro_batches, "--pipeline_stages: cut each --batch_size batch into this many micro-batches (1 to 256, dividing --batch_size; default 4); the update is the mean over the whole batch, as one worker's", 0},
+        {"max_model_bytes", FLAG_U64, &max_model_bytes, "--local and --pipeline_stages: refuse to start (exit 2, saying what counts) when this task would hold more than this many bytes of model state: the parameters it trains, their gradients and the optimizer's two slots, 4 bytes each per parameter (--local: the whole model), and a stage's step sum (5; with replicas 7); stage 0 also gathers the whole model's parameters at the end, its training buffers freed (4 bytes per parameter, and 8 more per parameter of the other stages while their messages arrive). Activations and workspace are not counted (default 0: no limit)", 0},
         {"pipeline_timeout_secs", FLAG_FLOAT, &pipeline_timeout, "--pipeline_stages: a stage that waits this long for a neighbour's message says which stage and which message and stops, exit 1 (default 60; the first step waits at least 30 while the others start)", 0},
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
@@ -403,6 +405,23 @@ int main(int argc, char **argv)
             free((char *)c.token);
             return 2;
         }
+    }
+    if (max_model_bytes && !local && !pipeline_stages) {
+        fprintf(stderr, "workerd: --max_model_bytes is for --local and --pipeline_stages\n");
+        free((char *)c.token);
+        return 2;
+    }
+    c.max_model_bytes = max_model_bytes;
+    if (local && max_model_bytes &&
+        model_state_bytes(c.layout.n_params, MODEL_STATE_FLOATS_LOCAL) > max_model_bytes) {
+        fprintf(stderr, "workerd: --local: the model %s has %zu parameters, %llu bytes with their gradients and "
+                        "optimizer slots (%d floats each): more than --max_model_bytes=%llu; split it into stages "
+                        "(--pipeline_stages)\n",
+                c.layout.spec, c.layout.n_params,
+                (unsigned long long)model_state_bytes(c.layout.n_params, MODEL_STATE_FLOATS_LOCAL),
+                MODEL_STATE_FLOATS_LOCAL, (unsigned long long)max_model_bytes);
+        free((char *)c.token);
+        return 2;
     }
     if (local) {
         c.name = "local";

@@ -413,6 +413,7 @@ def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, s
     (["--pipeline_stages=2", f"--model={MLP}", "--stage_layers=0-1,3-5"], "'3-5' starts at layer 3, not 2"),
     (["--pipeline_stages=2", "--worker_hosts=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"], "not whole pipelines"),
     (["--pipeline_stages=2", "--allreduce=ring"], "--allreduce=ring"),
+    (["--max_model_bytes=1000000"], "--max_model_bytes is for --local and --pipeline_stages"),
 ])
 def test_bad_pipeline_flags_exit_2_with_one_line(small_data, args, says):
     r = subprocess.run([binary("workerd"), small_data] + args, capture_output=True, timeout=30)
@@ -420,3 +421,120 @@ def test_bad_pipeline_flags_exit_2_with_one_line(small_data, args, says):
     assert r.returncode == 2, err
     assert says in err, err
     assert len([ln for ln in err.splitlines() if ln.startswith("workerd:")]) == 1, err
+
+
+def peak_rss(argvs, tmp_path, timeout=120):
+    """Run the processes at once, reading each one's VmHWM (/proc/PID/status,
+    the peak resident set of its own address space, which getrusage's maxrss
+    is not: that one keeps the forking Python's) every 5 ms until it exits.
+    Returns [(exit status, peak bytes, output)]."""
+    outs = [open(tmp_path / f"rss{i}.out", "w+b") for i in range(len(argvs))]
+    procs = [subprocess.Popen(a, stdout=f, stderr=subprocess.STDOUT) for a, f in zip(argvs, outs)]
+    peak = [0] * len(procs)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "did not finish"
+            for i, p in enumerate(procs):
+                try:
+                    with open(f"/proc/{p.pid}/status") as f:
+                        for ln in f:
+                            if ln.startswith("VmHWM:"):
+                                peak[i] = max(peak[i], int(ln.split()[1]) * 1024)
+                except OSError:
+                    pass  # it exited meanwhile
+            time.sleep(0.005)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = []
+    for p, f, pk in zip(procs, outs, peak):
+        f.seek(0)
+        res.append((p.returncode, pk, f.read().decode()))
+        f.close()
+    return res
+
+
+MLP_BIG, N0_BIG, N1_BIG = "mlp:1024,1024", 784 * 1024 + 1024, 1024 * 1024 + 1024 + 1024 * 10 + 10
+
+
+def test_max_model_bytes_refuses_a_task_over_it_saying_what_counts(stages, small_data):
+    """mlp:1024,1024 (1,863,690 parameters; 803,840 in layers 0-2): --local
+    holds 16 bytes a parameter (the parameters, gradients, two optimizer
+    slots), a stage 20 of its own (and the step's sum); stage 0 gathers the
+    whole model at the end: 4 bytes a parameter and 8 of the others'. Each
+    task over --max_model_bytes exits 2 before it trains (one task alone:
+    the refusal needs no other)."""
+    n = N0_BIG + N1_BIG
+    limit = 20_000_000
+
+    def run(extra):
+        r = subprocess.run([binary("workerd")] + common(small_data, MLP_BIG, "adam", steps=1) +
+                           [f"--max_model_bytes={limit}"] + extra, capture_output=True, timeout=60)
+        return r.returncode, r.stdout.decode() + r.stderr.decode()
+
+    rc, out = run(["--local"])
+    assert rc == 2 and f"{n} parameters, {16 * n} bytes" in out and f"--max_model_bytes={limit}" in out, out
+    assert "training locally" not in out, out
+    hosts = f"--worker_hosts=127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    rc, out = run([hosts, "--task_index=1", "--pipeline_stages=2", "--stage_layers=0-2,3-5"])
+    assert rc == 2 and f"layers 3-5 hold {N1_BIG} parameters, {20 * N1_BIG} bytes" in out, out
+    # stage 0 with no parameters of its own, over the limit with the gathering alone
+    rc, out = run([hosts, "--task_index=0", "--pipeline_stages=2", "--stage_layers=0-0,1-5"])
+    assert rc == 2 and f"the whole model's {n} parameters" in out and f"({12 * n} bytes" in out, out
+    # within it, the same stage starts (stopped here by PID: there is no stage 1)
+    p = stages.start([binary("workerd")] + common(small_data, MLP_BIG, "adam", steps=1) +
+                     [f"--max_model_bytes={limit}", hosts, "--task_index=0", "--pipeline_stages=2",
+                      "--stage_layers=0-2,3-5"])
+    wait_for_line(p, "pipeline stage 0 of 2")
+
+
+@pytest.mark.skipif(ASAN, reason="AddressSanitizer's shadow memory and quarantine change every process's resident "
+                                 "set: the peak RSS is a figure of the normal build (the stage's code paths run "
+                                 "under the sanitizer in the equivalence matrix)")
+def test_a_model_over_one_workers_limit_trains_in_stages_each_holding_its_share(tmp_path, small_data):
+    """mlp:1024,1024 has 1,863,690 parameters: 29.8 MB with their gradients
+    and Adam's two slots (16 bytes each), over --max_model_bytes=24 MB, so
+    --local refuses it; two stages, 0-2 (the 784x1024 dense: 803,840) and
+    3-5 (1,059,850), hold 20 bytes per parameter of theirs (the step's sum
+    too; stage 0's gathering of the whole model at the end, 4 bytes per
+    parameter and 8 per parameter of stage 1, is less) and train within it.
+    Each process's peak RSS above the same process with a model of the same
+    layers one unit wide (mlp:1,1, 807 parameters) is its count, measured:
+    --local's whole model too, so the measure sees a whole model where there
+    is one."""
+    big, tiny, limit = "mlp:1024,1024", "mlp:1,1", 24_000_000
+    n0 = 784 * 1024 + 1024
+    n1 = 1024 * 1024 + 1024 + 1024 * 10 + 10
+    n = n0 + n1
+    count_local, count = 16 * n, [max(20 * n0, 4 * n + 8 * n1), 20 * n1]
+    assert count_local > limit and max(count) < limit
+    argv = lambda model, extra: ([binary("workerd")] + common(small_data, model, "adam", steps=3) +
+                                 [f"--max_model_bytes={limit}"] * (model == big) + extra)
+    def stages_of(model):
+        hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
+        res = peak_rss([argv(model, [f"--worker_hosts={hosts}", f"--task_index={i}", "--pipeline_stages=2",
+                                     "--micro_batches=2", "--stage_layers=0-2,3-5", "--pipeline_timeout_secs=30"])
+                        for i in range(2)], tmp_path)
+        for rc, _, out in res:
+            assert rc == 0, out[-3000:]
+        return res
+
+    base_stage = [pk for _, pk, _ in stages_of(tiny)]
+    split = stages_of(big)
+    assert "test accuracy" in split[0][2], split[0][2][-2000:]
+    (rc, base_local, out), = peak_rss([[binary("workerd"), "--local"] + common(small_data, tiny, "adam", steps=3)],
+                                      tmp_path)
+    assert rc == 0, out[-2000:]
+    (rc, whole_local, out), = peak_rss([[binary("workerd"), "--local"] + common(small_data, big, "adam", steps=3)],
+                                       tmp_path)
+    assert rc == 0, out[-2000:]
+    MB = 1e6
+    got = [(pk - b) for (_, pk, _), b in zip(split, base_stage)]
+    print(f"peak RSS above the mlp:1,1 run: --local {(whole_local - base_local) / MB:.1f} MB (counted {count_local / MB:.1f}); "
+          + ", ".join(f"stage {k} {got[k] / MB:.1f} MB (counted {count[k] / MB:.1f})" for k in range(2)))
+    assert 0.9 * count_local <= whole_local - base_local <= count_local + 3 * MB, (whole_local, base_local)
+    for k in range(2):
+        assert 0.85 * count[k] <= got[k] <= count[k] + 3 * MB, (k, got[k], count[k])
