@@ -14,17 +14,29 @@ per example each):
    a psd variable of the same bytes (the ps pull route; Python http.client
    on a kept-alive connection, median of 50).
 
+4. the CNN (--model=cnn) as the issue asks: 2 stages at M = 8, gpipe and
+   1f1b, against --local with the same batch, in alternating rounds (best of
+   PIPELINE_ROUNDS, default 3), with the load average beside it, and the
+   bound the split itself sets: the whole step's computed FLOPs over the
+   larger stage's (the plan's costs, GET /v1/pipeline's flops_per_example);
+5. 1f1b's peak activation memory against gpipe's: each CNN stage's peak
+   resident set (VmHWM of /proc/PID/status, read every 5 ms) at M = 8 with
+   each schedule (the parameters are the same, so the difference is the
+   micro-batches' activations in flight: gpipe holds M, 1f1b at most K - s).
+
 Every process is started here on free 127.0.0.1 ports and stopped by PID.
 Prints figures, never fails on one. RESTPS_BIN_DIR picks the build (bin/).
 On this 2-core machine the two stages have a core each only when nothing
 else runs: the figures are ratios on this machine, not claims about a cluster.
 """
 import http.client
+import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -46,20 +58,49 @@ def common():
             f"--train_steps={STEPS}", f"--batch_size={BATCH}", "--log_every=0", "--threads=1"]
 
 
-def pipeline(m, sched):
+def hwm(pid):
+    """VmHWM of pid in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for ln in f:
+                if ln.startswith("VmHWM:"):
+                    return int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pipeline(m, sched, args=None, peaks=None):
+    """2 stages; each one's steady-state figures. peaks: a dict that gets
+    each stage's peak resident set (task i is stage i)."""
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
-    procs = []
+    procs, files = [], []
     try:
         for i in (1, 0):
             argv = [os.path.join(BIN, "workerd"), f"--worker_hosts={hosts}", f"--task_index={i}",
-                    "--pipeline_stages=2", f"--micro_batches={m}", f"--pipeline_schedule={sched}"] + common()
-            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outs = [p.communicate(timeout=600)[0].decode() for p in procs]
+                    "--pipeline_stages=2", f"--micro_batches={m}", f"--pipeline_schedule={sched}"] + (args or common())
+            f = tempfile.TemporaryFile()
+            files.append(f)
+            procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+        peak = [0, 0]
+        deadline = time.monotonic() + 600
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for k, p in enumerate(procs):
+                peak[k] = max(peak[k], hwm(p.pid))
+            time.sleep(0.005)
+        if peaks is not None:
+            peaks[1], peaks[0] = peak
+        outs = []
+        for f in files:
+            f.seek(0)
+            outs.append(f.read().decode())
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in files:
+            f.close()
     stages = {}
     for out in outs:
         mt, ms = STEADY.search(out), SENT.search(out)
@@ -72,8 +113,8 @@ def pipeline(m, sched):
     return stages
 
 
-def local_sps():
-    out = subprocess.run([os.path.join(BIN, "workerd"), "--local"] + common(), capture_output=True,
+def local_sps(args=None):
+    out = subprocess.run([os.path.join(BIN, "workerd"), "--local"] + (args or common()), capture_output=True,
                          timeout=600).stdout.decode()
     m = re.search(r"(\d+) steps in ([0-9.]+) s", out)
     return int(m.group(1)) / float(m.group(2)) if m else None
@@ -139,7 +180,82 @@ def main():
         ps = ps_pull_secs(per_msg)
         print(f"  stage 0 -> 1: {per_msg} bytes per message, {send * 1e3:.3f} ms per send (libcurl POST)"
               + (f"; psd GET /v1/vars of {per_msg} bytes {ps * 1e3:.3f} ms ({send / ps:.2f}x)" if ps else ""))
+    cnn()
     return 0
+
+
+def load():
+    return os.getloadavg()[0]
+
+
+def local_steady_sps(args, batch):
+    """--local's steps/s over steps 2 on (the stages' steady state leaves step 1 out too:
+    OpenBLAS sets up its buffers there), from its per-step lines."""
+    out = subprocess.run([os.path.join(BIN, "workerd"), "--local"] + [a for a in args if not a.startswith("--log_every")] + ["--log_every=1"], capture_output=True,
+                         timeout=600).stdout.decode()
+    eps = [float(x) for x in re.findall(r"step \d+ loss [0-9.]+ examples/s ([0-9.]+)", out)][1:]
+    return len(eps) / sum(batch / e for e in eps) if eps and all(eps) else None
+
+
+def split_bound(model):
+    """The plan's computed FLOPs per example of each stage (stage 0's /v1/pipeline)."""
+    hosts = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    p = subprocess.Popen([os.path.join(BIN, "workerd"), f"--worker_hosts={','.join(hosts)}", "--task_index=0",
+                          "--pipeline_stages=2", f"--data_dir={DATA}", f"--model={model}",
+                          "--pipeline_timeout_secs=5", "--log_every=0"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                        f"http://{hosts[0]}/v1/pipeline", timeout=2) as r:
+                    j = json.loads(r.read())
+                return [st["flops_per_example"] for st in j["split"]], j["stage_layers"]
+            except OSError:
+                time.sleep(0.1)
+        return None, None
+    finally:
+        p.kill()
+        p.wait()
+
+
+def cnn():
+    rounds = int(os.environ.get("PIPELINE_ROUNDS", "3"))
+    steps = int(os.environ.get("PIPELINE_CNN_STEPS", "6"))
+    batch = int(os.environ.get("PIPELINE_CNN_BATCH", "256"))
+    args = [f"--data_dir={DATA}", "--model=cnn", "--optimizer=sgd", "--learning_rate=0.01", f"--train_steps={steps}",
+            f"--batch_size={batch}", "--log_every=0", "--threads=1"]
+    print(f"4. the CNN, 2 stages at M = 8 (batch {batch}, {steps} steps) against --local, "
+          f"best of {rounds} alternating rounds")
+    costs, split = split_bound("cnn")
+    if costs:
+        print(f"  the split {split}: computed FLOPs per example {costs[0]} | {costs[1]}: at most "
+              f"{sum(costs) / max(costs):.2f}x --local however well the stages overlap")
+    best = {"local": 0.0, "gpipe": 0.0, "1f1b": 0.0}
+    peaks = {"gpipe": [0, 0], "1f1b": [0, 0]}
+    loads = []
+    for _ in range(rounds):
+        loads.append(load())
+        v = local_steady_sps(args, batch)
+        best["local"] = max(best["local"], v or 0)
+        for sched in ("gpipe", "1f1b"):
+            pk = {}
+            st = pipeline(8, sched, args, pk)
+            if st:
+                best[sched] = max(best[sched], st[0]["sps"])
+                peaks[sched] = [max(peaks[sched][k], pk.get(k, 0)) for k in range(2)]
+        loads.append(load())
+    loc = best["local"]
+    if loc:
+        print(f"  --local {loc:.2f} steps/s (steps 2 on); gpipe {best['gpipe']:.2f} ({best['gpipe'] / loc:.2f}x), "
+              f"1f1b {best['1f1b']:.2f} ({best['1f1b'] / loc:.2f}x) steps/s (steady state); "
+              f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+    print("5. peak resident set per CNN stage at M = 8 (the activations in flight: gpipe M, 1f1b K - s)")
+    for k in range(2):
+        g, f = peaks["gpipe"][k], peaks["1f1b"][k]
+        if g and f:
+            print(f"  stage {k}: gpipe {g / 1e6:.1f} MB, 1f1b {f / 1e6:.1f} MB "
+                  f"(1f1b {(g - f) / 1e6:.1f} MB less, {f / g:.2f}x)")
 
 
 if __name__ == "__main__":

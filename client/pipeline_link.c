@@ -18,6 +18,7 @@
 #include "endpoint.h"
 #include "http_server.h"
 #include "pipeline_schedule.h"
+#include "web_assets.h"
 
 #define LINK_MAX_CONNS 64
 #define LINK_HEADER_SECS 30
@@ -275,6 +276,21 @@ static enum MHD_Result status_handle(http_req *r)
     return http_reply_json(r, MHD_HTTP_OK, j);
 }
 
+/* The monitoring page (the chief's shows every stage from its /v1/status). */
+static enum MHD_Result web_handle(http_req *r)
+{
+    const struct web_asset *a = web_asset_find(r->url);
+    if (!a)
+        return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a pipeline stage", r->url);
+    struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+    if (resp) {
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    }
+    return http_reply_response(r, MHD_HTTP_OK, resp, a->len);
+}
+
 static enum MHD_Result health_handle(http_req *r)
 {
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
@@ -295,6 +311,9 @@ static const http_route link_routes[] = {
     {"GET", "/v1/pipeline", HTTP_ROUTE_OPEN, 0, NULL, state_handle, "the stage's plan, table and state"},
     {"GET", "/v1/status", HTTP_ROUTE_OPEN, 0, NULL, status_handle, "the stage; on the chief, every stage"},
     {"GET", "/healthz", HTTP_ROUTE_OPEN, 0, NULL, health_handle, "alive"},
+    {"GET", "/", HTTP_ROUTE_OPEN, 0, NULL, web_handle, "the monitoring page"},
+    {"GET", "/app.js", HTTP_ROUTE_OPEN, 0, NULL, web_handle, "the monitoring page's script"},
+    {"GET", "/style.css", HTTP_ROUTE_OPEN, 0, NULL, web_handle, "the monitoring page's style sheet"},
 };
 
 /* ---- the sends ---- */

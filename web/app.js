@@ -341,6 +341,7 @@
     setText("requests", fmtSI(s.requests_served));
 
     renderSync(s);
+    renderPipeline(s);
     renderWorkers(s);
     renderShards(s);
     tick();
@@ -403,6 +404,44 @@
     var td = cell(tr, text, "muted");
     td.colSpan = 5;
     body.appendChild(tr);
+  }
+
+  /* A pipeline stage's chief (GET /v1/status, mode "pipeline"): every stage
+   * of its replica as that stage's GET /v1/pipeline says, busy and idle time */
+  function renderPipeline(s) {
+    var panel = $("pipeline-panel");
+    if (s.mode !== "pipeline" || !Array.isArray(s.pipeline)) { panel.hidden = true; return; }
+    panel.hidden = false;
+    setText("pipeline-info", (isNum(s.stages) ? s.stages + " stages" : "") +
+            (isNum(s.replicas) ? " \u00b7 " + s.replicas + (s.replicas === 1 ? " replica" : " replicas") : ""));
+    var frag = document.createDocumentFragment();
+    s.pipeline.forEach(function (st) {
+      st = st || {};
+      var tr = document.createElement("tr");
+      cell(tr, isNum(st.stage) ? String(st.stage) : DASH);
+      if (typeof st.error === "string") {
+        var td = cell(tr, st.error, "muted");
+        td.colSpan = 7;
+        frag.appendChild(tr);
+        return;
+      }
+      countCell(tr, st.current_step, "num");
+      cell(tr, isNum(st.current_slot) ? String(st.current_slot) : DASH, "num");
+      var w = st.waiting_for;
+      cell(tr, st.done ? "done" : w && typeof w === "object"
+           ? w.dir + " of step " + w.step + (isNum(w.micro_batch) ? ", micro-batch " + w.micro_batch : "") +
+             " from stage " + w.from_stage : "computing");
+      cell(tr, fmtNum(st.busy_secs), "num");
+      cell(tr, fmtNum(st.idle_secs), "num");
+      var tot = (st.busy_secs || 0) + (st.idle_secs || 0);
+      cell(tr, isNum(st.busy_secs) && isNum(st.idle_secs) && tot > 0 ? Math.round(100 * st.idle_secs / tot) + "%" : DASH,
+           "num");
+      countCell(tr, st.buffered, "num");
+      frag.appendChild(tr);
+    });
+    var body = $("pipeline-stages");
+    body.textContent = "";
+    body.appendChild(frag);
   }
 
   function renderWorkers(s) {

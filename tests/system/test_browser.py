@@ -754,3 +754,69 @@ def test_missing_fields_and_number_formats(start_psd, browser):
                    "1,234,567", "2.303", dash, dash], fmt
     assert not b.js_errors()
     print(f"\nformats: {fmt}; screenshot {b.screenshot('formats-phone')}")
+
+
+def test_a_pipeline_chief_shows_its_stages(browser):
+    """Two real workerd pipeline stages (mlp:32,16 on Fashion-MNIST, training
+    until stopped): the page the chief stage serves shows a "Pipeline stages"
+    row per stage with the step and busy/idle seconds of that stage's own
+    GET /v1/pipeline, and the stage that is killed as not answering."""
+    import socket
+    import subprocess
+    data = "/usr/share/datasets/fashion-mnist"
+    if not os.path.isdir(data):
+        pytest.skip(f"{data} is missing: make deps installs dataset-fashion-mnist")
+
+    def port():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+        s.close()
+        return p
+
+    ports = [port(), port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    try:
+        for i in (1, 0):
+            procs.append(subprocess.Popen(
+                [os.path.join(BIN, "workerd"),
+                 f"--worker_hosts={hosts}", f"--task_index={i}", "--pipeline_stages=2", "--micro_batches=2",
+                 f"--data_dir={data}", "--model=mlp:32,16", "--train_steps=1000000000", "--batch_size=32",
+                 "--log_every=0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        url = f"http://127.0.0.1:{ports[0]}"
+
+        def serving():
+            assert procs[1].poll() is None, "stage 0 exited"
+            try:
+                return http("GET", url + "/v1/status")[0] == 200
+            except urllib.error.URLError:
+                return False  # not listening yet
+        wait_for(serving, 30, "stage 0 does not serve")
+        wait_for(lambda: all("error" not in e and e.get("current_step", 0) >= 2
+                             for e in status(url)["pipeline"]), 30, "the stages do not train")
+        b = browser(1024, 768)
+        b.driver.get(url + "/")
+        wait_for(lambda: b.js("return !!window.restps"), 5, "app.js did not run")
+
+        def rows():
+            return b.js("return Array.from(document.querySelectorAll('#pipeline-stages tr')).map("
+                        "function (r) { return Array.from(r.cells).map(function (c) { return c.textContent; }); })")
+        wait_for(lambda: not b.js("return document.getElementById('pipeline-panel').hidden") and len(rows()) == 2,
+                 10, "no pipeline panel with 2 rows")
+        got = rows()
+        assert [r[0] for r in got] == ["0", "1"], got
+        st = status(url)["pipeline"]
+        for r, e in zip(got, st):  # the step shown is at most the one read after it, busy/idle are numbers
+            assert int(r[1].replace(",", "")) <= e["current_step"], (r, e)
+            assert float(r[4]) >= 0 and float(r[5]) >= 0 and r[6].endswith("%"), r
+        procs[0].kill()  # stage 1
+        procs[0].wait()
+        wait_for(lambda: len(rows()) == 2 and rows()[1][1] not in ("", "\u2014") and len(rows()[1]) == 2, 15,
+                 "the dead stage's row does not say it does not answer")
+        assert not [e for e in b.js_errors(allow=("net::ERR_BLOCKED_BY_CLIENT", "v1/history", "v1/events"))]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -19,6 +19,14 @@ back over HTTP.
 - GET /v1/pipeline: the split, the table (checked against the 1f1b rule
   written out here), what the stage waits for and from whom.
 - Bad flag combinations: one line, exit 2.
+- With the ps (--ps_hosts: --pipeline_updates=auto picks it): the same
+  equivalence against --local with the global batch R x batch over 20 steps
+  (K = 2, 3, R = 1, 2, M = 1, 2, 4, both schedules, sgd and Adam, both
+  models, 1 and 2 ps tasks, each ps configured with R x the stages whose
+  variables it holds and at global_step 20), two runs with one seed
+  bit-identical, and a stage killed mid-run: the other stops within
+  --pipeline_timeout_secs naming it, and the job restarted on the ps's
+  checkpoint ends with the uninterrupted run's model, bit for bit.
 """
 import gzip
 import json
@@ -101,24 +109,27 @@ def common(data, model, opt, seed=3, steps=STEPS, batch=32):
             f"--batch_size={batch}", f"--seed={seed}", "--log_every=0"]
 
 
-def local(data, model, opt, path, seed=3, batch=32):
-    r = subprocess.run([binary("workerd"), "--local", f"--export={path}"] + common(data, model, opt, seed, batch=batch),
+def local(data, model, opt, path, seed=3, batch=32, steps=STEPS):
+    r = subprocess.run([binary("workerd"), "--local", f"--export={path}"] + common(data, model, opt, seed, steps, batch),
                        capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     return path
 
 
-def pipeline(stages, data, model, opt, k, m, sched, path, seed=3, extra=(), order=None, replicas=1):
-    """Start the K x R tasks (stage 0 of replica 0 exports to path), wait for all; their outputs."""
+def pipeline(stages, data, model, opt, k, m, sched, path, seed=3, extra=(), order=None, replicas=1, ps=None,
+             steps=STEPS):
+    """Start the K x R tasks (stage 0 of replica 0 exports to path), wait for all; their outputs.
+    ps: the ps tasks' host:port (--ps_hosts), or None: no ps."""
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(k * replicas))
-    ps = []
+    procs = []
     for i in (order or range(k * replicas)):
         argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--pipeline_stages={k}",
                 f"--micro_batches={m}", f"--pipeline_schedule={sched}", "--pipeline_timeout_secs=30"]
-        argv += common(data, model, opt, seed) + list(extra) + ([f"--export={path}"] if i == 0 else [])
-        ps.append((i, stages.start(argv)))
+        argv += common(data, model, opt, seed, steps) + list(extra) + ([f"--export={path}"] if i == 0 else [])
+        argv += [f"--ps_hosts={','.join(ps)}"] if ps else []
+        procs.append((i, stages.start(argv)))
     outs, rcs = {}, {}
-    for i, p in ps:
+    for i, p in procs:
         rcs[i], outs[i] = finish(p)
     bad = [i for i in rcs if rcs[i] != 0]
     assert not bad, "\n".join(f"task {i} exited {rcs[i]}:\n{outs[i][-2000:]}" for i in sorted(outs))
@@ -374,6 +385,15 @@ def test_the_chiefs_status_shows_every_stage(stages, small_data):
     assert [e["url"] for e in st["pipeline"]] == [f"127.0.0.1:{p}" for p in ports], st
     for e in st["pipeline"]:
         assert "error" not in e and e["current_step"] >= 0 and e["busy_secs"] >= 0, e
+    # the monitoring page is served by each stage, byte for byte the files in web/ (its panel
+    # "Pipeline stages" draws the chief's st["pipeline"])
+    web = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "web")
+    for path, name in (("/", "index.html"), ("/app.js", "app.js"), ("/style.css", "style.css")):
+        code, _, body = http("GET", f"http://127.0.0.1:{ports[0]}{path}")
+        with open(os.path.join(web, name), "rb") as f:
+            assert code == 200 and body == f.read(), (path, code)
+    with open(os.path.join(web, "index.html")) as f:
+        assert 'id="pipeline-stages"' in f.read()
     os.kill(s1.pid, signal.SIGKILL)
     s1.wait()
     st = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/status")[2])
@@ -414,6 +434,14 @@ def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, s
     (["--pipeline_stages=2", "--worker_hosts=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"], "not whole pipelines"),
     (["--pipeline_stages=2", "--allreduce=ring"], "--allreduce=ring"),
     (["--max_model_bytes=1000000"], "--max_model_bytes is for --local and --pipeline_stages"),
+    (["--pipeline_updates=ps"], "need --pipeline_stages"),
+    (["--pipeline_stages=2", "--pipeline_updates=both"], "must be ps, local or auto"),
+    (["--pipeline_stages=2", "--ps_hosts=127.0.0.1:1", "--sync=0"], "synchronous: not with --sync=0"),
+    (["--pipeline_stages=2", "--pipeline_updates=ps", "--replicas_to_aggregate=1"],
+     "--replicas_to_aggregate is not for --pipeline_stages"),
+    (["--pipeline_stages=2", "--ps_hosts=127.0.0.1:1", "--max_model_bytes=1000000"],
+     "--max_model_bytes is not for --pipeline_stages with the ps"),
+    (["--pipeline_stages=2", "--moving_average_decay=0.9"], "not with --pipeline_updates=local"),
 ])
 def test_bad_pipeline_flags_exit_2_with_one_line(small_data, args, says):
     r = subprocess.run([binary("workerd"), small_data] + args, capture_output=True, timeout=30)
@@ -538,3 +566,69 @@ def test_a_model_over_one_workers_limit_trains_in_stages_each_holding_its_share(
     assert 0.9 * count_local <= whole_local - base_local <= count_local + 3 * MB, (whole_local, base_local)
     for k in range(2):
         assert 0.85 * count[k] <= got[k] <= count[k] + 3 * MB, (k, got[k], count[k])
+
+
+# ---- with the ps (--pipeline_updates=ps, chosen by --ps_hosts) ----
+
+PS_STEPS = 20
+# (model, K, R, M, schedule, optimizer, ps tasks): each value of each axis at least once
+PS_MATRIX = [
+    (MLP, 2, 1, 4, "gpipe", "sgd", 1),
+    (MLP, 3, 2, 2, "1f1b", "adam", 2),
+    (CNN, 2, 2, 1, "1f1b", "adam", 1),
+    (CNN, 3, 1, 2, "gpipe", "sgd", 2),
+]
+
+
+def stage_shards(outs, k):
+    """Stage s -> the ps tasks its start line names for its variables."""
+    res = {}
+    for i in range(k):
+        line = [ln for ln in outs[i].splitlines() if f"stage {i}'s variables" in ln][0]
+        res[i] = {int(x) for x in line.split(" on ps ", 1)[1].split(",", 1)[0].split(" ")[0].split(",")}
+    return res
+
+
+@pytest.mark.parametrize("model,k,r,m,sched,opt,n_ps", PS_MATRIX,
+                         ids=[f"{'mlp' if c[0] == MLP else 'cnn'}-K{c[1]}-R{c[2]}-M{c[3]}-{c[4]}-{c[5]}-ps{c[6]}"
+                              for c in PS_MATRIX])
+def test_with_the_ps_a_pipeline_trains_what_local_trains(stages, start_psd, tmp_path, small_data, model, k, r, m,
+                                                        sched, opt, n_ps):
+    """Every stage pulls its variables, pushes its gradient mean over the
+    micro-batches; each ps averages the R replicas' and applies the
+    optimizer: --local with the batch R x 32, within rtol 1e-5 / atol 4e-5."""
+    ref = local(small_data, model, opt, str(tmp_path / "local.safetensors"), batch=32 * r, steps=PS_STEPS)
+    psds = [start_psd() for _ in range(n_ps)]
+    got = str(tmp_path / "pipe.safetensors")
+    outs = pipeline(stages, small_data, model, opt, k, m, sched, got, replicas=r, steps=PS_STEPS,
+                    ps=[p.host_port for p in psds], extra=["--keep_ps"])
+    a, b, worst = compare(ref, got)
+    print(f"{model} K={k} R={r} M={m} {sched} {opt} {n_ps} ps: max abs diff against --local x {32 * r} {worst:.2e}")
+    _, meta = load_model(got)
+    assert meta["global_step"] == str(PS_STEPS)
+    assert max(float(np.abs(a[n]).max()) for n in a if n.endswith("_b")) > 1e-4
+    assert "training done at global step 20" in outs[0]
+    # each ps stepped PS_STEPS times, counting R x the stages whose variables it holds
+    held = stage_shards(outs, k)
+    assert set().union(*held.values()) == set(range(n_ps)), held  # the variables are split over every ps
+    for i, p in enumerate(psds):
+        st, _, body = http("GET", p.url + "/v1/status")
+        st = json.loads(body)
+        want = r * sum(1 for v in held.values() if i in v)
+        assert st["global_step"] == PS_STEPS and st["mode"] == "sync", st
+        assert st["replicas_to_aggregate"] == want and st["workers"] == k * r, (i, st, held)
+        assert st["stale_dropped"] == 0 and st["pending_gradients"] == 0, st
+    # the loss of the last stage on ps 0 (the page's)
+    st = json.loads(http("GET", psds[0].url + "/v1/status")[2])
+    assert st["last_loss"] is not None and 0 < st["last_loss"] < 10, st
+
+
+def test_with_the_ps_one_seed_one_file(stages, start_psd, tmp_path, small_data):
+    files = []
+    for name in ("a", "b"):
+        path = str(tmp_path / f"{name}.safetensors")
+        psds = [start_psd() for _ in range(2)]
+        pipeline(stages, small_data, CNN, "adam", 2, 2, "1f1b", path, seed=5, steps=PS_STEPS, order=[1, 0],
+                 ps=[p.host_port for p in psds])
+        files.append(open(path, "rb").read())
+    assert files[0] == files[1]
