@@ -145,6 +145,7 @@ UNIT_TESTS += test_waiters test_sync
 UNIT_TESTS += test_history
 UNIT_TESTS += test_http_server
 UNIT_TESTS += test_pipeline
+UNIT_TESTS += test_push_in_body
 IDX_OBJ = $(BUILD)/client/idx.o
 MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
 
@@ -202,7 +203,11 @@ $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
 
-bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp $(BIN)/bench_pushpull $(BIN)/ring_allreduce
+bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp $(BIN)/bench_pushpull $(BIN)/bench_push $(BIN)/ring_allreduce
+
+$(BIN)/bench_push: $(BUILD)/bench/bench_push.o $(BUILD)/libps.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
 
 $(BIN)/bench_pushpull: $(BUILD)/bench/bench_pushpull.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
@@ -266,6 +271,7 @@ bench: deps all bench-bins
 	@sh scripts/deps.sh python3-torch
 	@sh scripts/nginx.sh
 	sh bench/run.sh
+	BIN_DIR=$(BIN) sh bench/push.sh
 	sh bench/train.sh
 	/usr/bin/python3 bench/small_step.py --bin=$(BIN)
 	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)

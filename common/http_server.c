@@ -42,9 +42,12 @@ struct http_counter {
     atomic_ullong n;
 };
 
-/* An upload's buffer starts at UPLOAD_FIRST bytes and grows as they arrive. */
+/* An upload's buffer starts at UPLOAD_FIRST bytes and grows as they arrive:
+ * 8x what came, and to the whole announced length once UPLOAD_WHOLE bytes
+ * came (a 64 MiB body is copied twice, 64 KiB and 512 KiB, not up to 32 MiB). */
 #define UPLOAD_FIRST ((size_t)64 * 1024)
 #define UPLOAD_GROWTH 8
+#define UPLOAD_WHOLE ((uint64_t)512 * 1024)
 /* A refused upload is swallowed up to this, then the connection is cut. */
 #define DISCARD_MAX ((uint64_t)16 << 20)
 /* Where a request's extension state starts: aligned for any type. */
@@ -409,10 +412,11 @@ static enum MHD_Result on_upload(http_req *r, const char *data, size_t size)
         return MHD_YES;
     }
     if (have + size > r->body_cap) {
-        /* 8x what has arrived, up to the length announced: a few copies of
-         * a small part of the body, and never much more reserved than sent */
+        /* 8x what has arrived, up to the length announced (all of it from
+         * UPLOAD_WHOLE on): a few copies of a small part of the body, and
+         * never much more reserved than sent before the sender has sent some */
         uint64_t want = (have + size) * UPLOAD_GROWTH;
-        if (r->expect_len != UINT64_MAX && want > r->expect_len)
+        if (r->expect_len != UINT64_MAX && (want > r->expect_len || have + size >= UPLOAD_WHOLE))
             want = r->expect_len;
         if (want > r->limit)
             want = r->limit;

@@ -71,6 +71,16 @@ float optim_learning_rate(const optim_config *c, int64_t step);
 void optim_apply(const optim_config *c, const float *w, float *out, const float *g, float scale,
                  float *slot0, float *slot1, int64_t t, int64_t step, size_t n);
 
+/* OPTIM_SGD's step of optim_apply, bit for bit, with g checked for NaN and
+ * Inf in the same pass, the next value written over the gradient: g[i]
+ * becomes w[i]'s next value (w and g must not overlap). The check runs a
+ * cache-sized chunk ahead of the update, so a chunk is read from memory once.
+ * Returns -1 when every element was finite (all of g now holds the next
+ * values), else the index of the first non-finite one: g is then as it came
+ * from that element's chunk on (g[bad] can be read) and overwritten before. */
+int64_t optim_sgd_into_grad(const optim_config *c, const float *w, float *g, float scale, int64_t step,
+                            size_t n);
+
 /* tf.train.ExponentialMovingAverage's update of a shadow copy after an apply,
  * with a constant decay (TF's default, num_updates=None):
  * shadow -= (1 - decay) * (shadow - w), i.e. decay * shadow + (1 - decay) * w,

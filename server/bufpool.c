@@ -92,7 +92,22 @@ blob *blob_new(bufpool *p, size_t len)
     atomic_store(&b->refs, 1);
     b->len = len;
     b->next_idle = NULL;
+    b->parent = NULL;
     return b;
+}
+
+blob *blob_view(blob *parent, size_t off, size_t len)
+{
+    if (off > parent->cap || len > parent->cap - off)
+        return NULL;
+    blob *v = calloc(1, sizeof(*v));
+    if (!v)
+        return NULL;
+    atomic_store(&v->refs, 1);
+    v->cap = v->len = len;
+    v->data = parent->data + off;
+    v->parent = blob_ref(parent);
+    return v;
 }
 
 blob *blob_ref(blob *b)
@@ -105,20 +120,42 @@ void blob_unref(blob *b)
 {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1)
         return;
+    if (b->parent) { /* a view: its bytes are the parent's */
+        blob *parent = b->parent;
+        free(b);
+        blob_unref(parent);
+        return;
+    }
     bufpool *p = b->pool;
+    blob *drop = b;
     if (p) {
         pthread_mutex_lock(&p->mu);
         size_t keep = p->keep_bytes < p->limit_bytes ? p->keep_bytes : p->limit_bytes;
-        if (p->idle_bytes + b->cap <= keep) {
+        if (b->cap <= keep) {
+            /* the newest is kept: the oldest idle ones make room for it (a
+             * tensor's old buffer must not hold the place of the next body) */
+            drop = NULL;
+            while (p->idle_bytes + b->cap > keep) {
+                blob **last = &p->idle;
+                while ((*last)->next_idle)
+                    last = &(*last)->next_idle;
+                blob *old = *last;
+                *last = NULL;
+                p->idle_bytes -= old->cap;
+                old->next_idle = drop;
+                drop = old;
+            }
             b->next_idle = p->idle;
             p->idle = b;
             p->idle_bytes += b->cap;
-            b = NULL;
         }
         pthread_mutex_unlock(&p->mu);
     }
-    if (b)
-        blob_destroy(b);
+    while (drop) {
+        blob *d = drop;
+        drop = d == b ? NULL : d->next_idle;
+        blob_destroy(d);
+    }
 }
 
 blob *blob_grow(blob *b, size_t len)

@@ -19,7 +19,8 @@ typedef struct blob {
     size_t len;     /* bytes in use */
     bufpool *pool;  /* where it returns when the last reference goes */
     struct blob *next_idle;
-    unsigned char *data; /* 64-byte aligned */
+    unsigned char *data; /* 64-byte aligned (a view's: where its bytes start) */
+    struct blob *parent; /* a view's: the blob its bytes lie in (referenced); else NULL */
 } blob;
 
 /* keep_bytes: at most this many bytes of idle blobs are kept for reuse. */
@@ -31,6 +32,13 @@ void bufpool_free(bufpool *p);
 blob *blob_new(bufpool *p, size_t len);
 blob *blob_ref(blob *b);
 void blob_unref(blob *b); /* NULL is fine */
+
+/* A view: a blob of its own (one reference, len = cap = len) over parent's
+ * bytes [off, off + len), which keeps parent alive until the view's last
+ * reference goes. Writes through it land in parent (the store writes a push's
+ * next versions into the push's own body and keeps them as views). Not for
+ * blob_grow, never pooled. NULL when out of memory or out of range. */
+blob *blob_view(blob *parent, size_t off, size_t len);
 
 /* Grow b to hold at least `len` bytes, keeping its contents; b must have one
  * reference. Returns the (possibly new) blob, or NULL (b untouched) when out of memory. */

@@ -1,5 +1,7 @@
 /* route_grads.c - POST /v1/grads: one safetensors body of gradients (the
- * worker's push), applied as one update, or kept for its sync step. */
+ * worker's push), applied as one update, or kept for its sync step. An
+ * async sgd push is checked and applied by the store in one pass over its
+ * body (store.h, in_body). */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -109,7 +111,10 @@ enum MHD_Result h_grads_post(request *r)
                                   f.tensors[k].name, f.tensors[k].dtype);
             goto out;
         }
-    for (int k = 0; k < f.n_tensors; k++) {
+    /* async sgd: the store checks for NaN and Inf in the pass that applies
+     * (the next versions are written over the gradients in the body) */
+    meta.in_body = store_push_in_body(&req_srv(r)->store);
+    for (int k = 0; !meta.in_body && k < f.n_tensors; k++) {
         const st_tensor *t = &f.tensors[k];
         const float *g = (const float *)(data + t->begin);
         int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));

@@ -3,6 +3,7 @@
 
 #include <jansson.h>
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,11 +262,13 @@ void store_snaps_release(store_snap *snaps, int n)
     free(snaps);
 }
 
-/* Idle buffers kept for reuse: at most half the stored bytes plus 16 MiB. */
+/* Idle buffers kept for reuse: the stored bytes plus 16 MiB, so that the
+ * next push's body (which becomes the next versions, apply_in_body) lands in
+ * memory already touched, and a version replaced goes back to the pool. */
 static void pool_follow(store_state *s, uint64_t bytes)
 {
     if (s->pool)
-        bufpool_set_limit(s->pool, (size_t)(bytes / 2) + ((size_t)16 << 20));
+        bufpool_set_limit(s->pool, (size_t)bytes + ((size_t)16 << 20));
 }
 
 int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
@@ -368,15 +371,10 @@ static int ensure_slots(store_state *s, store_var *v)
     return 0;
 }
 
-/* v's next version into dst (see writable) from gradient g * scale. */
-static void update_into(store_state *s, store_var *v, blob *dst, const float *g, float scale)
+/* dst (written) is v's next version: the moving average follows it, the
+ * version and change counter move. */
+static void take_version(store_state *s, store_var *v, blob *dst)
 {
-    v->updates++;
-    float *s0 = v->n_slots > 0 ? v->slots : NULL;
-    float *s1 = v->n_slots > 1 ? v->slots + v->numel : NULL;
-    /* the schedule reads global_step before this update */
-    optim_apply(&s->config.optim, (const float *)v->data->data, (float *)dst->data, g, scale, s0,
-                s1, v->updates, s->global_step, (size_t)v->numel);
     if (v->shadow && s->config.moving_average_decay > 0)
         optim_ema(v->shadow, (const float *)dst->data, s->config.moving_average_decay,
                   (size_t)v->numel);
@@ -386,6 +384,18 @@ static void update_into(store_state *s, store_var *v, blob *dst, const float *g,
     }
     v->version++;
     s->changes++;
+}
+
+/* v's next version into dst (see writable) from gradient g * scale. */
+static void update_into(store_state *s, store_var *v, blob *dst, const float *g, float scale)
+{
+    v->updates++;
+    float *s0 = v->n_slots > 0 ? v->slots : NULL;
+    float *s1 = v->n_slots > 1 ? v->slots + v->numel : NULL;
+    /* the schedule reads global_step before this update */
+    optim_apply(&s->config.optim, (const float *)v->data->data, (float *)dst->data, g, scale, s0,
+                s1, v->updates, s->global_step, (size_t)v->numel);
+    take_version(s, v, dst);
 }
 
 void store_on_change(store *h, void (*fn)(void *ctx, unsigned what, int64_t step), void *ctx)
@@ -592,31 +602,210 @@ static int push_sync(store_state *s, const st_file *f, const unsigned char *data
     return STORE_OK;
 }
 
+/* A NaN or Inf in any gradient: STORE_EINVAL, err naming the first (the
+ * words POST /v1/grads has always used), else STORE_OK. */
+static int check_finite(const st_file *f, const unsigned char *data, char *err, size_t errlen)
+{
+    for (int k = 0; k < f->n_tensors; k++) {
+        const st_tensor *t = &f->tensors[k];
+        const float *g = (const float *)(data + t->begin);
+        int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));
+        if (bad >= 0) {
+            snprintf(err, errlen, "gradient '%s' has %s at element %lld", t->name,
+                     isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
+            return STORE_EINVAL;
+        }
+    }
+    return STORE_OK;
+}
+
+/* Pushes applied in their own body (store.h, in_body): async, sgd (no
+ * optimizer slots to keep unchanged when a later chunk is refused). Caller
+ * holds the lock. */
+static int fuses(const store_state *s)
+{
+    return !s->config.sync && s->config.optim.kind == OPTIM_SGD;
+}
+
+int store_push_in_body(store *h)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    int f = fuses(s);
+    pthread_rwlock_unlock(&s->lock);
+    return f;
+}
+
+/* parent's bytes still in use as variables: when under a quarter of it,
+ * those variables get blobs of their own, so that variables pushed apart do
+ * not keep old bodies alive (at most 4x the stored bytes pinned). Caller
+ * holds the write lock. */
+static void loosen(store_state *s, blob *parent)
+{
+    size_t live = 0;
+    for (int i = 0; i < s->n; i++)
+        if (s->vars[i].data->parent == parent)
+            live += s->vars[i].data->len;
+    if (live == 0 || live >= parent->cap / 4)
+        return;
+    for (int i = 0; i < s->n; i++) {
+        store_var *v = &s->vars[i];
+        if (v->data->parent != parent || atomic_load(&v->data->refs) != 1)
+            continue; /* a pull holds it: next time */
+        blob *own = blob_new(s->pool, v->data->len);
+        if (!own)
+            continue;
+        memcpy(own->data, v->data->data, v->data->len);
+        blob_unref(v->data);
+        v->data = own; /* the same value: the version stays */
+    }
+}
+
+/* A gradient this large is checked and applied by two threads, a half
+ * each (the pushing worker waits meanwhile, so a core is usually free). */
+#define SPLIT_FLOATS ((size_t)2 << 20)
+
+typedef struct sgd_half {
+    const optim_config *c;
+    const float *w;
+    float *g;
+    int64_t step;
+    size_t n;
+    int64_t bad;
+} sgd_half;
+
+static void *sgd_half_run(void *arg)
+{
+    sgd_half *h = arg;
+    h->bad = optim_sgd_into_grad(h->c, h->w, h->g, 1.0f, h->step, h->n);
+    return NULL;
+}
+
+/* optim_sgd_into_grad over n floats, the second half on a thread of its own
+ * when n is large and there is no clipping (whose norm needs all of g
+ * first); element by element, so the floats are the same either way. */
+static int64_t sgd_into_grad(const optim_config *c, const float *w, float *g, int64_t step, size_t n)
+{
+    pthread_t th;
+    size_t h = n / 2;
+    sgd_half second = {c, w + h, g + h, step, n - h, -1};
+    if (n < SPLIT_FLOATS || c->clip_norm > 0 || pthread_create(&th, NULL, sgd_half_run, &second) != 0)
+        return optim_sgd_into_grad(c, w, g, 1.0f, step, n);
+    int64_t bad = optim_sgd_into_grad(c, w, g, 1.0f, step, h);
+    pthread_join(th, NULL);
+    if (bad < 0 && second.bad >= 0)
+        bad = (int64_t)h + second.bad;
+    return bad;
+}
+
+/* Async sgd in one pass: each gradient, at off in body, is checked and
+ * turned into its variable's next value in place (optim_sgd_into_grad), and
+ * those bytes become the variables' data (views of body). A NaN or Inf
+ * anywhere changes nothing but the body; out of memory changes nothing.
+ * Caller holds the write lock; idx from check_grads. */
+static int apply_in_body(store_state *s, const st_file *f, blob *body, size_t off, const int *idx,
+                         char *err, size_t errlen)
+{
+    int n = f->n_tensors, rc = STORE_OK;
+    blob **views = calloc((size_t)n, sizeof(blob *));
+    if (!views)
+        return STORE_ENOMEM;
+    for (int k = 0; k < n; k++)
+        if (!(views[k] = blob_view(body, off + f->tensors[k].begin,
+                                   (size_t)s->vars[idx[k]].numel * 4))) {
+            rc = STORE_ENOMEM;
+            goto out;
+        }
+    for (int k = 0; k < n; k++) {
+        store_var *v = &s->vars[idx[k]];
+        float *g = (float *)views[k]->data;
+        /* the schedule reads global_step before this update */
+        int64_t bad = sgd_into_grad(&s->config.optim, (const float *)v->data->data, g, s->global_step,
+                                    (size_t)v->numel);
+        if (bad >= 0) {
+            snprintf(err, errlen, "gradient '%s' has %s at element %lld", f->tensors[k].name,
+                     isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
+            rc = STORE_EINVAL;
+            goto out;
+        }
+    }
+    for (int k = 0; k < n; k++) /* a moving average's shadow, before anything changes */
+        if (ensure_slots(s, &s->vars[idx[k]]) != 0) {
+            rc = STORE_ENOMEM;
+            goto out;
+        }
+    blob *old = NULL; /* the body the variables were views of (usually one) */
+    for (int k = 0; k < n; k++) {
+        store_var *v = &s->vars[idx[k]];
+        blob *p = v->data->parent;
+        if (p && p != old) {
+            if (old) {
+                loosen(s, old);
+                blob_unref(old);
+            }
+            old = blob_ref(p);
+        }
+        v->updates++;
+        take_version(s, v, views[k]);
+        views[k] = NULL;
+    }
+    if (old) {
+        loosen(s, old);
+        blob_unref(old);
+    }
+out:
+    for (int k = 0; k < n; k++)
+        blob_unref(views[k]);
+    free(views);
+    return rc;
+}
+
 /* Async: apply at once, unless staler than --max_staleness. Caller holds
- * the write lock; idx from check_grads. */
+ * the write lock; idx from check_grads. in_body: the gradients are unchecked
+ * and applied in their body (apply_in_body, at off); *nonfinite set when one
+ * is refused for a NaN or Inf, which must change nothing (the clock
+ * included). */
 static int push_async(store_state *s, const st_file *f, const unsigned char *data,
-                      const store_push_meta *meta, const int *idx, push_result *out)
+                      const store_push_meta *meta, const int *idx, push_result *out, int in_body,
+                      size_t off, int *nonfinite, char *err, size_t errlen)
 {
     /* the worker completed this iteration, whether its gradient is applied
      * or dropped below (the stale-synchronous clocks) */
-    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0)
+    int clocks = meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0;
+    if (clocks && !in_body)
         out->clocked = worker_state_clock_done(&s->workers, (int)meta->worker, meta->clock + 1);
     /* how stale is it? Drop it past --max_staleness (DropStaleGradientOptimizer) */
     int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
     if (s->config.max_staleness >= 0 && staleness > s->config.max_staleness) {
+        if (in_body && check_finite(f, data, err, errlen) != STORE_OK) {
+            *nonfinite = 1;
+            return STORE_EINVAL;
+        }
+        if (clocks && in_body)
+            out->clocked = worker_state_clock_done(&s->workers, (int)meta->worker, meta->clock + 1);
         s->stale_dropped++;
         out->outcome = STORE_PUSH_STALE;
         out->step = s->global_step;
         return STORE_OK;
     }
-    blob **dst = calloc((size_t)f->n_tensors, sizeof(blob *));
-    if (!dst || prepare(s, idx, f->n_tensors, dst) != STORE_OK) {
+    if (in_body) {
+        int rc = apply_in_body(s, f, meta->body, off, idx, err, errlen);
+        if (rc != STORE_OK) {
+            *nonfinite = rc == STORE_EINVAL;
+            return rc;
+        }
+        if (clocks)
+            out->clocked = worker_state_clock_done(&s->workers, (int)meta->worker, meta->clock + 1);
+    } else {
+        blob **dst = calloc((size_t)f->n_tensors, sizeof(blob *));
+        if (!dst || prepare(s, idx, f->n_tensors, dst) != STORE_OK) {
+            free(dst);
+            return STORE_ENOMEM;
+        }
+        for (int k = 0; k < f->n_tensors; k++)
+            update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
         free(dst);
-        return STORE_ENOMEM;
     }
-    for (int k = 0; k < f->n_tensors; k++)
-        update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
-    free(dst);
     if (meta->step >= 0)
         worker_state_staleness(&s->workers, staleness);
     out->step = ++s->global_step;
@@ -646,22 +835,47 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
                      f->tensors[k].name, f->tensors[k].dtype);
             return STORE_EINVAL;
         }
-    if (meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS)
-        store_touch(h, (int)meta->worker); /* a push renews its worker's lease */
+    /* in_body: the data section lies in the body */
+    const blob *b = meta->body;
+    int in_body = meta->in_body && b && data >= b->data && (uint64_t)(data - b->data) <= b->len &&
+                  f->data_len <= b->len - (size_t)(data - b->data);
+    size_t off = in_body ? (size_t)(data - b->data) : 0;
+    int worker = meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS ? (int)meta->worker : -1;
+    if (!in_body && worker >= 0)
+        store_touch(h, worker); /* a push renews its worker's lease */
     push_result r = {.step = -1, .outcome = STORE_PUSH_APPLIED};
     int *idx = malloc(sizeof(int) * (size_t)f->n_tensors);
     pthread_rwlock_wrlock(&s->lock);
-    int rc = STORE_OK;
-    if (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &r.step))
-        r.outcome = STORE_PUSH_DUPLICATE;
-    else if (!idx)
-        rc = STORE_ENOMEM;
-    else if ((rc = check_grads(s, f, idx, err, errlen)) == STORE_OK)
-        rc = s->config.sync ? push_sync(s, f, data, meta, &r, err, errlen)
-                            : push_async(s, f, data, meta, idx, &r);
+    int rc = STORE_OK, nonfinite = 0;
+    /* unchecked gradients: checked here, first (as the caller would have),
+     * unless the apply checks them in its one pass */
+    int fused = in_body && fuses(s);
+    if (in_body && !fused && (rc = check_finite(f, data, err, errlen)) != STORE_OK) {
+        nonfinite = 1;
+    } else {
+        if (in_body && !fused && worker >= 0)
+            store_touch(h, worker);
+        if (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &r.step)) {
+            r.outcome = STORE_PUSH_DUPLICATE;
+            if (fused && (rc = check_finite(f, data, err, errlen)) != STORE_OK)
+                nonfinite = 1;
+        } else if (!idx) {
+            rc = STORE_ENOMEM;
+        } else if ((rc = check_grads(s, f, idx, err, errlen)) != STORE_OK) {
+            if (fused && check_finite(f, data, err, errlen) != STORE_OK) { /* its words first */
+                rc = STORE_EINVAL;
+                nonfinite = 1;
+            }
+        } else {
+            rc = s->config.sync ? push_sync(s, f, data, meta, &r, err, errlen)
+                                : push_async(s, f, data, meta, idx, &r, fused, off, &nonfinite, err, errlen);
+        }
+    }
     int64_t step = s->global_step;
     pthread_rwlock_unlock(&s->lock);
     free(idx);
+    if (fused && !nonfinite && worker >= 0)
+        store_touch(h, worker);
     if (r.step >= 0)
         *global_step = r.step;
     *outcome = r.outcome;

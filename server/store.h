@@ -148,7 +148,18 @@ typedef struct store_push_meta {
     long long step;      /* the global_step the gradient was computed from; -1 not given */
     long long clock;     /* the worker's iteration (stale-synchronous); -1 not given */
     blob *body;          /* the blob holding data; sync keeps a reference */
+    /* 1: data lies in body, which the store may write and keep, and nobody
+     * checked the gradients for NaN and Inf yet: the store does (a refused
+     * push changes nothing, a lease included). An async sgd push is checked
+     * and applied in one pass, its next values written over the gradients in
+     * the body, which become the variables' data (views, bufpool.h); other
+     * pushes are checked first. 0: the caller checked them. */
+    int in_body;
 } store_push_meta;
+
+/* 1 when a push with in_body would be checked and applied in one pass now
+ * (async, sgd); the caller then leaves the NaN/Inf check to the store. */
+int store_push_in_body(store *s);
 
 /* Apply every gradient of a parsed safetensors body (data = the data section)
  * as one update: all names must exist with equal shapes and dtype F32, else
