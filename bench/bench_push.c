@@ -9,6 +9,9 @@
  *   - 318 KB: the same, as requests per second on one connection
  *   - 1 pusher against 2 pushers at once (a thread and a connection each),
  *     64 MiB and 318 KB: the total bytes (requests) per second
+ *   - 318 KB pulls per second while another connection pushes 64 MiB
+ *     without pause, against the same pulls alone (no target: what a pull
+ *     waits for while a push is applied)
  * and prints medians, the paired ratios and the issue's targets. The
  * gradients are zeros (w - lr * 0 == w), so the stored bytes stay the same
  * and are checked at the end. psd's peak RSS (VmHWM, reset through
@@ -18,6 +21,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,6 +229,39 @@ static double pushes_at_once(pusher *ps, int n, int each)
     return (double)n * each / dt;
 }
 
+/* Pulls of 318 KB per second on c while p pushes 64 MiB without pause
+ * (until the pulls are done): what a pull waits for while a push is applied. */
+typedef struct pusher_bg {
+    pthread_t th;
+    ps_client *c;
+    grad_body g;
+    atomic_int stop;
+} pusher_bg;
+
+static void *push_bg_run(void *arg)
+{
+    pusher_bg *p = arg;
+    while (!atomic_load(&p->stop))
+        push_or_die(p->c, &p->g);
+    return NULL;
+}
+
+static double pulls_beside_pushes(ps_client *c, float *dst, int count, pusher_bg *p)
+{
+    atomic_store(&p->stop, 0);
+    if (pthread_create(&p->th, NULL, push_bg_run, p) != 0)
+        die("pthread_create failed");
+    struct timespec ms = {0, 5000000};
+    nanosleep(&ms, NULL); /* the first push under way */
+    double t0 = now();
+    for (int i = 0; i < count; i++)
+        pull_or_die(c, "small", dst, SMALL_N);
+    double dt = now() - t0;
+    atomic_store(&p->stop, 1);
+    pthread_join(p->th, NULL);
+    return count / dt;
+}
+
 /* ---- psd's memory ---- */
 
 static long status_kib(long pid, const char *key)
@@ -323,6 +360,7 @@ int main(int argc, char **argv)
         pb[i] = (pusher){.c = client_for(psd), .g = grads_for("big", BIG_N, zeros, i)};
         pss[i] = (pusher){.c = client_for(psd), .g = grads_for("small", SMALL_N, zeros, i)};
     }
+    pusher_bg bg = {.c = client_for(psd), .g = grads_for("big", BIG_N, zeros, 1)};
     /* warm up every path once */
     pull_or_die(cb, "big", dst, BIG_N);
     push_or_die(cb, &gb);
@@ -332,7 +370,7 @@ int main(int argc, char **argv)
     pushes_at_once(pss, 2, 10);
 
     series pull_b = {0}, push_b = {0}, pull_s = {0}, push_s = {0};
-    series one_b = {0}, two_b = {0}, one_s = {0}, two_s = {0};
+    series one_b = {0}, two_b = {0}, one_s = {0}, two_s = {0}, alone_s = {0}, beside_s = {0};
     double t_start = now();
     for (int r = 0; r < reps; r++) {
         for (int k = 0; k < 4; k++) {
@@ -368,6 +406,15 @@ int main(int argc, char **argv)
                 add(&two_b, pushes_at_once(pb, 2, n_big2));
                 add(&two_s, pushes_at_once(pss, 2, n_small2));
             }
+        for (int k = 0; k < 2; k++)
+            if ((k + r) % 2 == 0) {
+                double t0 = now();
+                for (int i = 0; i < n_small2; i++)
+                    pull_or_die(cs, "small", dst_s, SMALL_N);
+                add(&alone_s, n_small2 / (now() - t0));
+            } else {
+                add(&beside_s, pulls_beside_pushes(cs, dst_s, n_small2, &bg));
+            }
     }
     double t_run = now() - t_start;
 
@@ -396,6 +443,7 @@ int main(int argc, char **argv)
     row("push 318 KB, 1 conn", "k/s ", 1e-3, &push_s, "pull", &pull_s, 0.9);
     row("2 pushers at once, 64 MiB, total", "GB/s", gib, &two_b, "1 pusher", &one_b, 1.2);
     row("2 pushers at once, 318 KB, total", "k/s ", 1e-3, &two_s, "1 pusher", &one_s, 1.2);
+    row("pull 318 KB beside 64 MiB pushes", "k/s ", 1e-3, &beside_s, "alone", &alone_s, 0);
     if (hwm_ok)
         printf("\n  psd peak RSS over %d pushes of 64 MiB: %.1f MiB (RSS %.1f before, %.1f after); "
                "stored %.1f MiB;\n  bound 1.5 x stored + 32 MiB = %.1f MiB: %s\n",
@@ -410,6 +458,8 @@ int main(int argc, char **argv)
         free(pb[i].g.head);
         free(pss[i].g.head);
     }
+    ps_client_free(bg.c);
+    free(bg.g.head);
     free(gb.head);
     free(gs.head);
     ps_client_free(cb);

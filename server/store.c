@@ -29,6 +29,10 @@ typedef struct store_var {
 
 struct store_state {
     pthread_rwlock_t lock;
+    /* held by every writer around the write lock (write_lock): an async sgd
+     * push runs its pass over the gradients under it alone, so that pulls go
+     * on meanwhile (apply_in_body) */
+    pthread_mutex_t write_mu;
     store_var *vars; /* sorted by name */
     int n, cap;
     int64_t global_step;
@@ -53,6 +57,18 @@ struct store_state {
 
 static int replicas_needed(const store_state *s);
 
+static void write_lock(store_state *s)
+{
+    pthread_mutex_lock(&s->write_mu);
+    pthread_rwlock_wrlock(&s->lock);
+}
+
+static void write_unlock(store_state *s)
+{
+    pthread_rwlock_unlock(&s->lock);
+    pthread_mutex_unlock(&s->write_mu);
+}
+
 int store_init(store *h, float learning_rate, bufpool *pool)
 {
     store_state *s = h->st = calloc(1, sizeof(*s));
@@ -64,6 +80,10 @@ int store_init(store *h, float learning_rate, bufpool *pool)
     pthread_rwlockattr_setkind_np(&a, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
     int bad = pthread_rwlock_init(&s->lock, &a) != 0;
     pthread_rwlockattr_destroy(&a);
+    if (!bad && pthread_mutex_init(&s->write_mu, NULL) != 0) {
+        pthread_rwlock_destroy(&s->lock);
+        bad = 1;
+    }
     if (bad) {
         free(s);
         h->st = NULL;
@@ -115,6 +135,7 @@ void store_destroy(store *h)
     sync_agg_free(&s->agg);
     free(s->placement);
     pthread_rwlock_destroy(&s->lock);
+    pthread_mutex_destroy(&s->write_mu);
     free(s);
     h->st = NULL;
 }
@@ -278,11 +299,11 @@ int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
     int64_t numel = tensor_shape_numel(shape);
     if (data->len != (size_t)numel * 4)
         return STORE_ESHAPE;
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     int i = find(s, name);
     if (i >= 0) {
         if (only_create) {
-            pthread_rwlock_unlock(&s->lock);
+            write_unlock(s);
             return STORE_EEXIST;
         }
         store_var *v = &s->vars[i];
@@ -306,7 +327,7 @@ int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
         *version = v->version;
         *created = 0;
         uint64_t bytes = s->bytes;
-        pthread_rwlock_unlock(&s->lock);
+        write_unlock(s);
         blob_unref(old);
         pool_follow(s, bytes);
         return STORE_OK;
@@ -315,7 +336,7 @@ int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
         int nc = s->cap ? s->cap * 2 : 16;
         store_var *nv = realloc(s->vars, sizeof(store_var) * (size_t)nc);
         if (!nv) {
-            pthread_rwlock_unlock(&s->lock);
+            write_unlock(s);
             return STORE_ENOMEM;
         }
         s->vars = nv;
@@ -336,7 +357,7 @@ int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
     *version = 1;
     *created = 1;
     uint64_t bytes = s->bytes;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     pool_follow(s, bytes);
     return STORE_OK;
 }
@@ -415,7 +436,7 @@ int store_apply_grad(store *h, const char *name, const float *g, int64_t numel,
                      int64_t *global_step, uint64_t *version)
 {
     store_state *s = h->st;
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     int i = find(s, name), rc = STORE_OK;
     if (s->config.sync)
         rc = STORE_EMODE;
@@ -428,7 +449,7 @@ int store_apply_grad(store *h, const char *name, const float *g, int64_t numel,
         if (!dst || ensure_slots(s, &s->vars[i]) != 0) {
             if (dst && dst != s->vars[i].data)
                 blob_unref(dst);
-            pthread_rwlock_unlock(&s->lock);
+            write_unlock(s);
             return STORE_ENOMEM;
         }
         update_into(s, &s->vars[i], dst, g, 1.0f);
@@ -437,7 +458,7 @@ int store_apply_grad(store *h, const char *name, const float *g, int64_t numel,
         *version = s->vars[i].version;
     }
     int64_t step = s->global_step;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     if (rc == STORE_OK)
         notify(s, STORE_CHANGED_STEP, step);
     return rc;
@@ -531,11 +552,11 @@ out:
 int store_sync_tick(store *h)
 {
     store_state *s = h->st;
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     int stepped = s->config.sync && s->agg.n > 0 && s->agg.n >= replicas_needed(s) &&
                   aggregate(s) == STORE_OK;
     int64_t step = s->global_step;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     notify(s, (stepped ? STORE_CHANGED_STEP : 0) | STORE_CHANGED_CLOCK, step);
     return stepped;
 }
@@ -702,7 +723,8 @@ static int64_t sgd_into_grad(const optim_config *c, const float *w, float *g, in
  * turned into its variable's next value in place (optim_sgd_into_grad), and
  * those bytes become the variables' data (views of body). A NaN or Inf
  * anywhere changes nothing but the body; out of memory changes nothing.
- * Caller holds the write lock; idx from check_grads. */
+ * Caller holds write_lock (the write lock is let go during the pass and
+ * held again on return); idx from check_grads. */
 static int apply_in_body(store_state *s, const st_file *f, blob *body, size_t off, const int *idx,
                          char *err, size_t errlen)
 {
@@ -716,7 +738,11 @@ static int apply_in_body(store_state *s, const st_file *f, blob *body, size_t of
             rc = STORE_ENOMEM;
             goto out;
         }
-    for (int k = 0; k < n; k++) {
+    /* the pass without the write lock: pulls go on; every writer waits on
+     * write_mu, so the variables, their data, the configuration and
+     * global_step stay as they are */
+    pthread_rwlock_unlock(&s->lock);
+    for (int k = 0; k < n && rc == STORE_OK; k++) {
         store_var *v = &s->vars[idx[k]];
         float *g = (float *)views[k]->data;
         /* the schedule reads global_step before this update */
@@ -726,9 +752,11 @@ static int apply_in_body(store_state *s, const st_file *f, blob *body, size_t of
             snprintf(err, errlen, "gradient '%s' has %s at element %lld", f->tensors[k].name,
                      isnan(g[bad]) ? "NaN" : "Inf", (long long)bad);
             rc = STORE_EINVAL;
-            goto out;
         }
     }
+    pthread_rwlock_wrlock(&s->lock);
+    if (rc != STORE_OK)
+        goto out;
     for (int k = 0; k < n; k++) /* a moving average's shadow, before anything changes */
         if (ensure_slots(s, &s->vars[idx[k]]) != 0) {
             rc = STORE_ENOMEM;
@@ -845,7 +873,7 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
         store_touch(h, worker); /* a push renews its worker's lease */
     push_result r = {.step = -1, .outcome = STORE_PUSH_APPLIED};
     int *idx = malloc(sizeof(int) * (size_t)f->n_tensors);
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     int rc = STORE_OK, nonfinite = 0;
     /* unchecked gradients: checked here, first (as the caller would have),
      * unless the apply checks them in its one pass */
@@ -872,7 +900,7 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
         }
     }
     int64_t step = s->global_step;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     free(idx);
     if (fused && !nonfinite && worker >= 0)
         store_touch(h, worker);
@@ -886,7 +914,7 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
 int store_configure(store *h, const store_config *c, char *err, size_t errlen)
 {
     store_state *s = h->st;
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     int rc = STORE_OK;
     if (s->configured && s->global_step > 0 && memcmp(&s->config, c, sizeof(*c)) != 0) {
         snprintf(err, errlen, "training started (global_step %lld) with another configuration",
@@ -920,7 +948,7 @@ int store_configure(store *h, const store_config *c, char *err, size_t errlen)
         s->learning_rate = c->optim.learning_rate;
         s->configured = 1;
     }
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     return rc;
 }
 
@@ -1061,7 +1089,7 @@ int store_restore(store *h, store_saved *sv)
         o->shadow = NULL;
         bytes += (uint64_t)v->numel * 4;
     }
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     for (int i = 0; i < s->n; i++) {
         blob_unref(s->vars[i].data);
         free(s->vars[i].slots);
@@ -1091,7 +1119,7 @@ int store_restore(store *h, store_saved *sv)
     int64_t now = clk_mono_ms();
     worker_state_start(&s->workers, s->config.workers, now);
     s->step_started_ms = now;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     pool_follow(s, bytes);
     return STORE_OK;
 }
@@ -1103,12 +1131,12 @@ int store_set_placement(store *h, const char *json_text)
     char *copy = json_text ? strdup(json_text) : NULL;
     if (json_text && !copy)
         return STORE_ENOMEM;
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     if (!s->placement || !copy || strcmp(s->placement, copy) != 0)
         s->changes++;
     free(s->placement);
     s->placement = copy;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
     return STORE_OK;
 }
 
@@ -1166,9 +1194,9 @@ int64_t store_lease_ms(store *h)
 void store_start_at(store *h, int64_t step)
 {
     store_state *s = h->st;
-    pthread_rwlock_wrlock(&s->lock);
+    write_lock(s);
     s->global_step = step;
-    pthread_rwlock_unlock(&s->lock);
+    write_unlock(s);
 }
 
 void store_get_counts(store *h, store_counts *out)
