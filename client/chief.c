@@ -73,12 +73,15 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
         json_object_set_new(cfg, "staleness", json_integer(c->staleness));
     if (c->moving_average_decay > 0)
         json_object_set_new(cfg, "moving_average_decay", json_real(c->moving_average_decay));
-    for (int i = 0; i < ps_shards(pc); i++)
+    for (int i = 0; i < ps_shards(pc); i++) {
+        if (c->ps_replicas) /* the pipeline: each ps counts the pushes it gets */
+            json_object_set_new(cfg, "replicas_to_aggregate", json_integer(c->ps_replicas[i]));
         if (ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL) != PS_OK) {
             fprintf(stderr, "workerd: sending the training configuration: %s\n", ps_error(pc));
             json_decref(cfg);
             return 1;
         }
+    }
     json_decref(cfg);
     return 0;
 }

@@ -4,6 +4,7 @@
 #include "pipeline_link.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <curl/curl.h>
 #include <netinet/in.h>
 #include <math.h>
@@ -77,6 +78,20 @@ typedef struct msg_req {
     int counted;      /* in l->active */
 } msg_req;
 
+int64_t pipe_loss_tag(double loss)
+{
+    int64_t t;
+    memcpy(&t, &loss, sizeof(t));
+    return t;
+}
+
+double pipe_tag_loss(int64_t tag)
+{
+    double d;
+    memcpy(&d, &tag, sizeof(d));
+    return d;
+}
+
 static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size_t cap)
 {
     long long step = -1, mb = -1, from = -1, plan = -1;
@@ -125,6 +140,20 @@ static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size
     if (d == PIPE_ACT && http_query_int(r, "example0", (long long)1 << 62, &ex0) != 1) {
         snprintf(msg, cap, "activations need the query argument 'example0', a non-negative integer");
         return 400;
+    }
+    const char *ls = d == PIPE_GRAD ? http_query(r, "loss") : NULL;
+    if (d == PIPE_GRAD) {
+        double loss = NAN;
+        char *end = NULL;
+        if (ls) {
+            errno = 0;
+            loss = strtod(ls, &end);
+            if (!*ls || *end || errno || !isfinite(loss)) {
+                snprintf(msg, cap, "query argument 'loss' must be a finite number");
+                return 400;
+            }
+        }
+        ex0 = pipe_loss_tag(loss);
     }
     q->example0 = ex0;
     q->key = (pipe_key){step, (int)mb, d};
@@ -343,6 +372,8 @@ static int send_msg(pipe_link *l, const char *base, const char *who, const pipe_
                       (long long)k->step, k->mb, pipe_dir_wire(k->dir), from, (unsigned)l->plan_id);
     if (k->dir == PIPE_ACT && at > 0 && (size_t)at < sizeof(url))
         snprintf(url + at, sizeof(url) - (size_t)at, "&example0=%lld", (long long)example0);
+    if (k->dir == PIPE_GRAD && at > 0 && (size_t)at < sizeof(url) && isfinite(pipe_tag_loss(example0)))
+        snprintf(url + at, sizeof(url) - (size_t)at, "&loss=%.17g", pipe_tag_loss(example0));
     double t0 = clk_mono_secs();
     CURL *h = l->curl;
     int tries = 0;

@@ -16,6 +16,9 @@
  *        must be started with the same flags); 411 no Content-Length; 413 a
  *        body larger than the message; 401 without the bearer token when the
  *        stage has one (workerd --auth_token_file). Nothing refused is buffered.
+ *        Gradients may name their micro-batch's loss (loss=, a finite number:
+ *        the last stage's mean over the micro-batch, passed back stage by
+ *        stage), so that every stage reports it with its push to the ps.
  *        dir=reduce: with R > 1 replicas, the step's gradient sum of this
  *        stage from replica mb (= from), which every replica adds up in
  *        replica order.
@@ -68,6 +71,12 @@ int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, s
 /* The same to this stage of replica `to` (PIPE_REDUCE). */
 int pipe_link_send_replica(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
                            double deadline, char *err, size_t errlen);
+
+/* A gradient message's tag (example0 in the sends, the mailbox's tag) is
+ * its micro-batch's loss: pipe_loss_tag(loss) (the double's bits; a NaN:
+ * none, not sent), read back with pipe_tag_loss. */
+int64_t pipe_loss_tag(double loss);
+double pipe_tag_loss(int64_t tag);
 
 /* The stage's sends without waiting for them: a copy of the message goes on
  * the link's queue, which its sender thread sends in order (each as

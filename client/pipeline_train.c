@@ -48,11 +48,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/random.h>
+#include <unistd.h>
+
 #include "clock.h"
 #include "crc32c.h"
+#include "heartbeat.h"
 #include "pipeline_link.h"
 #include "pipeline_mailbox.h"
 #include "pipeline_plan.h"
+#include "pipeline_ps.h"
 #include "pipeline_schedule.h"
 #include "progress.h"
 
@@ -209,6 +214,120 @@ static json_t *info_json(const train_config *c, const pipe_plan *p, const pipe_s
                      c->batch_size, "split", stages, "table", table, "plan", plan);
 }
 
+/* --pipeline_updates=ps, at the start: the ps client, this stage's pieces,
+ * the chief's set-up as a sync chief's (the whole model initialized once,
+ * each ps told how many pushes make its step) or the others' wait for it,
+ * and the step to start from (ps 0's: a restart goes on from the ps's
+ * checkpoint). 0, or the exit status after a message. */
+static int ps_start(const train_config *c, const size_t *poff, const size_t *pn, int K, int R, int s,
+                    ps_client **pcp, pipe_ps *pps, int64_t *step0)
+{
+    char err[512];
+    const model_layout *L = &c->layout;
+    ps_client *pc = *pcp = train_connect_ps(c, c->timeout_ms);
+    if (!pc)
+        return 1;
+    if (pipe_ps_init(pps, pc, L, c->placement, c->partition_bytes, poff[s], pn[s], err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 1;
+    }
+    if (c->is_chief) {
+        shards sh;
+        int reps[pps->pl.n_ps];
+        float *whole = NULL;
+        pipe_ps_pushers(&pps->pl, poff, pn, K, R, reps);
+        if (shards_init(&sh, pc, L, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
+            !(whole = calloc(L->n_params ? L->n_params : 1, sizeof(float)))) {
+            fprintf(stderr, "workerd: out of memory for the chief's initialization\n");
+            shards_free(&sh);
+            return 1;
+        }
+        train_config cc = *c;
+        cc.ps_replicas = reps;
+        cc.replicas_to_aggregate = K * R;
+        int rc = train_chief_setup(&cc, pc, &sh, whole); /* the whole init, freed at once */
+        free(whole);
+        shards_free(&sh);
+        if (rc != 0)
+            return rc;
+    } else {
+        train_wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+        shards mine = {.pl = pps->pl}; /* the check reads the placement alone */
+        if (train_check_placement(c, pc, &mine) != 0)
+            return 2;
+    }
+    ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
+    ps_set_abort(pc, train_stop_requested);
+    json_t *st = NULL;
+    if (ps_status(pc, 0, &st) != PS_OK || !json_is_integer(json_object_get(st, "global_step"))) {
+        fprintf(stderr, "workerd: reading ps 0's global_step: %s\n", ps_error(pc));
+        json_decref(st);
+        return 1;
+    }
+    *step0 = json_integer_value(json_object_get(st, "global_step"));
+    json_decref(st);
+    char where[256];
+    int at = 0;
+    for (int i = 0; i < pps->n_sh && at < (int)sizeof(where) - 16; i++)
+        at += snprintf(where + at, sizeof(where) - (size_t)at, "%s%d", i ? "," : "", pps->sh[i].ps);
+    printf("%s: stage %d's variables (%zu parameters) on ps %s; sync: the ps averages each over the %d replica%s; "
+           "from global step %lld\n",
+           c->name, s, pn[s], pps->n_sh ? where : "(none)", R, R > 1 ? "s" : "", (long long)*step0);
+    fflush(stdout);
+    return 0;
+}
+
+/* --pipeline_updates=ps, at the end: every ps told this task is done; the
+ * chief waits for the others, pulls the whole model (the moving averages
+ * when on), reports, exports and stops the ps tasks (unless --keep_ps).
+ * The exit status. */
+static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds, int mb)
+{
+    char err[512];
+    ps_set_abort(pc, NULL);
+    json_t *done = json_pack("{s:i}", "worker", c->trainer);
+    for (int i = 0; i < ps_shards(pc); i++)
+        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
+    json_decref(done);
+    if (!c->is_chief)
+        return 0;
+    train_chief_wait_others(c, pc);
+    const model_layout *L = &c->layout;
+    shards sh;
+    float *whole = NULL;
+    model *eval = NULL;
+    int64_t fs = -1;
+    int rc = 1;
+    if (shards_init(&sh, pc, L, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
+        !(whole = malloc(sizeof(float) * (L->n_params ? L->n_params : 1))) ||
+        !(eval = model_new(model_device_backend(), L, mb, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: %s\n", eval || !whole ? "out of memory for the whole model" : err);
+        goto out;
+    }
+    if (shards_pull(&sh, whole, c->train_steps, 30000, &fs) != PS_OK ||
+        (c->moving_average_decay > 0 &&
+         (ps_set_moving_average(pc, 1), shards_pull(&sh, whole, -1, 0, &fs)) != PS_OK)) {
+        fprintf(stderr, "workerd: final pull: %s\n", ps_error(pc));
+        goto out;
+    }
+    rc = 0;
+    if (final_report(c, eval, whole, ds, fs) != 0)
+        rc = 1;
+    if (c->export_path && export_model(c, whole, fs) != 0)
+        rc = 1;
+    if (!c->keep_ps) {
+        for (int i = 0; i < ps_shards(pc); i++)
+            if (ps_json(pc, i, "POST", "/v1/shutdown", NULL, 0, NULL) != PS_OK)
+                fprintf(stderr, "workerd: shutdown: %s\n", ps_error(pc));
+        printf("%s: asked the ps tasks to stop (--keep_ps keeps them)\n", c->name);
+    }
+out:
+    model_free(eval);
+    free(whole);
+    shards_free(&sh);
+    return rc;
+}
+
 int train_pipeline(const train_config *c)
 {
     char err[1024];
@@ -274,9 +393,12 @@ int train_pipeline(const train_config *c)
     float *params = calloc(pn[s] ? pn[s] : 1, sizeof(float)); /* this stage's run of the whole buffer */
     float *grads = calloc(pn[s] ? pn[s] : 1, sizeof(float));
     float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
-    float *sum = R > 1 ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
-    float *theirs_g = R > 1 ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : NULL;
-    float *s0 = calloc(pn[s] ? pn[s] : 1, sizeof(float)), *s1 = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    /* with the ps, the replicas' sums and the optimizer slots are the ps's */
+    const int xchg = R > 1 && !c->pipeline_ps;
+    const size_t nslot = c->pipeline_ps || !pn[s] ? 1 : pn[s];
+    float *sum = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
+    float *theirs_g = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : NULL;
+    float *s0 = calloc(nslot, sizeof(float)), *s1 = calloc(nslot, sizeof(float));
     float *whole = NULL; /* stage 0 at the end: every stage's parameters */
     model *eval = NULL;
     float *out = malloc(sizeof(float) * (size_t)mb * out_n), *dout = malloc(sizeof(float) * (size_t)mb * out_n);
@@ -287,7 +409,12 @@ int train_pipeline(const train_config *c)
     pipe_mailbox *box = NULL;
     pipe_link *link = NULL;
     cluster_addr *peers = NULL, *rpeers = NULL;
-    int ok = params && grads && acc && sum && (R == 1 || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
+    ps_client *pc = NULL;
+    pipe_ps pps = {0};
+    heartbeat *hb = NULL;
+    int64_t step0 = 0;
+    unsigned nonce = 0;
+    int ok = params && grads && acc && sum && (!xchg || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
     for (int i = 0; ok && i < P; i++) {
         owner[i] = -1;
         inst[i] = model_new(model_device_backend(), &RL, mb, err, sizeof(err));
@@ -345,13 +472,23 @@ int train_pipeline(const train_config *c)
         printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
         fflush(stdout);
     }
-    /* the parameters: this stage's run of the whole initialization */
-    model_init_params(&RL, params, c->seed);
+    if (c->pipeline_ps) {
+        /* the variables are the ps's: each step pulls them */
+        if ((rc = ps_start(c, poff, pn, K, R, s, &pc, &pps, &step0)) != 0)
+            goto out;
+        rc = 1;
+        hb = heartbeat_start(train_connect_ps(c, 5000), c->trainer, 1000); /* a long step is no dead stage */
+        if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
+            nonce = (unsigned)getpid();
+    } else {
+        /* the parameters: this stage's run of the whole initialization */
+        model_init_params(&RL, params, c->seed);
+    }
     stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
     r.st.loss = NAN;
     const double tmo = c->pipeline_timeout_secs;
     double t_start = clk_mono_secs(), t_log = t_start;
-    int64_t step = 0, example0 = 0;
+    int64_t step = step0, example0 = 0;
     /* the steady state: from the end of step 0 (the start's waits left out) */
     double t_steady = t_start, busy_steady = 0, idle_steady = 0;
     uint64_t msgs = 0;
@@ -368,8 +505,23 @@ int train_pipeline(const train_config *c)
         r.st.step = step;
         if (have_data)
             batcher_at(&b, step, B, ds.n_features, x, y, &example0);
+        if (c->pipeline_ps) { /* the step's parameters, once every stage pushed the last step's gradients */
+            double t0 = clk_mono_secs();
+            int64_t got;
+            int e = pipe_ps_pull(&pps, params, step, wait, stop_or_send_failed, &got, err, sizeof(err));
+            r.st.idle_secs += clk_mono_secs() - t0;
+            if (e == -2) {
+                stopped = 1;
+                break;
+            }
+            if (e) {
+                fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+                failed = 1;
+                break;
+            }
+        }
         memset(acc, 0, sizeof(float) * pn[s]);
-        double loss_sum = 0;
+        double loss_sum = 0, mb_loss[PIPE_MAX_MICRO]; /* the micro-batches' losses, passed back with the gradients */
         for (int i = 0; i < sch.n && !failed && !stopped; i++) {
             const pipe_slot *t = pipe_schedule_at(&sch, s, i);
             const int j = t->mb;
@@ -409,6 +561,7 @@ int train_pipeline(const train_config *c)
                     break;
                 }
                 loss_sum += loss;
+                mb_loss[j] = loss;
                 r.st.busy_secs += clk_mono_secs() - t0;
                 if (!is_last)
                     e = send_to(&r, s + 1, &(pipe_key){step, j, PIPE_ACT}, out, (size_t)mb * out_n, ex0, wait);
@@ -416,10 +569,15 @@ int train_pipeline(const train_config *c)
                 for (q = 0; q < P && owner[q] != j; q++) {
                 }
                 const float *d = is_last ? dlog[q] : dout;
-                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, NULL, wait)) != 0) {
+                int64_t ltag;
+                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, &ltag, wait)) != 0) {
                     stopped = e == 2;
                     failed = e != 2;
                     break;
+                }
+                if (!is_last) {
+                    mb_loss[j] = pipe_tag_loss(ltag); /* a NaN when the stage after did not name it */
+                    loss_sum += mb_loss[j];
                 }
                 double t0 = clk_mono_secs();
                 if (model_backward_range(inst[q], 0, rlast, params, d, mb, s > 0 ? din : NULL, grads) != 0) {
@@ -433,7 +591,8 @@ int train_pipeline(const train_config *c)
                 owner[q] = -1;
                 r.st.busy_secs += clk_mono_secs() - t0;
                 if (s > 0)
-                    e = send_to(&r, s - 1, &(pipe_key){step, j, PIPE_GRAD}, din, (size_t)mb * in_n, 0, wait);
+                    e = send_to(&r, s - 1, &(pipe_key){step, j, PIPE_GRAD}, din, (size_t)mb * in_n,
+                                pipe_loss_tag(mb_loss[j]), wait);
             }
             if (e == 2)
                 stopped = 1;
@@ -442,8 +601,28 @@ int train_pipeline(const train_config *c)
         }
         if (failed || stopped)
             break;
+        if (c->pipeline_ps) {
+            /* the mean over the micro-batches to the ps, which averages the R replicas' */
+            const float inv = 1.0f / (float)M;
+            for (size_t k = 0; k < pn[s]; k++)
+                grads[k] = acc[k] * inv;
+            char id[64];
+            snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)step);
+            double t0 = clk_mono_secs();
+            if (pipe_ps_push(&pps, grads, c->trainer, step, B, loss_sum / M, id, err,
+                             sizeof(err)) != 0) {
+                if (train_stop_requested()) {
+                    stopped = 1;
+                    break;
+                }
+                fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+                failed = 1;
+                break;
+            }
+            r.st.idle_secs += clk_mono_secs() - t0;
+        }
         /* the replicas' sums: every stage adds the R sums in replica order */
-        if (R > 1) {
+        if (xchg) {
             int e = 0;
             const pipe_key rk = {step, g.replica, PIPE_REDUCE};
             for (int k = 0; k < R && !e; k++)
@@ -468,7 +647,7 @@ int train_pipeline(const train_config *c)
         /* the mean over the batch (all replicas'): the sum over the micro-batches / (M R) */
         double t0 = clk_mono_secs();
         const float scale = 1.0f / (float)(M * R);
-        for (int k = 0; k < RL.n_tensors; k++) {
+        for (int k = 0; k < RL.n_tensors && !c->pipeline_ps; k++) {
             const model_tensor *t = &RL.tensors[k];
             optim_apply(&c->optim, params + t->offset, params + t->offset, sum + t->offset, scale,
                         s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
@@ -481,7 +660,7 @@ int train_pipeline(const train_config *c)
             pipe_link_set_state(link, &r.st);
         }
         msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M + (uint64_t)(R > 1) * (uint64_t)(R - 1);
-        if (step == 0) {
+        if (step == step0) {
             t_steady = clk_mono_secs();
             busy_steady = r.st.busy_secs;
             idle_steady = r.st.idle_secs;
@@ -534,6 +713,16 @@ int train_pipeline(const train_config *c)
         }
     }
     free_training_state((train_bufs){&grads, &acc, &sum, &s0, &s1, &theirs_g});
+    if (c->pipeline_ps) {
+        heartbeat_stop(hb);
+        hb = NULL;
+        for (int i = 0; i < P; i++) { /* the chief's whole model comes next */
+            model_free(inst[i]);
+            inst[i] = NULL;
+        }
+        rc = ps_finish(c, pc, &ds, mb);
+        goto out;
+    }
     if (g.replica > 0) { /* replica 0 holds the same parameters */
         rc = 0;
         goto out;
@@ -570,6 +759,9 @@ int train_pipeline(const train_config *c)
         rc = 1;
 out:
     fflush(stdout);
+    heartbeat_stop(hb);
+    pipe_ps_free(&pps);
+    ps_client_free(pc);
     abort_link = NULL;
     pipe_link_free(link); /* before the mailbox it fills */
     pipe_mailbox_free(box);

@@ -63,6 +63,8 @@ typedef struct train_config {
     int micro_batches;          /* M; --batch_size is a multiple of it */
     double pipeline_timeout_secs; /* wait this long for a neighbouring stage */
     uint64_t max_model_bytes;   /* --local, a stage: refuse to train more model state than this (model_state_bytes); 0: no limit */
+    int pipeline_ps;            /* --pipeline_updates=ps: the stages pull and push their variables on the ps (sync) */
+    const int *ps_replicas;     /* the chief's configuration: replicas_to_aggregate per ps task; NULL: replicas_to_aggregate on every one */
 } train_config;
 
 /* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */

@@ -90,7 +90,7 @@ int main(int argc, char **argv)
     const char *device = "auto";
     int gpu = 0, tf32 = 0;
     int pipeline_stages = 0, micro_batches = 4;
-    const char *stage_layers = NULL, *pipeline_schedule = "1f1b";
+    const char *stage_layers = NULL, *pipeline_schedule = "1f1b", *pipeline_updates = "auto";
     float pipeline_timeout = 60;
     flag flags[] = {
         {"job_name", FLAG_STRING, &job_name, "this task's job: worker (default), chief or evaluator", 0},
@@ -156,7 +156,8 @@ int main(int argc, char **argv)
         {"logdir", FLAG_STRING, &logdir, "ring: the chief's checkpoints, <logdir>/model.ckpt-<global_step>.safetensors (the newest valid one is restored at start), and its TensorBoard event files, <logdir>/train/events.out.tfevents.* (loss, global_step/sec, examples/sec, learning_rate) (default logs/ring); empty = neither", 0},
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
         {"log_param_hash", FLAG_BOOL, &log_param_hash, "ring: print a CRC-32C of the parameters after every step (replicas must agree; default false)", 0},
-        {"pipeline_stages", FLAG_INT, &pipeline_stages, "model parallelism: split the model's layers into K (2 to 8) contiguous stages, one per training task: task i (the chief task first, then the workers) is stage i mod K; each holds only its layers' parameters and optimizer slots, activations go forward and their gradients back to the neighbouring stage as HTTP POSTs to its own --worker_hosts (or --chief_hosts) address, and the chief (stage 0) reports and exports the whole model at the end. No ps (the ps flags are ignored). The training tasks number K x R: R replicas (task i is in replica i / K) each take their block of every batch, as sync workers do, and the stages sum their gradients with the same stage of the other replicas (default 0: off)", 0},
+        {"pipeline_stages", FLAG_INT, &pipeline_stages, "model parallelism: split the model's layers into K (2 to 8) contiguous stages, one per training task: task i (the chief task first, then the workers) is stage i mod K; each holds only its layers' parameters and optimizer slots, activations go forward and their gradients back to the neighbouring stage as HTTP POSTs to its own --worker_hosts (or --chief_hosts) address, and the chief (stage 0) reports and exports the whole model at the end. The training tasks number K x R: R replicas (task i is in replica i / K) each take their block of every batch, as sync workers do. Where the updates happen: see --pipeline_updates (default 0: off)", 0},
+        {"pipeline_updates", FLAG_STRING, &pipeline_updates, "--pipeline_stages: ps: the chief (stage 0 of replica 0) initializes the variables on the ps tasks and configures them as a sync chief does (each ps aggregates the gradients of the stages whose variables it holds, R per variable), every stage pulls its layers' variables at a step's start and pushes its gradient mean over the micro-batches at its end (always sync; the ps keeps the optimizer, moving averages and checkpoints; the chief pulls the whole model at the end); local: no ps, each stage applies the optimizer to its own layers and the replicas exchange their gradient sums stage to stage (the ps flags are ignored); auto (default): ps when --ps_hosts is given (or TF_CONFIG names ps tasks), else local", 0},
         {"stage_layers", FLAG_STRING, &stage_layers, "--pipeline_stages: the stages' layer ranges, e.g. 0-3,4-6,7-9 (the layers of the expanded model: flatten and ReLU count; the start line prints the split); default: balance the estimated forward+backward FLOPs", 0},
         {"pipeline_schedule", FLAG_STRING, &pipeline_schedule, "--pipeline_stages: gpipe (every micro-batch forward, then every backward: M activations in flight) or 1f1b (one forward, one backward in the steady state: at most K in flight; default)", 0},
         {"micro_batches", FLAG_INT, &micro_batches, "--pipeline_stages: cut each --batch_size batch into this many micro-batches (1 to 256, dividing --batch_size; default 4); the update is the mean over the whole batch, as one worker's", 0},
@@ -367,19 +368,22 @@ int main(int argc, char **argv)
     }
     if (pipeline_stages || stage_layers || flags_get(flags, nflags, "micro_batches")->given ||
         flags_get(flags, nflags, "pipeline_schedule")->given ||
-        flags_get(flags, nflags, "pipeline_timeout_secs")->given) {
+        flags_get(flags, nflags, "pipeline_timeout_secs")->given ||
+        flags_get(flags, nflags, "pipeline_updates")->given) {
         const char *bad = NULL;
         pipe_schedule_kind sk = PIPE_1F1B;
         if (!pipeline_stages)
-            bad = "--stage_layers, --micro_batches, --pipeline_schedule and --pipeline_timeout_secs need --pipeline_stages";
+            bad = "--stage_layers, --micro_batches, --pipeline_schedule, --pipeline_timeout_secs and --pipeline_updates "
+                  "need --pipeline_stages";
         else if (pipeline_stages < PIPE_MIN_STAGES || pipeline_stages > PIPE_MAX_STAGES)
             bad = "--pipeline_stages must be 2 to 8";
         else if (local)
             bad = "--pipeline_stages is not for --local (--local is the one-process reference it is compared with)";
         else if (c.ring)
             bad = "--pipeline_stages does not go with --allreduce=ring yet";
-        else if (c.moving_average_decay > 0)
-            bad = "--moving_average_decay needs the ps tasks: not with --pipeline_stages";
+        else if (strcmp(pipeline_updates, "auto") != 0 && strcmp(pipeline_updates, "ps") != 0 &&
+                 strcmp(pipeline_updates, "local") != 0)
+            bad = "--pipeline_updates must be ps, local or auto";
         else if (micro_batches < 1 || micro_batches > PIPE_MAX_MICRO || batch % micro_batches != 0)
             bad = "--micro_batches must be 1 to 256 and divide --batch_size";
         else if (pipe_schedule_from_name(pipeline_schedule, &sk) != 0)
@@ -470,6 +474,33 @@ int main(int argc, char **argv)
         return 2;
     }
     c.replicas_to_aggregate = replicas ? replicas : c.n_trainers;
+    if (c.pipeline_stages) {
+        /* the rule: the ps when asked for, or (auto) when ps tasks are named */
+        c.pipeline_ps = strcmp(pipeline_updates, "ps") == 0 ||
+                        (strcmp(pipeline_updates, "auto") == 0 && (ps_hosts || (tf && *tf && cs.jobs[JOB_PS].n > 0)));
+        const char *bad = NULL;
+        if (!c.pipeline_ps && c.moving_average_decay > 0)
+            bad = "--moving_average_decay needs the ps tasks: not with --pipeline_updates=local (give --ps_hosts)";
+        else if (c.pipeline_ps && ((flags_get(flags, nflags, "sync")->given && !sync) || issync == 0))
+            bad = "--pipeline_stages with the ps is synchronous: not with --sync=0 (the stages' gradients of one "
+                  "step must meet one version of the parameters)";
+        else if (c.pipeline_ps && replicas)
+            bad = "--replicas_to_aggregate is not for --pipeline_stages (every stage of every replica counts; the "
+                  "chief sets each ps's count)";
+        else if (c.pipeline_ps && max_model_bytes)
+            bad = "--max_model_bytes is not for --pipeline_stages with the ps yet (a stage pulls whole ps shards, "
+                  "the chief initializes and pulls the whole model): use --pipeline_updates=local";
+        else if (c.pipeline_ps && c.num_epochs > 0)
+            bad = "--num_epochs is not for --pipeline_stages (one stage leaving stops the pipeline): use --train_steps";
+        if (bad) {
+            fprintf(stderr, "workerd: %s\n", bad);
+            cluster_spec_free(&cs);
+            free((char *)c.token);
+            return 2;
+        }
+        if (c.pipeline_ps)
+            c.sync = 1;
+    }
     if (c.pipeline_stages && (cs.job == JOB_EVALUATOR || c.n_trainers % c.pipeline_stages != 0 ||
                               c.n_trainers / c.pipeline_stages > PIPE_MAX_REPLICAS)) {
         if (cs.job == JOB_EVALUATOR)

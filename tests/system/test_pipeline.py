@@ -580,12 +580,18 @@ PS_MATRIX = [
 ]
 
 
+def start_ps(start_psd, n):
+    """n psd tasks of one cluster (each told the others: the placement is for n)."""
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
+    return [start_psd(f"--ps_hosts={hosts}", f"--task_index={i}", port0=False) for i in range(n)]
+
+
 def stage_shards(outs, k):
     """Stage s -> the ps tasks its start line names for its variables."""
     res = {}
     for i in range(k):
         line = [ln for ln in outs[i].splitlines() if f"stage {i}'s variables" in ln][0]
-        res[i] = {int(x) for x in line.split(" on ps ", 1)[1].split(",", 1)[0].split(" ")[0].split(",")}
+        res[i] = {int(x) for x in line.split(" on ps ", 1)[1].split(";", 1)[0].split(",")}
     return res
 
 
@@ -598,7 +604,7 @@ def test_with_the_ps_a_pipeline_trains_what_local_trains(stages, start_psd, tmp_
     micro-batches; each ps averages the R replicas' and applies the
     optimizer: --local with the batch R x 32, within rtol 1e-5 / atol 4e-5."""
     ref = local(small_data, model, opt, str(tmp_path / "local.safetensors"), batch=32 * r, steps=PS_STEPS)
-    psds = [start_psd() for _ in range(n_ps)]
+    psds = start_ps(start_psd, n_ps)
     got = str(tmp_path / "pipe.safetensors")
     outs = pipeline(stages, small_data, model, opt, k, m, sched, got, replicas=r, steps=PS_STEPS,
                     ps=[p.host_port for p in psds], extra=["--keep_ps"])
@@ -616,7 +622,7 @@ def test_with_the_ps_a_pipeline_trains_what_local_trains(stages, start_psd, tmp_
         st = json.loads(body)
         want = r * sum(1 for v in held.values() if i in v)
         assert st["global_step"] == PS_STEPS and st["mode"] == "sync", st
-        assert st["replicas_to_aggregate"] == want and st["workers"] == k * r, (i, st, held)
+        assert st["replicas_to_aggregate"] == want and len(st["workers"]) == want, (i, st, held)
         assert st["stale_dropped"] == 0 and st["pending_gradients"] == 0, st
     # the loss of the last stage on ps 0 (the page's)
     st = json.loads(http("GET", psds[0].url + "/v1/status")[2])
@@ -627,7 +633,7 @@ def test_with_the_ps_one_seed_one_file(stages, start_psd, tmp_path, small_data):
     files = []
     for name in ("a", "b"):
         path = str(tmp_path / f"{name}.safetensors")
-        psds = [start_psd() for _ in range(2)]
+        psds = start_ps(start_psd, 2)
         pipeline(stages, small_data, CNN, "adam", 2, 2, "1f1b", path, seed=5, steps=PS_STEPS, order=[1, 0],
                  ps=[p.host_port for p in psds])
         files.append(open(path, "rb").read())
