@@ -51,8 +51,11 @@ static blob *blob_alloc(bufpool *p, size_t len)
         return NULL;
     size_t cap = len < 64 ? 64 : (len + 63) & ~(size_t)63;
     size_t align = cap >= 2 * HUGE_ALIGN ? HUGE_ALIGN : 64;
+    /* large: whole 2 MiB pages and one more, never touched by a tensor of
+     * len bytes (no RSS), so that a tensor's buffer and a push body of the
+     * same tensor (len + its header) fit in each other when pooled */
     if (align == HUGE_ALIGN)
-        cap = (cap + HUGE_ALIGN - 1) & ~(HUGE_ALIGN - 1);
+        cap = ((cap + HUGE_ALIGN - 1) & ~(HUGE_ALIGN - 1)) + HUGE_ALIGN;
     void *d = NULL;
     if (posix_memalign(&d, align, cap) != 0) {
         free(b);

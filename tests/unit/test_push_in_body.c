@@ -145,7 +145,7 @@ static void test_a_view_keeps_its_parent(void **state)
 static void test_the_pool_keeps_its_newest_idle_blob(void **state)
 {
     (void)state;
-    bufpool *pool = bufpool_new((size_t)5 << 20);
+    bufpool *pool = bufpool_new((size_t)10 << 20); /* one 4 MiB blob (6 MiB cap), not two */
     blob *a = blob_new(pool, (size_t)4 << 20), *b = blob_new(pool, (size_t)4 << 20);
     unsigned char *bd = b->data;
     blob_unref(a);
