@@ -520,9 +520,12 @@ __attribute__((target("avx2"))) static void conv1_forward_avx2(float *out, int r
     }
 }
 
-/* dW (db and din are conv1_backward's): per example, per tap, the sum over the
- * pixels (row-major) of pad[tap's input] * dout[p, :]; acc and pad as there. */
-__attribute__((target("avx2"))) static void conv1_dW_avx2(float *dW, float *acc, float *pad,
+/* dW (din is conv1_backward's): per example, per tap, the sum over the
+ * pixels (row-major) of pad[tap's input] * dout[p, :]; acc and pad as there.
+ * db, the column sums of dout, in the pass of the first two taps, which reads
+ * dout's rows in order (the same sums as col_sums: from 0, the rows in order,
+ * example after example), instead of a pass of its own over dout. */
+__attribute__((target("avx2"))) static void conv1_dW_avx2(float *dW, float *db, float *acc, float *pad,
                                                            const float *dout, const float *in,
                                                            int B, const model_layer *l)
 {
@@ -532,6 +535,7 @@ __attribute__((target("avx2"))) static void conv1_dW_avx2(float *dW, float *acc,
     int PH, PW;
     conv1_pad_dims(l, &PH, &PW);
     const v8f zero = {0};
+    memset(db, 0, (size_t)N * sizeof(float));
     for (int e = 0; e < B; e++) {
         conv1_pad(pad, in + (size_t)e * l->in_numel, PH, PW, l);
         const float *de = dout + (size_t)e * l->out_numel;
@@ -554,22 +558,47 @@ __attribute__((target("avx2"))) static void conv1_dW_avx2(float *dW, float *acc,
 #define C8_SAVE0(i) memcpy(g0 + n0 + 8 * (i), &a##i, sizeof(a##i));
 #define C8_SAVE1(i) memcpy(g1 + n0 + 8 * (i), &c##i, sizeof(c##i));
                 C8_PARTS(C8_ZERO)
-                for (int oy = 0; oy < OH; oy++) {
-                    const float *r0 = q0 + (size_t)oy * S * PW, *r1 = q1 + (size_t)oy * S * PW;
-                    const float *drow = de + (size_t)oy * OW * N + n0;
-                    for (int ox = 0; ox < OW; ox++) {
-                        const float s0 = r0[(size_t)ox * S], s1 = r1[(size_t)ox * S];
-                        const v8f v0 = {s0, s0, s0, s0, s0, s0, s0, s0};
-                        const v8f v1 = {s1, s1, s1, s1, s1, s1, s1, s1};
-                        const float *dp = drow + (size_t)ox * N;
-                        C8_PARTS(C8_ACC)
+                if (t == 0) {
+#define C8_DB_LOAD(i) v8f sb##i; memcpy(&sb##i, db + n0 + 8 * (i), sizeof(sb##i));
+#define C8_DB_ADD(i)                                                                               \
+    {                                                                                              \
+        v8f d;                                                                                     \
+        memcpy(&d, dp + 8 * (i), sizeof(d));                                                       \
+        sb##i += d;                                                                                \
+    }
+#define C8_DB_SAVE(i) memcpy(db + n0 + 8 * (i), &sb##i, sizeof(sb##i));
+                    C8_PARTS(C8_DB_LOAD)
+                    for (int oy = 0; oy < OH; oy++) {
+                        const float *r0 = q0 + (size_t)oy * S * PW, *r1 = q1 + (size_t)oy * S * PW;
+                        const float *drow = de + (size_t)oy * OW * N + n0;
+                        for (int ox = 0; ox < OW; ox++) {
+                            const float s0 = r0[(size_t)ox * S], s1 = r1[(size_t)ox * S];
+                            const v8f v0 = {s0, s0, s0, s0, s0, s0, s0, s0};
+                            const v8f v1 = {s1, s1, s1, s1, s1, s1, s1, s1};
+                            const float *dp = drow + (size_t)ox * N;
+                            C8_PARTS(C8_ACC)
+                            C8_PARTS(C8_DB_ADD)
+                        }
+                    }
+                    C8_PARTS(C8_DB_SAVE)
+                } else {
+                    for (int oy = 0; oy < OH; oy++) {
+                        const float *r0 = q0 + (size_t)oy * S * PW, *r1 = q1 + (size_t)oy * S * PW;
+                        const float *drow = de + (size_t)oy * OW * N + n0;
+                        for (int ox = 0; ox < OW; ox++) {
+                            const float s0 = r0[(size_t)ox * S], s1 = r1[(size_t)ox * S];
+                            const v8f v0 = {s0, s0, s0, s0, s0, s0, s0, s0};
+                            const v8f v1 = {s1, s1, s1, s1, s1, s1, s1, s1};
+                            const float *dp = drow + (size_t)ox * N;
+                            C8_PARTS(C8_ACC)
+                        }
                     }
                 }
                 C8_PARTS(C8_SAVE0)
                 if (two)
                     C8_PARTS(C8_SAVE1)
             }
-            for (; n0 < N; n0++)
+            for (; n0 < N; n0++) {
                 for (int k = 0; k <= two; k++) {
                     const float *qk = k ? q1 : q0;
                     float a = 0.0f;
@@ -578,6 +607,13 @@ __attribute__((target("avx2"))) static void conv1_dW_avx2(float *dW, float *acc,
                             a += qk[(size_t)oy * S * PW + (size_t)ox * S] * de[((size_t)oy * OW + ox) * N + n0];
                     (k ? g1 : g0)[n0] = a;
                 }
+                if (t == 0) {
+                    float sb = db[n0];
+                    for (int p = 0; p < OH * OW; p++)
+                        sb += de[(size_t)p * N + n0];
+                    db[n0] = sb;
+                }
+            }
         }
         if (e > 0)
             for (size_t j = 0; j < nw; j++)
@@ -1190,9 +1226,8 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
         case LAYER_CONV2D:
 #ifdef X86_AVX2
             if (l->in.c == 1 && !dx && avx2_ok()) {
-                col_sums(grads + ly->tensors[l->b].offset, g, (size_t)B * l->out.h * l->out.w, l->out.c);
-                conv1_dW_avx2(grads + ly->tensors[l->w].offset, c->col, c->col + conv1_pad_offset(l), g,
-                              c->in[li], B, l);
+                conv1_dW_avx2(grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, c->col,
+                              c->col + conv1_pad_offset(l), g, c->in[li], B, l);
             } else
 #endif
             if (l->in.c == 1)
