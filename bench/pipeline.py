@@ -1,7 +1,8 @@
 """bench/pipeline.py - `make bench`: model parallelism (workerd
---pipeline_stages) on loopback, 2 stages of mlp:1024,784 (784x1024 and
-1024x784 dense layers: the balanced split puts one on each stage, 4.8 MFLOP
-per example each):
+--pipeline_stages) on loopback, 2 stages of mlp:1024,523 (784x1024 and
+1024x523 dense layers: the balanced split puts one on each stage, 3.2 MFLOP
+per example each as computed: the first layer computes no input gradient,
+4 x 784 x 1024, the second 6 x 1024 x 523):
 
 1. the bubble: each stage's measured idle fraction in the steady state
    (steps 2 on: 1 - compute time / wall time, from its last line) with gpipe
@@ -45,7 +46,7 @@ from benchlib import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 DATA = os.environ.get("PIPELINE_DATA", "/usr/share/datasets/fashion-mnist")
-MODEL = "mlp:1024,784"
+MODEL = "mlp:1024,523"
 BATCH = 256
 STEPS = int(os.environ.get("PIPELINE_STEPS", "12"))
 STEADY = re.compile(r"stage (\d+) steady state \(steps 2-\d+\): ([0-9.]+) steps/s, ([0-9.]+) s, busy ([0-9.]+) s, "

@@ -33,6 +33,11 @@ TESTS = {
     ("test_openapi.py", "test_route_table_matches_spec"): "compares psd --routes (which test_auth runs "
         "under the sanitizer) with the spec: no request is made",
     ("test_openapi.py", "test_event_data_is_status"): "a check of the spec's schemas: no C code runs",
+    ("test_openapi.py", "test_stage_spec_is_valid_openapi"): "validates openapi/pipeline_stage.yaml with the "
+        "OpenAPI validator: no C code runs",
+    ("test_openapi.py", "test_a_pipeline_stages_answers_match_its_spec"): "checks the shapes of a pipeline "
+        "stage's answers against its spec; the same routes (the page, /v1/status with every stage and with a "
+        "dead one, /v1/pipeline, refused messages) run under the sanitizer in test_pipeline",
     ("test_history.py", "test_steps_per_sec"): "a rate measured over 7.5 s of pushes and waiting; the "
         "rate's code runs under the sanitizer in every /v1/status read",
     ("test_pipeline.py", "test_one_seed_one_file_another_seed_another"): "three more runs of the pipeline "

@@ -1690,3 +1690,97 @@ def test_route_table_matches_spec():
             assert "requestBody" not in op and "413" not in op["responses"], f"{method} {path}"
         elif "write" in flags:
             assert "requestBody" in op and "413" in op["responses"], f"{method} {path}"
+
+
+STAGE_SPEC = os.path.join(ROOT, "openapi", "pipeline_stage.yaml")
+
+
+def test_stage_spec_is_valid_openapi():
+    r = run_checker("spec", STAGE_SPEC)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "is valid OpenAPI 3.1" in r.stderr
+
+
+def test_a_pipeline_stages_answers_match_its_spec(tmp_path):
+    """Two workerd stages (mlp:32,16, training until stopped): the page, the
+    health, both stages' /v1/status (the chief's with every stage, then with
+    the killed one's error), /v1/pipeline, refused messages (400, 409, 413),
+    an unrouted path and a method a path does not answer, each checked
+    against openapi/pipeline_stage.yaml."""
+    import socket
+    import types
+    venv_python()
+    data = "/usr/share/datasets/fashion-mnist"
+    if not os.path.isdir(data):
+        pytest.skip(f"{data} is missing: make deps installs dataset-fashion-mnist")
+    ports = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s.getsockname()[1])
+        s.close()
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = {}
+    try:
+        for i in (1, 0):
+            procs[i] = subprocess.Popen(
+                [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", "--pipeline_stages=2",
+                 "--micro_batches=2", f"--data_dir={data}", "--model=mlp:32,16", "--train_steps=1000000000",
+                 "--batch_size=32", "--log_every=0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        chief, last = types.SimpleNamespace(port=ports[0]), types.SimpleNamespace(port=ports[1])
+        rec = Recorder()
+        deadline = time.monotonic() + 60
+        while True:  # both serve, and the last stage has a loss
+            try:
+                st, _, body = rec(last, "GET", "/v1/status")
+                if st == 200 and json.loads(body)["last_loss"] is not None:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), "no stage trains"
+            rec.exchanges.clear()
+            time.sleep(0.1)
+        for path in ("/", "/app.js", "/style.css", "/healthz", "/v1/status", "/v1/pipeline"):
+            for method in ("GET", "HEAD"):
+                rec(chief, method, path, expect=200)
+        rec(last, "GET", "/v1/pipeline", expect=200)
+        q = {"step": 0, "mb": 0, "dir": "act", "from": 0, "plan": 1, "example0": 0}
+        rec(last, "POST", "/v1/pipeline/msg", query={"step": 0}, body=b"", expect=400)
+        rec(last, "POST", "/v1/pipeline/msg", query=q, body=bytes(8), expect=409)  # another plan
+        plan = json.loads(rec(last, "GET", "/v1/pipeline")[2])["plan"]
+        crc = crc32c_of(plan.encode())
+        rec(last, "POST", "/v1/pipeline/msg", query=dict(q, plan=crc), headers={"Content-Length": str(1 << 30)},
+            headers_only=True, expect=413)
+        rec(last, "GET", "/v1/nothing", expect=404)
+        rec(last, "DELETE", "/v1/pipeline", expect=405)
+        procs[1].kill()
+        procs[1].wait()
+        st = json.loads(rec(chief, "GET", "/v1/status", expect=200)[2])
+        assert "error" in st["pipeline"][1], st
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    recorded = tmp_path / "stage-exchanges.json"
+    recorded.write_text(json.dumps(rec.exchanges, indent=1))
+    r = run_checker("responses", STAGE_SPEC, str(recorded))
+    assert r.returncode == 0, f"answers that break the stage spec:\n{r.stdout}{r.stderr}"
+    assert f"{len(rec.exchanges)} exchanges, 0 failures" in r.stderr
+    # and the check can fail: the chief's status without its mode
+    bad = [dict(ex, body=dict(ex["body"], mode="ring")) for ex in rec.exchanges
+           if ex["path"] == "/v1/status" and ex["method"] == "GET"]
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(bad))
+    r = run_checker("responses", STAGE_SPEC, str(wrong))
+    assert r.returncode == 1 and r.stdout.count("FAIL") == len(bad), r.stdout
+
+
+def crc32c_of(data):
+    """CRC-32C (Castagnoli, reflected), bit by bit: what the plan id is."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
