@@ -186,6 +186,39 @@ int pipe_ps_pull(pipe_ps *p, float *params, int64_t min_step, double wait_secs, 
     }
 }
 
+void pipe_ps_missing(pipe_ps *p, const size_t *poff, const size_t *pn, int K, int R, int64_t min_step, char *out,
+                     size_t cap)
+{
+    size_t at = 0;
+    out[0] = 0;
+    ps_set_retry_ms(p->c, 0);
+    for (int i = 0; i < p->n_sh && at + 1 < cap; i++) {
+        if (p->sh[i].step >= min_step)
+            continue;
+        json_t *j = NULL;
+        if (ps_json(p->c, p->sh[i].ps, "GET", "/v1/sync", NULL, 1, &j) != PS_OK) {
+            at += (size_t)snprintf(out + at, cap - at, "; ps %d: %s", p->sh[i].ps, ps_error(p->c));
+            continue;
+        }
+        json_t *have = json_object_get(j, "have");
+        int n = 0;
+        for (int t = 0; t < K * R && at + 1 < cap; t++) {
+            const int st = t % K;
+            int holds = 0, in = 0;
+            for (int k = 0; k < p->pl.n && !holds; k++)
+                holds = p->pl.pieces[k].ps == p->sh[i].ps && in_run(&p->pl.pieces[k], poff[st], pn[st]);
+            for (size_t u = 0; u < json_array_size(have) && !in; u++)
+                in = json_integer_value(json_array_get(have, u)) == t;
+            if (holds && !in)
+                at += (size_t)snprintf(out + at, cap - at, "%s stage %d of replica %d (task %d)",
+                                       n++ ? "," : "; ps waits for the step's gradients of", st, t / K, t);
+        }
+        json_decref(j);
+    }
+    if (at >= cap)
+        out[cap - 1] = 0;
+}
+
 int pipe_ps_push(pipe_ps *p, const float *grads, int worker, int64_t step, int batch_size, double loss,
                  const char *push_id, char *err, size_t errlen)
 {

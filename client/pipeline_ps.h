@@ -61,6 +61,13 @@ void pipe_ps_pushers(const placement *pl, const size_t *poff, const size_t *pn, 
 int pipe_ps_pull(pipe_ps *p, float *params, int64_t min_step, double wait_secs, int (*abort)(void),
                  int64_t *step, char *err, size_t errlen);
 
+/* After a pull that ran out waiting for min_step: which stages the shards
+ * still wait for (GET /v1/sync: the gradients each has for its step),
+ * written to out as "; ps 0 waits for the gradients of stage 1 of replica
+ * 0 (task 1)"; the grid rule: task t is stage t mod K of replica t / K. */
+void pipe_ps_missing(pipe_ps *p, const size_t *poff, const size_t *pn, int K, int R, int64_t min_step, char *out,
+                     size_t cap);
+
 /* Push grads (the stage's run, as params) to every shard that holds some of
  * the stage's pieces, stamped worker, step, batch_size and, when finite, the
  * loss; push_id makes a retry harmless. 0, or -1 with err. */

@@ -515,7 +515,9 @@ int train_pipeline(const train_config *c)
                 break;
             }
             if (e) {
-                fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+                char who[512];
+                pipe_ps_missing(&pps, poff, pn, K, R, step, who, sizeof(who));
+                fprintf(stderr, "workerd: %s (stage %d of %d): %s%s; stopping\n", c->name, s, K, err, who);
                 failed = 1;
                 break;
             }

@@ -638,3 +638,79 @@ def test_with_the_ps_one_seed_one_file(stages, start_psd, tmp_path, small_data):
                  ps=[p.host_port for p in psds])
         files.append(open(path, "rb").read())
     assert files[0] == files[1]
+
+
+def ps_job(tmp_path, name, data, ps_port, steps, tmo, extra=()):
+    """The 2 stages of an MLP job against one ps, their output in files: (procs, log paths)."""
+    hosts = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    procs, logs = [], []
+    for i in range(2):
+        argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--ps_hosts=127.0.0.1:{ps_port}",
+                "--pipeline_stages=2", "--micro_batches=2", f"--pipeline_timeout_secs={tmo}"]
+        argv += common(data, MLP, "adam", steps=steps) + ["--log_every=10"] + list(extra if i == 0 else ())
+        logs.append(tmp_path / f"{name}-stage{i}.log")
+        with open(logs[-1], "wb") as f:  # a file: a pipe nobody reads would stop the stage
+            procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def wait_all(procs, logs, timeout=120):
+    rcs = []
+    for p, lg in zip(procs, logs):
+        try:
+            rcs.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{lg.name} did not finish:\n" + lg.read_text(errors="replace")[-2000:])
+        out = lg.read_text(errors="replace")
+        for mark in SANITIZER_MARKS:
+            assert mark not in out, out[-6000:]
+    return rcs
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_with_the_ps_a_killed_stage_stops_the_other_and_the_restarted_job_ends_with_the_uninterrupted_model(
+        start_psd, tmp_path, small_data, victim):
+    """As sync training after a crash (test_recovery): SIGKILL a stage mid-run;
+    the other stops within --pipeline_timeout_secs naming it; psd stops (its
+    last checkpoint) and restarts from its --logdir; the job started again
+    goes on from the checkpoint's step and exports the model of an
+    uninterrupted run, bit for bit (the data order, dropout and Adam's slots
+    follow the step and the ps)."""
+    steps, tmo = 300, 2
+    ref = str(tmp_path / "ref.safetensors")
+    procs, logs = ps_job(tmp_path, "ref", small_data, start_psd().port, steps, tmo, [f"--export={ref}"])
+    try:
+        assert wait_all(procs, logs) == [0, 0], "".join(lg.read_text()[-1500:] for lg in logs)
+        logdir = tmp_path / "ps-logs"
+        ps = start_psd(f"--logdir={logdir}", "--save_checkpoint_secs=1")
+        procs, logs = ps_job(tmp_path, "cut", small_data, ps.port, steps, tmo)
+        deadline = time.monotonic() + 60
+        while b"step 40 loss" not in logs[1].read_bytes():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
+            time.sleep(0.02)
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        other = 1 - victim
+        rc = wait_all([procs[other]], [logs[other]], timeout=3 * tmo + 30)[0]
+        took = time.monotonic() - t0
+        procs[victim].wait()
+        out = logs[other].read_text(errors="replace")
+        line = [ln for ln in out.splitlines() if "stopping" in ln][-1]
+        assert rc == 1 and took < 2 * tmo + 10, (took, out[-2000:])
+        assert f"stage {victim}" in line and "step" in line, line
+        print(f"stage {victim} killed: stage {other} exited {rc} after {took:.1f} s: {line}")
+        assert ps.stop() == 0  # the final checkpoint
+        ps = start_psd(f"--logdir={logdir}")
+        procs, logs = ps_job(tmp_path, "again", small_data, ps.port, steps, tmo, [f"--export={tmp_path / 'got.safetensors'}"])
+        assert wait_all(procs, logs) == [0, 0], "".join(lg.read_text()[-1500:] for lg in logs)
+        start = logs[0].read_text()
+        s0 = int(start.split("from global step ", 1)[1].split()[0])
+        assert 40 <= s0 < steps, start[-2000:]
+        assert open(ref, "rb").read() == open(tmp_path / "got.safetensors", "rb").read()
+        print(f"restarted at global step {s0} of {steps}: the same file as the uninterrupted run")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
