@@ -3,16 +3,20 @@ one thread, batch 100, sgd) against the same model in PyTorch on the CPU
 (bench/cnn_torch.py, one thread, channels-last) in one run, and restps's
 conv + dense FLOP rate against OpenBLAS sgemm's measured in the same run.
 
-    /usr/bin/python3 bench/cnn_compare.py [--bin=bin] [--steps=30] [--reps=3] [--warmup=3]
+    /usr/bin/python3 bench/cnn_compare.py [--bin=bin] [--steps=30] [--reps=5] [--warmup=3]
 
 Targets (issue 19): restps / PyTorch >= 1.0; restps's GFLOP/s >= 50% of
 sgemm's. The runs alternate, reps times each, and the best of each side is
-compared (a 2-core machine shared with other work is noisy). PyTorch runs
-with OPENBLAS_CORETYPE set to the kernel restps chose, so both sides'
-matrix products use one OpenBLAS kernel (PyTorch's convolutions are oneDNN's:
-it says so). The FLOPs are tests/python/cnn_ref.py's count: per step the
-forward, the weight gradients and the input gradients of every layer but the
-first, 2 per multiply-add (8.2 GFLOP at batch 100). Both sides time --steps
+compared (a 2-core machine shared with other work is noisy); each round's
+figures and the load average before and after it are printed as they come.
+PyTorch runs with OPENBLAS_CORETYPE set to the kernel restps chose, so both
+sides' matrix products use one OpenBLAS kernel (PyTorch's convolutions are
+oneDNN's: it says so), and channels-last, its faster layout here (CPU time
+per step, one thread, batch 100, at load 5: 161 ms channels-last against
+213 ms NCHW).
+The FLOPs are tests/python/cnn_ref.py's count: per step the forward, the
+weight gradients and the input gradients of every layer but the first, 2 per
+multiply-add (8.2 GFLOP at batch 100). Both sides time --steps
 steps after --warmup untimed ones (3): cnn_torch.py its loop, restps from
 workerd's per-step log lines (--log_every=1); workerd's own steps/s over the
 whole run (its first steps, where OpenBLAS sets up its buffers, included; the
@@ -95,7 +99,8 @@ def main():
     ap.add_argument("--data_dir", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="alternating rounds (restps, then PyTorch); the best of each side is compared")
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps before the timed ones, on both sides")
     ap.add_argument("--full_data", action="store_true",
@@ -117,11 +122,16 @@ def main():
     _, step_flops = cnn_ref.Model("cnn").flops(a.batch)
     ours, overall, theirs = [], [], []
     kernel = acc = None
-    for _ in range(a.reps):
+    loads = []
+    for i in range(a.reps):
+        l0 = os.getloadavg()[0]
         rate, whole, kernel, acc = run_restps(workerd, data_dir, a.steps, a.batch, a.warmup)
         ours.append(rate)
         overall.append(whole)
         theirs.append(run_torch(a.steps, a.batch, kernel, a.warmup))
+        loads.append((l0, os.getloadavg()[0]))
+        print(f"round {i + 1}: restps {rate:.2f}, pytorch {theirs[-1]['steps_per_s']:.2f} steps/s "
+              f"({rate / theirs[-1]['steps_per_s']:.2f}x), load average {l0:.1f} -> {loads[-1][1]:.1f}", flush=True)
     best = max(ours)
     t = max(theirs, key=lambda d: d["steps_per_s"])
     gemm = max(d["numpy_sgemm_gflops"] for d in theirs)
@@ -139,7 +149,9 @@ def main():
           f"(libraries {', '.join(t['blas_libs'])}); runs {runs}")
     print(f"numpy sgemm 1024^3, 1 thread         {gemm:6.1f} GFLOP/s   {t['numpy_blas']}")
     ratio = best / t["steps_per_s"]
-    print(f"restps / pytorch {ratio:.2f}x (target >= 1.0)   restps / sgemm {100 * gflops / gemm:.0f}% (target >= 50%)")
+    print(f"restps / pytorch {ratio:.2f}x (target >= 1.0)   restps / sgemm {100 * gflops / gemm:.0f}% (target >= 50%)   "
+          f"load average {min(min(x) for x in loads):.1f}-{max(max(x) for x in loads):.1f} "
+          f"({os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":
