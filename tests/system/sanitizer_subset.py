@@ -43,12 +43,25 @@ TESTS = {
     ("test_pipeline.py", "test_one_seed_one_file_another_seed_another"): "three more runs of the pipeline "
         "paths the equivalence matrix runs under the sanitizer (the same stages, schedule and optimizer code); "
         "determinism is a property of the normal build's floats",
+    ("test_pipeline.py",
+     "test_with_the_ps_a_killed_stage_stops_the_other_and_the_restarted_job_ends_with_the_uninterrupted_model"):
+        "12 s per victim under ASan (three jobs of 300 steps); the stop on a dead neighbour runs there in "
+        "test_a_dead_stage_stops_the_others_within_the_timeout, the ps's restore in test_recovery, and a "
+        "stage's start at a restored step is pipe_ps_pull at another min_step (the ps matrix)",
+    ("test_pipeline.py", "test_with_the_ps_one_seed_one_file"): "two more runs (9 s under ASan) of the ps "
+        "paths the ps equivalence matrix runs under the sanitizer; determinism is a property of the normal "
+        "build's floats",
 }
 
 # matrices: (file name, function name) -> (keep(params) -> bool, reason)
 WRITE_KEPT = "/v1/grads"
 READ_KEPT = "/v1/params"
 MATRICES = {
+    ("test_pipeline.py", "test_with_the_ps_a_pipeline_trains_what_local_trains"): (
+        lambda p: p["model"].startswith("mlp"),
+        "the sanitizer build runs the 2 MLP cases (K = 2 and 3, R = 1 and 2, 1 and 2 ps, gpipe and 1f1b, sgd "
+        "and adam: every path of the stages against the ps); the CNN cases (5-7 s each under ASan) add only "
+        "the conv layers' floats, which the no-ps matrix runs there"),
     ("test_pipeline.py", "test_a_pipeline_trains_what_local_trains"): (
         lambda p: bool(p["extra"]) or (p["k"], p["m"], p["sched"], p["opt"]) in ((2, 1, "gpipe", "sgd"),
                                                                                (2, 4, "gpipe", "adam")),
