@@ -508,8 +508,8 @@ int main(int argc, char **argv)
     if (c.pipeline_stages && (cs.job == JOB_EVALUATOR || c.n_trainers % c.pipeline_stages != 0 ||
                               c.n_trainers / c.pipeline_stages > PIPE_MAX_REPLICAS)) {
         if (cs.job == JOB_EVALUATOR)
-            fprintf(stderr, "workerd: --pipeline_stages has no evaluator task (no ps to read from): the chief "
-                            "prints the test accuracy at the end\n");
+            fprintf(stderr, "workerd: --pipeline_stages has no evaluator task: the chief prints the test "
+                            "accuracy at the end\n");
         else if (c.n_trainers % c.pipeline_stages != 0)
             fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks (chief + workers) are not whole "
                             "pipelines: they must number K x R (stages x replicas)\n",
