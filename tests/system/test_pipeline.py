@@ -26,7 +26,9 @@ back over HTTP.
   variables it holds and at global_step 20), two runs with one seed
   bit-identical, and a stage killed mid-run: the other stops within
   --pipeline_timeout_secs naming it, and the job restarted on the ps's
-  checkpoint ends with the uninterrupted run's model, bit for bit.
+  checkpoint ends with the uninterrupted run's model, bit for bit; with
+  --moving_average_decay the chief exports the averages one sync worker
+  exports. A gradient message's loss= that is not a finite number: 400.
 """
 import gzip
 import json
@@ -714,3 +716,53 @@ def test_with_the_ps_a_killed_stage_stops_the_other_and_the_restarted_job_ends_w
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_gradient_message_with_a_bad_loss_is_400_and_a_good_one_is_taken(stages, small_data):
+    """loss= on dir=grad (the micro-batch's loss passed back for the ps
+    pushes): not a finite number is refused before the body is buffered."""
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    s0 = stages.start([binary("workerd"), "--task_index=0", f"--worker_hosts={hosts}", "--pipeline_stages=2",
+                       "--micro_batches=2", "--pipeline_timeout_secs=60"] + common(small_data, MLP, "sgd"))
+    wait_for_line(s0, "pipeline stage 0 of 2")
+    info = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/pipeline")[2])
+    plan = crc32c(info["plan"].encode())
+    good = np.ones(16 * 32, dtype="<f4").tobytes()  # micro-batch 16 x the 32 units of stage 0's output
+    q = f"step=0&mb=0&dir=grad&from=1&plan={plan}"
+    for bad in ("nan", "inf", "-inf", "1e999", "abc", "", "0.5x"):
+        assert post(ports[0], f"{q}&loss={bad}", good)[0] == 400, bad
+    assert json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/pipeline")[2])["buffered"] == 0
+    assert post(ports[0], f"{q}&loss=0.6931", good)[0] == 204
+    assert post(ports[0], f"step=0&mb=1&dir=grad&from=1&plan={plan}", good)[0] == 204  # no loss: taken too
+    # both taken: stage 0 ends step 0 and waits for step 1's first gradient (its sends to the absent stage 1 queue)
+    deadline = time.monotonic() + 20
+    while True:
+        w = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/pipeline")[2])["waiting_for"]
+        if w and w["dir"] == "grad" and w["step"] == 1:
+            break
+        assert time.monotonic() < deadline, w
+        time.sleep(0.05)
+
+
+def test_with_the_ps_the_export_holds_the_moving_averages_a_sync_worker_exports(stages, start_psd, tmp_path,
+                                                                               small_data):
+    """--moving_average_decay with the ps: the ps keeps the averages and the
+    chief exports them, as one sync worker with the same batch exports them
+    (within rtol 1e-5 / atol 4e-5), not the variables (test_ema checks the
+    averages themselves)."""
+    ema = "--moving_average_decay=0.9"
+    ref = str(tmp_path / "sync.safetensors")
+    ps = start_psd()
+    r = subprocess.run([binary("workerd"), f"--ps_hosts=127.0.0.1:{ps.port}", f"--worker_hosts=127.0.0.1:{free_port()}",
+                        "--task_index=0", "--sync", ema, f"--export={ref}"] + common(small_data, MLP, "adam", steps=PS_STEPS),
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stdout.decode()[-2000:] + r.stderr.decode()[-2000:]
+    got = str(tmp_path / "pipe.safetensors")
+    pipeline(stages, small_data, MLP, "adam", 2, 2, "1f1b", got, steps=PS_STEPS, ps=[start_psd().host_port],
+             extra=[ema])
+    compare(ref, got)
+    plain = local(small_data, MLP, "adam", str(tmp_path / "local.safetensors"), steps=PS_STEPS)
+    a, _ = load_model(plain)
+    b, _ = load_model(got)
+    assert max(float(np.abs(a[n] - b[n]).max()) for n in a) > 1e-3  # the averages, not the variables
