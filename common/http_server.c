@@ -44,10 +44,14 @@ struct http_counter {
 
 /* An upload's buffer starts at UPLOAD_FIRST bytes and grows as they arrive:
  * 8x what came, and to the whole announced length once UPLOAD_WHOLE bytes
- * came (a 64 MiB body is copied twice, 64 KiB and 512 KiB, not up to 32 MiB). */
+ * and at least 1/UPLOAD_AHEAD of it came (a 64 MiB body is copied twice, 64
+ * KiB and 512 KiB, not up to 32 MiB). So a sender never has more than
+ * UPLOAD_AHEAD x what it sent reserved: one that announces --max_body_bytes
+ * of 1 GiB, sends 2 MiB and stalls holds 16 MiB, not 1 GiB. */
 #define UPLOAD_FIRST ((size_t)64 * 1024)
 #define UPLOAD_GROWTH 8
 #define UPLOAD_WHOLE ((uint64_t)512 * 1024)
+#define UPLOAD_AHEAD 128
 /* A refused upload is swallowed up to this, then the connection is cut. */
 #define DISCARD_MAX ((uint64_t)16 << 20)
 /* Where a request's extension state starts: aligned for any type. */
@@ -413,10 +417,12 @@ static enum MHD_Result on_upload(http_req *r, const char *data, size_t size)
     }
     if (have + size > r->body_cap) {
         /* 8x what has arrived, up to the length announced (all of it from
-         * UPLOAD_WHOLE on): a few copies of a small part of the body, and
-         * never much more reserved than sent before the sender has sent some */
+         * UPLOAD_WHOLE and 1/UPLOAD_AHEAD of it on): a few copies of a small
+         * part of the body, and never more than UPLOAD_AHEAD x sent reserved */
         uint64_t want = (have + size) * UPLOAD_GROWTH;
-        if (r->expect_len != UINT64_MAX && (want > r->expect_len || have + size >= UPLOAD_WHOLE))
+        if (r->expect_len != UINT64_MAX &&
+            (want > r->expect_len ||
+             (have + size >= UPLOAD_WHOLE && (have + size) * UPLOAD_AHEAD >= r->expect_len)))
             want = r->expect_len;
         if (want > r->limit)
             want = r->limit;

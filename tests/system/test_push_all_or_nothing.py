@@ -7,12 +7,14 @@ was; optimizer slots (momentum, adam) are unchanged too, which the next
 accepted push shows against a numpy reference that never saw the refused
 one. The accepted pushes are compared with numpy's float32 arithmetic."""
 import json
+import time
 
 import numpy as np
 import pytest
 
 from conftest import http
-from syshelp import assert_error, assert_unchanged, get_raw, put_var, snapshot, st_grads
+from syshelp import (assert_error, assert_unchanged, connect, get_raw, healthy, put_var, request_head,
+                     snapshot, st_grads)
 
 F32 = np.float32
 LR = 0.5
@@ -146,3 +148,55 @@ def test_sync_refused_push_keeps_the_step_and_the_other_gradient(start_psd):
     assert out["outcome"] == "applied" and out["global_step"] == 1
     mean = (g0 + g1) * F32(0.5)
     np.testing.assert_allclose(value(p, "w"), w - F32(LR) * mean, rtol=1e-6, atol=1e-7)
+
+
+def vm_size_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmSize in /proc/%d/status" % pid)
+
+
+def unread_bytes(port, client_port):
+    """Bytes psd's end of our connection has not read yet (rx_queue of /proc/net/tcp)."""
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, remote = fields[1], fields[2]
+                if int(local.rsplit(":", 1)[1], 16) == port and int(remote.rsplit(":", 1)[1], 16) == client_port:
+                    return int(fields[4].split(":")[1], 16)
+    return None
+
+
+def test_a_stalled_upload_reserves_a_bounded_multiple_of_what_it_sent(start_psd):
+    """A client that announces a body of --max_body_bytes (1 GiB), sends 2 MiB
+    and stalls: the body buffer grows with what came (at most 128x), not to the
+    announced length at once (common/http_server.c UPLOAD_AHEAD). Read from
+    the kernel: psd's address space (VmSize) once psd has read every byte sent."""
+    p = start_psd("--logdir=", f"--max_body_bytes={1 << 30}")
+    sent = 2 << 20
+    before = vm_size_mib(p.proc.pid)
+    socks = []
+    try:
+        for _ in range(4):
+            s = connect(p.port)
+            s.sendall(request_head("POST", "/v1/grads", ["Content-Type: application/octet-stream"],
+                                   content_length=1 << 30))
+            s.sendall(b"\0" * sent)
+            socks.append(s)
+        deadline = time.monotonic() + 20
+        for s in socks:
+            while unread_bytes(p.port, s.getsockname()[1]) != 0:
+                assert time.monotonic() < deadline, "psd did not read the bodies sent"
+                time.sleep(0.02)
+        time.sleep(0.2)  # the last chunk read is handed to the upload callback
+        grown = vm_size_mib(p.proc.pid) - before
+        # 4 x 1 GiB before; now 4 x (8x of 2 MiB rounded up to 2 MiB pages) plus slack
+        assert grown < 4 * 128 * (sent >> 20) / 2, f"psd reserved {grown:.0f} MiB for 4 x 2 MiB sent"
+        assert healthy(p.url)
+    finally:
+        for s in socks:
+            s.close()
+    assert healthy(p.url)
