@@ -29,6 +29,8 @@ back over HTTP.
   checkpoint ends with the uninterrupted run's model, bit for bit; with
   --moving_average_decay the chief exports the averages one sync worker
   exports. A gradient message's loss= that is not a finite number: 400.
+  A dead stage of another replica: the stages waiting on the ps name what
+  the ps lacks.
 """
 import gzip
 import json
@@ -766,3 +768,43 @@ def test_with_the_ps_the_export_holds_the_moving_averages_a_sync_worker_exports(
     a, _ = load_model(plain)
     b, _ = load_model(got)
     assert max(float(np.abs(a[n] - b[n]).max()) for n in a) > 1e-3  # the averages, not the variables
+
+
+def test_with_the_ps_a_replica_that_dies_is_named_by_the_stages_waiting_on_the_ps(start_psd, tmp_path, small_data):
+    """2 stages x 2 replicas: SIGKILL stage 1 of replica 1 (task 3). Replica
+    1's stage 0 stops on its missing gradients; replica 0 completes its step
+    and waits on the ps for the next: after --pipeline_timeout_secs each of
+    its stages stops, naming what the ps lacks (GET /v1/sync: tasks 2 and 3)."""
+    tmo = 2
+    ps = start_psd()
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
+    procs, logs = [], []
+    try:
+        for i in range(4):
+            argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}",
+                    f"--ps_hosts=127.0.0.1:{ps.port}", "--pipeline_stages=2", "--micro_batches=2",
+                    f"--pipeline_timeout_secs={tmo}"] + common(small_data, MLP, "sgd", steps=10 ** 6) + ["--log_every=10"]
+            logs.append(tmp_path / f"task{i}.log")
+            with open(logs[-1], "wb") as f:
+                procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while b"step 30 loss" not in logs[1].read_bytes():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
+            time.sleep(0.02)
+        os.kill(procs[3].pid, signal.SIGKILL)
+        rcs = wait_all(procs[:3], logs[:3], timeout=3 * tmo + 30)
+        procs[3].wait()
+        assert rcs == [1, 1, 1], rcs
+        line2 = [ln for ln in logs[2].read_text().splitlines() if "stopping" in ln][-1]
+        assert "from stage 1" in line2, line2
+        for i in (0, 1):
+            line = [ln for ln in logs[i].read_text().splitlines() if "stopping" in ln][-1]
+            assert "ps 0 stayed at step" in line and "stage 1 of replica 1 (task 3)" in line, line
+            assert "replica 0" not in line, line
+            print(f"task {i}: {line}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
