@@ -190,7 +190,8 @@ static void im2col(float *restrict col, const float *restrict in, int nb, const 
 }
 
 /* p[n] += q[n] */
-static void add_to(float *restrict p, const float *restrict q, size_t n)
+static inline __attribute__((always_inline)) void add_to(float *restrict p, const float *restrict q,
+                                                         size_t n)
 {
     size_t j = 0;
     for (; j + VEC <= n; j += VEC)
@@ -202,8 +203,11 @@ static void add_to(float *restrict p, const float *restrict q, size_t n)
 
 /* The adjoint of im2col: din[nb, H, W, C] += col's entries at their inputs
  * (each window row's inside taps as one run, the same sums in the same order
- * as one tap at a time). */
-static void col2im(float *restrict din, const float *restrict col, int nb, const model_layer *l)
+ * as one tap at a time). Inlined into col2im and, on x86-64, col2im_avx2
+ * (the same adds, 8 floats a vector instead of 4). */
+static inline __attribute__((always_inline)) void col2im_body(float *restrict din,
+                                                              const float *restrict col, int nb,
+                                                              const model_layer *l)
 {
     const int H = l->in.h, W = l->in.w, C = l->in.c, OH = l->out.h, OW = l->out.w;
     const int KH = l->kh, KW = l->kw, S = l->stride;
@@ -226,6 +230,25 @@ static void col2im(float *restrict din, const float *restrict col, int nb, const
                 }
             }
     }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static void col2im_avx2(float *restrict din, const float *restrict col,
+                                                         int nb, const model_layer *l)
+{
+    col2im_body(din, col, nb, l);
+}
+#endif
+
+static void col2im(float *restrict din, const float *restrict col, int nb, const model_layer *l)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2")) {
+        col2im_avx2(din, col, nb, l);
+        return;
+    }
+#endif
+    col2im_body(din, col, nb, l);
 }
 
 /* Examples per im2col chunk of layer l. */
