@@ -263,6 +263,105 @@ static void test_a_variable_left_in_an_old_body_gets_its_own_blob(void **state)
     store_snap_release(&sn);
 }
 
+/* The one pass (optim_sgd_into_grad, in the body, split over two threads
+ * from 2^21 floats) against optim_apply's sgd (a push with in_body 0 goes
+ * through update_into), bit for bit: weight decay, the learning-rate
+ * schedules, clipping that applies and that does not, a moving average;
+ * three pushes each, so the schedule and the average move. */
+#define N_SPLIT ((1 << 21) + 7)
+
+static void configure(store *s, const optim_config *o, float ema)
+{
+    store_config c = {.optim = *o, .replicas_to_aggregate = 1, .workers = 1, .max_staleness = -1,
+                      .staleness = -1, .moving_average_decay = ema};
+    char err[256] = "";
+    if (store_configure(s, &c, err, sizeof(err)) != STORE_OK)
+        fail_msg("store_configure: %s", err);
+}
+
+static void expect_same(store *a, store *b, const char *what, int average)
+{
+    store_snap x, y;
+    if (average) {
+        assert_int_equal(store_get_average(a, "w", &x), STORE_OK);
+        assert_int_equal(store_get_average(b, "w", &y), STORE_OK);
+    } else {
+        assert_int_equal(store_get(a, "w", &x), STORE_OK);
+        assert_int_equal(store_get(b, "w", &y), STORE_OK);
+        assert_int_equal(x.version, y.version);
+    }
+    const float *p = (const float *)x.data->data, *q = (const float *)y.data->data;
+    for (int i = 0; i < N_SPLIT; i++)
+        if (memcmp(&p[i], &q[i], 4) != 0)
+            fail_msg("%s%s: w[%d] = %.9g in the body, %.9g by optim_apply", what,
+                     average ? " (average)" : "", i, (double)p[i], (double)q[i]);
+    store_snap_release(&x);
+    store_snap_release(&y);
+}
+
+static void test_the_one_pass_gives_optim_applys_floats(void **state)
+{
+    (void)state;
+    struct {
+        const char *what;
+        float wd, clip, ema;
+        optim_schedule sched;
+    } cases[] = {
+        {"weight decay, exponential", 0.01f, 0, 0, OPTIM_LR_EXPONENTIAL},
+        {"clipped, cosine", 0, 3.0f, 0, OPTIM_LR_COSINE},
+        {"clip above the norm, average", 0, 1e9f, 0.9f, OPTIM_LR_CONSTANT},
+        {"weight decay, average", 0.02f, 0, 0.99f, OPTIM_LR_EXPONENTIAL},
+    };
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        fixture fa, fb;
+        fa.pool = bufpool_new((size_t)64 << 20);
+        fb.pool = bufpool_new((size_t)64 << 20);
+        assert_int_equal(store_init(&fa.s, LR, fa.pool), STORE_OK);
+        assert_int_equal(store_init(&fb.s, LR, fb.pool), STORE_OK);
+        optim_config o;
+        optim_defaults(&o, OPTIM_SGD, LR);
+        o.weight_decay = cases[c].wd;
+        o.clip_norm = cases[c].clip;
+        o.lr_schedule = cases[c].sched;
+        o.decay_steps = 2;
+        o.decay_rate = 0.5f;
+        o.staircase = 0;
+        configure(&fa.s, &o, cases[c].ema);
+        configure(&fb.s, &o, cases[c].ema);
+        put(&fa, "w", N_SPLIT, 1);
+        put(&fb, "w", N_SPLIT, 1);
+        assert_int_equal(store_push_in_body(&fa.s), 1);
+        for (int t = 0; t < 3; t++) {
+            const char *names[] = {"w"};
+            const int ns[] = {N_SPLIT};
+            body ba, bb;
+            body_make(&fa, &ba, names, ns, 1, 10 + t);
+            body_make(&fb, &bb, names, ns, 1, 10 + t);
+            char err[256] = "";
+            if (apply(&fa, &ba, err, sizeof(err)) != STORE_OK)
+                fail_msg("%s: in the body: %s", cases[c].what, err);
+            store_push_meta meta = {.worker = -1, .step = -1, .clock = -1, .body = bb.b, .in_body = 0};
+            int64_t gs;
+            int outcome;
+            if (store_apply_grads(&fb.s, &bb.f, bb.data, &meta, &gs, &outcome, err, sizeof(err)) != STORE_OK)
+                fail_msg("%s: optim_apply: %s", cases[c].what, err);
+            blob_unref(ba.b);
+            blob_unref(bb.b);
+            expect_same(&fa.s, &fb.s, cases[c].what, 0);
+            if (cases[c].ema > 0)
+                expect_same(&fa.s, &fb.s, cases[c].what, 1);
+        }
+        store_snap sn; /* the positive control: the values moved */
+        assert_int_equal(store_get(&fa.s, "w", &sn), STORE_OK);
+        assert_true(((const float *)sn.data->data)[1] != val(1, 1));
+        store_snap_release(&sn);
+        store_destroy(&fa.s);
+        store_destroy(&fb.s);
+        bufpool_free(fa.pool);
+        bufpool_free(fb.pool);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -273,6 +372,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_a_snapshot_keeps_the_version_it_took, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_variable_left_in_an_old_body_gets_its_own_blob, setup,
                                         teardown),
+        cmocka_unit_test(test_the_one_pass_gives_optim_applys_floats),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
