@@ -450,6 +450,21 @@ int train_pipeline(const train_config *c)
     for (int k = 0; k < R; k++)
         rpeers[k] = TASK_ADDR(pipe_grid_task(&g, s, k));
 #undef TASK_ADDR
+    if (c->pipeline_ps) {
+        /* the variables are the ps's: each step pulls them. Before the
+         * endpoint opens: a neighbour's first message (of a restored step)
+         * finds the mailbox at that step, or retries until it listens */
+        if ((rc = ps_start(c, poff, pn, K, R, s, &pc, &pps, &step0)) != 0)
+            goto out;
+        rc = 1;
+        pipe_mailbox_set_step(box, step0);
+        hb = heartbeat_start(train_connect_ps(c, 5000), c->trainer, 1000); /* a long step is no dead stage */
+        if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
+            nonce = (unsigned)getpid();
+    } else {
+        /* the parameters: this stage's run of the whole initialization */
+        model_init_params(&RL, params, c->seed);
+    }
     pipe_link_options lo = {.peers = peers, .stages = K, .stage = s, .mailbox = box,
                             .replica_peers = rpeers, .replicas = R, .replica = g.replica,
                             .plan_id = plan_id, .plan_text = plan, .token = c->token,
@@ -472,18 +487,6 @@ int train_pipeline(const train_config *c)
         printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
         fflush(stdout);
     }
-    if (c->pipeline_ps) {
-        /* the variables are the ps's: each step pulls them */
-        if ((rc = ps_start(c, poff, pn, K, R, s, &pc, &pps, &step0)) != 0)
-            goto out;
-        rc = 1;
-        hb = heartbeat_start(train_connect_ps(c, 5000), c->trainer, 1000); /* a long step is no dead stage */
-        if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
-            nonce = (unsigned)getpid();
-    } else {
-        /* the parameters: this stage's run of the whole initialization */
-        model_init_params(&RL, params, c->seed);
-    }
     stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
     r.st.loss = NAN;
     const double tmo = c->pipeline_timeout_secs;
@@ -500,7 +503,7 @@ int train_pipeline(const train_config *c)
             stopped = 1;
             break;
         }
-        double wait = step == 0 && tmo < PIPE_START_SECS ? PIPE_START_SECS : tmo;
+        double wait = step == step0 && tmo < PIPE_START_SECS ? PIPE_START_SECS : tmo;
         pipe_mailbox_set_step(box, step);
         r.st.step = step;
         if (have_data)

@@ -797,7 +797,8 @@ def test_with_the_ps_a_replica_that_dies_is_named_by_the_stages_waiting_on_the_p
         procs[3].wait()
         assert rcs == [1, 1, 1], rcs
         line2 = [ln for ln in logs[2].read_text().splitlines() if "stopping" in ln][-1]
-        assert "from stage 1" in line2, line2
+        # on its missing gradients, or (killed between its last gradient and its push) on the ps
+        assert "from stage 1" in line2 or "stage 1 of replica 1 (task 3)" in line2, line2
         for i in (0, 1):
             line = [ln for ln in logs[i].read_text().splitlines() if "stopping" in ln][-1]
             assert "ps 0 stayed at step" in line and "stage 1 of replica 1 (task 3)" in line, line
