@@ -774,7 +774,7 @@ def test_with_the_ps_a_replica_that_dies_is_named_by_the_stages_waiting_on_the_p
     """2 stages x 2 replicas: SIGKILL stage 1 of replica 1 (task 3). Replica
     1's stage 0 stops on its missing gradients; replica 0 completes its step
     and waits on the ps for the next: after --pipeline_timeout_secs each of
-    its stages stops, naming what the ps lacks (GET /v1/sync: tasks 2 and 3)."""
+    its stages stops, naming what the ps lacks (GET /v1/sync: replica 1's tasks)."""
     tmo = 2
     ps = start_psd()
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
@@ -801,7 +801,9 @@ def test_with_the_ps_a_replica_that_dies_is_named_by_the_stages_waiting_on_the_p
         assert "from stage 1" in line2 or "stage 1 of replica 1 (task 3)" in line2, line2
         for i in (0, 1):
             line = [ln for ln in logs[i].read_text().splitlines() if "stopping" in ln][-1]
-            assert "ps 0 stayed at step" in line and "stage 1 of replica 1 (task 3)" in line, line
+            # the ps knows who did not push: task 3, or task 2 alone when task 3 pushed and died before its
+            # last gradient (a queued send) reached task 2
+            assert "ps 0 stayed at step" in line and "of replica 1 (task " in line, line
             assert "replica 0" not in line, line
             print(f"task {i}: {line}")
     finally:
