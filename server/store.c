@@ -685,6 +685,10 @@ static void loosen(store_state *s, blob *parent)
     }
 }
 
+/* A body whose gradients are under a quarter of it, less this, is not kept
+ * as the variables' data (store_apply_grads). */
+#define PIN_SLACK ((uint64_t)64 << 10)
+
 /* A gradient this large is checked and applied by two threads, a half
  * each (the pushing worker waits meanwhile, so a core is usually free). */
 #define SPLIT_FLOATS ((size_t)2 << 20)
@@ -880,7 +884,10 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
     int rc = STORE_OK, nonfinite = 0;
     /* unchecked gradients: checked here, first (as the caller would have),
      * unless the apply checks them in its one pass */
-    int fused = in_body && fuses(s);
+    /* ... and only a body that is mostly gradients becomes the variables'
+     * data: a 4-byte gradient behind a 100 MiB header (ST_MAX_HEADER) would
+     * otherwise keep the whole body as long as its variable stays */
+    int fused = in_body && fuses(s) && (uint64_t)f->data_len * 4 + PIN_SLACK >= b->cap;
     if (in_body && !fused && (rc = check_finite(f, data, err, errlen)) != STORE_OK) {
         nonfinite = 1;
     } else {

@@ -263,6 +263,38 @@ static void test_a_variable_left_in_an_old_body_gets_its_own_blob(void **state)
     store_snap_release(&sn);
 }
 
+/* A small gradient behind a large header (a body of 1 MiB for 5 floats)
+ * is applied into a blob of the variable's own, not kept as a view that
+ * would hold the whole body; checked for NaN all the same. */
+static void test_a_body_mostly_header_is_not_kept(void **state)
+{
+    fixture *fx = *state;
+    put(fx, "c", 5, 3);
+    const char *names[] = {"c"};
+    const int ns[] = {5};
+    body bd;
+    body_make(fx, &bd, names, ns, 1, 5);
+    blob *big = blob_new(fx->pool, (size_t)1 << 20); /* the same body, a 1 MiB header before it */
+    assert_non_null(big);
+    memcpy(big->data + big->len - 20, bd.data, 20);
+    blob_unref(bd.b);
+    bd.b = big;
+    bd.data = big->data + big->len - 20;
+    ((float *)bd.data)[4] = NAN;
+    char err[256] = "";
+    assert_int_equal(apply(fx, &bd, err, sizeof(err)), STORE_EINVAL);
+    assert_string_equal(err, "gradient 'c' has NaN at element 4");
+    ((float *)bd.data)[4] = val(4, 5);
+    if (apply(fx, &bd, err, sizeof(err)) != STORE_OK)
+        fail_msg("apply: %s", err);
+    store_snap sn;
+    assert_int_equal(store_get(&fx->s, "c", &sn), STORE_OK);
+    assert_null(sn.data->parent);
+    store_snap_release(&sn);
+    blob_unref(bd.b);
+    expect_sgd(fx, "c", 5, 3, 5, 2);
+}
+
 /* The one pass (optim_sgd_into_grad, in the body, split over two threads
  * from 2^21 floats) against optim_apply's sgd (a push with in_body 0 goes
  * through update_into), bit for bit: weight decay, the learning-rate
@@ -372,6 +404,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_a_snapshot_keeps_the_version_it_took, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_variable_left_in_an_old_body_gets_its_own_blob, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_a_body_mostly_header_is_not_kept, setup, teardown),
         cmocka_unit_test(test_the_one_pass_gives_optim_applys_floats),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
