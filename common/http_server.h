@@ -85,8 +85,9 @@ struct http_route {
 /* Where a body goes unless before_body says otherwise (default: malloc'd
  * memory, freed when the request ends). The layer asks for the first
  * min(Content-Length, 64 KiB, limit) bytes and grows the buffer to 8x what
- * has arrived, up to the length announced (to all of it once 512 KiB came:
- * a large body is copied twice, a small part each time). */
+ * has arrived, up to the length announced (to all of it once 512 KiB and
+ * 1/128 of it came: a large body is copied a few times, a small part each
+ * time, and a sender never has more than 128x what it sent reserved). */
 typedef struct http_body_ops {
     /* A buffer of at least cap bytes: a handle, its bytes in *data and its
      * size in *got. NULL when out of memory. */
