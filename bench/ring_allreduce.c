@@ -19,11 +19,17 @@ static double now_secs(void)
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 int main(int argc, char **argv)
 {
     const char *hosts = NULL, *input = NULL, *output = NULL, *tls_cert = NULL, *tls_key = NULL,
                *tls_ca = NULL, *tls_prio = NULL;
-    int rank = -1, steps = 1;
+    int rank = -1, steps = 1, warmup = 1;
     uint64_t floats = 0, piece = 1 << 20;
     float timeout = 30;
     flag flags[] = {
@@ -33,6 +39,7 @@ int main(int argc, char **argv)
         {"input", FLAG_STRING, &input, "raw little-endian float32 file to sum (sets --floats)", 0},
         {"output", FLAG_STRING, &output, "write the last sum here, raw float32", 0},
         {"steps", FLAG_INT, &steps, "all-reduces to run (default 1)", 0},
+        {"warmup", FLAG_INT, &warmup, "the first this many are not timed (default 1; below --steps, or the one all-reduce of --steps=1 is timed)", 0},
         {"piece_bytes", FLAG_U64, &piece, "pieces of at most this many bytes (default 1048576)", 0},
         {"timeout_secs", FLAG_FLOAT, &timeout, "wait this long for a neighbour (default 30)", 0},
         {"tls_cert", FLAG_STRING, &tls_cert, "serve and speak HTTPS, with this PEM certificate (needs --tls_key)", 0},
@@ -48,8 +55,10 @@ int main(int argc, char **argv)
                    flags, nf);
         return 0;
     }
-    if (fr < 0 || !hosts || rank < 0 || steps < 1 || piece < 4 || !(timeout > 0)) {
-        fprintf(stderr, "ring_allreduce: %s\n", fr < 0 ? err : "--worker_hosts and --task_index are required, --steps >= 1");
+    if (fr < 0 || !hosts || rank < 0 || steps < 1 || piece < 4 || !(timeout > 0) || warmup < 0 ||
+        (steps > 1 && warmup >= steps)) {
+        fprintf(stderr, "ring_allreduce: %s\n",
+                fr < 0 ? err : "--worker_hosts and --task_index are required, --steps >= 1, 0 <= --warmup < --steps");
         return 2;
     }
     if (tls_prio && ring_tls_priorities_check(tls_prio, err, sizeof(err)) != 0) {
@@ -97,9 +106,19 @@ int main(int argc, char **argv)
         return 1;
     }
     float *buf = malloc(floats * 4 + 4);
-    double total = 0, first = 0;
-    int rc = 0;
-    for (int s = 0; s < steps && buf; s++) {
+    if (steps == 1)
+        warmup = 0;
+    double total = 0, first = 0, *times = malloc(sizeof(double) * (size_t)steps);
+    int rc = 0, timed = 0;
+    if (!times) {
+        fprintf(stderr, "ring_allreduce: out of memory\n");
+        return 1;
+    }
+    if (!buf) {
+        fprintf(stderr, "ring_allreduce: out of memory\n");
+        rc = 1;
+    }
+    for (int s = 0; s < steps && buf && rc == 0; s++) {
         memcpy(buf, in, floats * 4);
         double t0 = now_secs();
         if (ring_allreduce(r, s, buf, s == 0 ? 60 : 0, err, sizeof(err)) != 0) {
@@ -110,8 +129,10 @@ int main(int argc, char **argv)
         double dt = now_secs() - t0;
         if (s == 0)
             first = dt;
-        else
+        if (s >= warmup) {
             total += dt;
+            times[timed++] = dt;
+        }
     }
     if (rc == 0 && output) {
         FILE *f = fopen(output, "wb");
@@ -122,9 +143,11 @@ int main(int argc, char **argv)
     }
     if (rc == 0) {
         int n = o.n;
-        printf("ring_allreduce: rank %d of %d: %llu floats, %d all-reduces, %.6f s each after the first (the first %.6f s), "
-               "%.0f bytes sent each (2(N-1)/N x bytes = %.0f)\n",
-               rank, n, (unsigned long long)floats, steps, steps > 1 ? total / (steps - 1) : first, first,
+        qsort(times, (size_t)timed, sizeof(double), cmp_double);
+        double median = timed % 2 ? times[timed / 2] : (times[timed / 2 - 1] + times[timed / 2]) / 2;
+        printf("ring_allreduce: rank %d of %d: %llu floats, %d all-reduces, %.6f s each after the first %d "
+               "(median %.6f s over %d; the first %.6f s), %.0f bytes sent each (2(N-1)/N x bytes = %.0f)\n",
+               rank, n, (unsigned long long)floats, steps, total / timed, warmup, median, timed, first,
                (double)ring_bytes_sent(r) / steps, 2.0 * (n - 1) / n * (double)floats * 4);
         fflush(stdout);
     }
@@ -133,6 +156,7 @@ int main(int argc, char **argv)
     ring_free(r);
     cluster_spec_free(&cs);
     free(buf);
+    free(times);
     free(in);
     return rc;
 }
