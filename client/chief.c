@@ -113,3 +113,12 @@ void train_chief_wait_others(const train_config *c, ps_client *pc)
     }
 }
 
+void train_chief_stop_ps(const train_config *c, ps_client *pc)
+{
+    if (c->keep_ps)
+        return;
+    for (int i = 0; i < ps_shards(pc); i++)
+        if (ps_json(pc, i, "POST", "/v1/shutdown", NULL, 0, NULL) != PS_OK)
+            fprintf(stderr, "workerd: shutdown: %s\n", ps_error(pc));
+    printf("%s: asked the ps tasks to stop (--keep_ps keeps them)\n", c->name);
+}

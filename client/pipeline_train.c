@@ -315,12 +315,7 @@ static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds
         rc = 1;
     if (c->export_path && export_model(c, whole, fs) != 0)
         rc = 1;
-    if (!c->keep_ps) {
-        for (int i = 0; i < ps_shards(pc); i++)
-            if (ps_json(pc, i, "POST", "/v1/shutdown", NULL, 0, NULL) != PS_OK)
-                fprintf(stderr, "workerd: shutdown: %s\n", ps_error(pc));
-        printf("%s: asked the ps tasks to stop (--keep_ps keeps them)\n", c->name);
-    }
+    train_chief_stop_ps(c, pc);
 out:
     model_free(eval);
     free(whole);

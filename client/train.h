@@ -146,5 +146,7 @@ int train_check_placement(const train_config *c, ps_client *pc, const shards *sh
  * wait (bounded) for the other tasks to say they finished. */
 int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params);
 void train_chief_wait_others(const train_config *c, ps_client *pc);
+/* The chief at the very end: ask every ps task to stop, unless --keep_ps. */
+void train_chief_stop_ps(const train_config *c, ps_client *pc);
 
 #endif

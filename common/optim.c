@@ -3,6 +3,7 @@
  * operations), with per-variable gradient clipping (tf.clip_by_norm),
  * decoupled weight decay and a learning-rate schedule by global_step. */
 #include "optim.h"
+#include "tensor.h"
 
 #include <math.h>
 #include <string.h>
@@ -246,25 +247,6 @@ void optim_apply(const optim_config *c, const float *w, float *out, const float 
     }
 }
 
-/* The first non-finite element of x[0..n), or -1: an OR-sweep over the
- * exponent bits (vectorizes; an all-ones exponent plus one step sets bit 31),
- * then the search only when one is there. */
-static int64_t first_nonfinite(const float *x, size_t n)
-{
-    uint32_t flag = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, &x[i], 4);
-        flag |= (b & 0x7f800000u) + 0x00800000u;
-    }
-    if (!(flag & 0x80000000u))
-        return -1;
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i]))
-            return (int64_t)i;
-    return -1;
-}
-
 /* floats checked, then updated, at a time: 16 KiB, well inside L1 + L2 */
 #define SGD_CHUNK 4096
 
@@ -279,7 +261,7 @@ int64_t optim_sgd_into_grad(const optim_config *c, const float *restrict w, floa
         size_t m = n - at < SGD_CHUNK ? n - at : SGD_CHUNK;
         float *gc = g + at;
         const float *wc = w + at;
-        int64_t bad = first_nonfinite(gc, m);
+        int64_t bad = tensor_find_nonfinite(gc, m);
         if (bad >= 0)
             return (int64_t)at + bad;
         /* the expressions of optim_apply's OPTIM_SGD: the same floats */
