@@ -172,6 +172,35 @@ int model_backward_range(model *m, int first, int last, const float *params, con
     return m->backend->backward_range(m, first, last, params, dout, batch, din, grads);
 }
 
+int model_adds_gradients(const model_backend *backend)
+{
+    return backend && backend->backward_range_add != NULL;
+}
+
+int model_backward_range_add(model *m, int first, int last, const float *params, const float *dout,
+                             int batch, float *din, float *sum, float *scratch)
+{
+    if (!range_ok(m, first, last, batch) || !params || !dout || !sum)
+        return -1;
+    if (m->backend->backward_range_add)
+        return m->backend->backward_range_add(m, first, last, params, dout, batch, din, sum);
+    if (!scratch || m->backend->backward_range(m, first, last, params, dout, batch, din, scratch) != 0)
+        return -1;
+    const model_layout *ly = &m->layout;
+    for (int li = first; li <= last; li++) {
+        const model_layer *l = &ly->layers[li];
+        const int t[2] = {l->w, l->b};
+        for (int k = 0; k < 2; k++) {
+            if (t[k] < 0)
+                continue;
+            const size_t off = ly->tensors[t[k]].offset, n = ly->tensors[t[k]].numel;
+            for (size_t i = 0; i < n; i++)
+                sum[off + i] += scratch[off + i];
+        }
+    }
+    return 0;
+}
+
 int model_loss_head(model *m, const float *logits, const uint8_t *labels, int batch,
                     float *dlogits, double *loss)
 {

@@ -158,13 +158,15 @@ int model_layout_range(const model_layout *whole, int first, int last, model_lay
                        size_t errlen);
 
 /* The bytes a task holds per parameter float it trains: the parameters, the
- * gradients and the optimizer's two slot buffers (4 x 4 bytes; --local), and
- * one more buffer, the step's gradient sum, for a pipeline stage (5 x 4),
- * two more with replicas (7 x 4): what workerd's --max_model_bytes counts.
- * The activations and workspace are not counted (they scale with the batch). */
+ * gradients and the optimizer's two slot buffers (4 x 4 bytes; --local); a
+ * pipeline stage's micro-batches add their gradients into the step's sum, its
+ * gradient buffer (4 x 4), two more with replicas (6 x 4), and one more, a
+ * micro-batch's own gradients, where the backend cannot add them itself
+ * (model_adds_gradients 0): what workerd's --max_model_bytes counts. The
+ * activations and workspace are not counted (they scale with the batch). */
 #define MODEL_STATE_FLOATS_LOCAL 4
-#define MODEL_STATE_FLOATS_STAGE 5
-#define MODEL_STATE_FLOATS_STAGE_REPLICAS 7
+#define MODEL_STATE_FLOATS_STAGE 4
+#define MODEL_STATE_FLOATS_STAGE_REPLICAS 6
 static inline uint64_t model_state_bytes(size_t n_params, int floats_per_param)
 {
     return (uint64_t)n_params * (uint64_t)floats_per_param * sizeof(float);
@@ -273,6 +275,13 @@ struct model_backend {
                           int batch, float *din, float *grads);
     int (*loss_head)(model *m, const float *logits, const uint8_t *labels, int batch,
                      float *dlogits, double *loss);
+    /* Optional (NULL: model_backward_range_add does it with backward_range
+     * and a sum): backward_range, but the parameter gradients of layers
+     * first..last are added to grads' floats instead of overwriting them (a
+     * pipeline stage sums its micro-batches' gradients so, without a pass of
+     * its own over them). */
+    int (*backward_range_add)(model *m, int first, int last, const float *params, const float *dout,
+                              int batch, float *din, float *grads);
 };
 
 /* The OpenBLAS backend (model_cpu.c). */
@@ -323,6 +332,15 @@ int model_forward_range(model *m, int first, int last, const float *params, cons
                         int batch, const model_ctx *ctx, float *out);
 int model_backward_range(model *m, int first, int last, const float *params, const float *dout,
                          int batch, float *din, float *grads);
+/* 1 when backend adds a range's gradients to a sum itself
+ * (backward_range_add), so model_backward_range_add needs no scratch. */
+int model_adds_gradients(const model_backend *backend);
+/* model_backward_range that adds the gradients of layers first..last's
+ * tensors to sum; scratch (the layout's n_params floats) is where they go
+ * first when the backend has no backward_range_add (its floats are then
+ * overwritten). 0, or -1. */
+int model_backward_range_add(model *m, int first, int last, const float *params, const float *dout,
+                             int batch, float *din, float *sum, float *scratch);
 int model_loss_head(model *m, const float *logits, const uint8_t *labels, int batch,
                     float *dlogits, double *loss);
 /* Host memory for params, grads, x and labels: bytes zeroed, or NULL when out

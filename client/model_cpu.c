@@ -103,9 +103,10 @@ static void bias_relu(float *restrict z, const float *restrict b, size_t B, int 
 }
 
 /* db[N] = column sums of d[B, N] (rows in order, from 0). */
-static void col_sums(float *restrict db, const float *restrict d, size_t B, int N)
+static void col_sums(float *restrict db, const float *restrict d, size_t B, int N, int add)
 {
-    memset(db, 0, (size_t)N * sizeof(float));
+    if (!add)
+        memset(db, 0, (size_t)N * sizeof(float));
     for (size_t i = 0; i < B; i++) {
         const float *restrict di = d + i * (size_t)N;
         int j = 0;
@@ -133,10 +134,11 @@ static void dense_forward(float *out, const float *in, const float *W, const flo
  * 9.5 instead of 10.9 ms for din, but OpenBLAS then sums some elements in
  * another order: not the same floats.) */
 static void dense_backward(float *din, float *dW, float *db, const float *dout, const float *in,
-                           const float *W, int B, int K, int N)
+                           const float *W, int B, int K, int N, int add)
 {
-    col_sums(db, dout, (size_t)B, N);
-    memset(dW, 0, (size_t)K * N * sizeof(float));
+    col_sums(db, dout, (size_t)B, N, add);
+    if (!add) /* add: the sgemm's beta 1 adds to the sum the caller keeps */
+        memset(dW, 0, (size_t)K * N * sizeof(float));
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, N, B, 1.0f, in, K, dout, N, 1.0f, dW, N);
     if (din)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, K, N, 1.0f, dout, N, W, N, 0.0f, din,
@@ -374,7 +376,7 @@ static void conv1_backward(float *din, float *dW, float *db, float *acc, const f
     const int H = l->in.h, Wd = l->in.w, OH = l->out.h, OW = l->out.w, N = l->out.c;
     const int KH = l->kh, KW = l->kw, S = l->stride;
     const size_t nw = (size_t)KH * KW * N;
-    col_sums(db, dout, (size_t)B * OH * OW, N);
+    col_sums(db, dout, (size_t)B * OH * OW, N, 0);
     if (din)
         memset(din, 0, (size_t)B * l->in_numel * sizeof(float));
     for (int e = 0; e < B; e++) {
@@ -659,7 +661,7 @@ static void conv_backward(float *din, float *dW, float *db, float *col, const fl
 {
     const int K = l->kh * l->kw * l->in.c, N = l->out.c, P = l->out.h * l->out.w;
     const int nb_max = conv_chunk(l, B);
-    col_sums(db, dout, (size_t)B * P, N);
+    col_sums(db, dout, (size_t)B * P, N, 0);
     for (int e0 = 0; e0 < B; e0 += nb_max) {
         int nb = B - e0 < nb_max ? B - e0 : nb_max;
         const float *d = dout + (size_t)e0 * l->out_numel;
@@ -1219,8 +1221,11 @@ static int params_below(const model_layout *ly, int first, int upto)
     return 0;
 }
 
+/* add 0: grads gets the range's parameter gradients; 1: they are added to
+ * its floats (a dense layer's sgemm adds them itself; a convolution's go
+ * through a buffer of the layer's size, then are added). */
 static int backward(model_cpu *c, int first, int last, const float *params, const float *dout, int B,
-                    float *din, float *grads)
+                    float *din, float *grads, int add)
 {
     const model_layout *ly = &c->base.layout;
     if (c->fwd_first != first || c->fwd_last != last || c->fwd_batch != B)
@@ -1244,22 +1249,34 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
         case LAYER_DENSE:
             dense_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, g,
                            c->in[li], params + ly->tensors[l->w].offset, B, (int)l->in_numel,
-                           (int)l->out_numel);
+                           (int)l->out_numel, add);
             break;
-        case LAYER_CONV2D:
+        case LAYER_CONV2D: {
+            const size_t wn = ly->tensors[l->w].numel, bn = ly->tensors[l->b].numel;
+            float *tmp = add ? malloc((wn + bn) * sizeof(float)) : NULL;
+            if (add && !tmp)
+                return -1;
+            float *dW = add ? tmp : grads + ly->tensors[l->w].offset;
+            float *db = add ? tmp + wn : grads + ly->tensors[l->b].offset;
 #ifdef X86_AVX2
             if (l->in.c == 1 && !dx && avx2_ok()) {
-                conv1_dW_avx2(grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, c->col,
-                              c->col + conv1_pad_offset(l), g, c->in[li], B, l);
+                conv1_dW_avx2(dW, db, c->col, c->col + conv1_pad_offset(l), g, c->in[li], B, l);
             } else
 #endif
             if (l->in.c == 1)
-                conv1_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset,
-                               c->col, g, c->in[li], params + ly->tensors[l->w].offset, B, l);
+                conv1_backward(dx, dW, db, c->col, g, c->in[li], params + ly->tensors[l->w].offset, B, l);
             else
-                conv_backward(dx, grads + ly->tensors[l->w].offset, grads + ly->tensors[l->b].offset, c->col,
-                          g, c->in[li], params + ly->tensors[l->w].offset, B, l);
+                conv_backward(dx, dW, db, c->col, g, c->in[li], params + ly->tensors[l->w].offset, B, l);
+            if (add) {
+                float *gw = grads + ly->tensors[l->w].offset, *gb = grads + ly->tensors[l->b].offset;
+                for (size_t k = 0; k < wn; k++)
+                    gw[k] += tmp[k];
+                for (size_t k = 0; k < bn; k++)
+                    gb[k] += tmp[wn + k];
+                free(tmp);
+            }
             break;
+        }
         case LAYER_MAXPOOL:
             if (li - 1 > first && ly->layers[li - 1].kind == LAYER_RELU && dx) {
                 /* the ReLU below in the same pass: its gradient lands in dx too */
@@ -1341,7 +1358,13 @@ static int cpu_forward_range(model *m, int first, int last, const float *params,
 static int cpu_backward_range(model *m, int first, int last, const float *params, const float *dout,
                               int B, float *din, float *grads)
 {
-    return backward((model_cpu *)m, first, last, params, dout, B, din, grads);
+    return backward((model_cpu *)m, first, last, params, dout, B, din, grads, 0);
+}
+
+static int cpu_backward_range_add(model *m, int first, int last, const float *params, const float *dout,
+                                  int B, float *din, float *grads)
+{
+    return backward((model_cpu *)m, first, last, params, dout, B, din, grads, 1);
 }
 
 static int cpu_loss_head(model *m, const float *logits, const uint8_t *labels, int B, float *dlogits,
@@ -1359,7 +1382,7 @@ static int cpu_forward_backward(model *m, const float *params, const float *x,
     const float *logits = forward(c, 0, L - 1, params, x, B, ctx);
     if (loss_and_grad(logits, labels, B, m->layout.n_classes, c->d[0], loss) != 0)
         return -1;
-    return backward(c, 0, L - 1, params, c->d[0], B, NULL, grads);
+    return backward(c, 0, L - 1, params, c->d[0], B, NULL, grads, 0);
 }
 
 static int cpu_evaluate(model *m, const float *params, const float *x, const uint8_t *labels,
@@ -1410,5 +1433,6 @@ const model_backend model_backend_cpu = {
      * caller's x itself, there is nothing to move ahead */
     .forward_range = cpu_forward_range,
     .backward_range = cpu_backward_range,
+    .backward_range_add = cpu_backward_range_add,
     .loss_head = cpu_loss_head,
 };

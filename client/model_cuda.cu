@@ -1564,4 +1564,5 @@ extern "C" const model_backend model_backend_cuda = {
     cuda_forward_range,
     cuda_backward_range,
     cuda_loss_head,
+    nullptr, /* backward_range_add: model_backward_range_add's sum over backward_range */
 };

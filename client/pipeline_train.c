@@ -28,8 +28,9 @@
  *
  * Memory: a stage's instances are of its range layout (model_layout_range:
  * workspace for its layers only), and its parameters, gradients, step sum
- * and optimizer slots are buffers of its own parameters (5 floats per
- * parameter, 7 with replicas: model_state_bytes). --max_model_bytes=N
+ * and optimizer slots are buffers of its own parameters (4 floats per
+ * parameter, 6 with replicas, one more where the backend cannot add a
+ * micro-batch's gradients to the sum itself: model_state_bytes). --max_model_bytes=N
  * refuses to start a stage whose buffers exceed N; stage 0 also counts the
  * whole model's parameters it gathers at the end for the test accuracy and
  * --export, after its training buffers are freed: the whole buffer (4 bytes
@@ -350,8 +351,10 @@ int train_pipeline(const train_config *c)
         return 2;
     }
     const int rlast = last - first;
+    const int adds = model_adds_gradients(model_device_backend());
+    const int floats = (R > 1 ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !adds;
     {
-        uint64_t need = model_state_bytes(pn[s], R > 1 ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE);
+        uint64_t need = model_state_bytes(pn[s], floats);
         /* the whole buffer, and the others' parameters twice while they arrive (the HTTP body, the mailbox's copy) */
         uint64_t gather = s == 0 ? (uint64_t)(np + 2 * (np - pn[0])) * sizeof(float) : 0;
         if (c->max_model_bytes && (need > c->max_model_bytes || gather > c->max_model_bytes)) {
@@ -360,7 +363,7 @@ int train_pipeline(const train_config *c)
                                 "their gradients, step sum and optimizer slots (%d floats each): more than "
                                 "--max_model_bytes=%llu; split the model into more stages\n",
                         c->name, s, K, first, last, pn[s], (unsigned long long)need,
-                        R > 1 ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE,
+                        floats,
                         (unsigned long long)c->max_model_bytes);
             else
                 fprintf(stderr, "workerd: %s (stage 0 of %d): the whole model's %zu parameters, which stage 0 gathers "
@@ -386,7 +389,9 @@ int train_pipeline(const train_config *c)
     float *inbuf[PIPE_MAX_MICRO] = {0}, *dlog[PIPE_MAX_MICRO] = {0};
     int owner[PIPE_MAX_MICRO];
     float *params = calloc(pn[s] ? pn[s] : 1, sizeof(float)); /* this stage's run of the whole buffer */
-    float *grads = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    /* a micro-batch's gradients, before they are added to the step's sum: only
+     * for a backend that cannot add them itself (the CPU's sgemm does) */
+    float *grads = adds ? NULL : calloc(pn[s] ? pn[s] : 1, sizeof(float));
     float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
     /* with the ps, the replicas' sums and the optimizer slots are the ps's */
     const int xchg = R > 1 && !c->pipeline_ps;
@@ -409,7 +414,7 @@ int train_pipeline(const train_config *c)
     heartbeat *hb = NULL;
     int64_t step0 = 0;
     unsigned nonce = 0;
-    int ok = params && grads && acc && sum && (!xchg || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
+    int ok = params && (adds || grads) && acc && sum && (!xchg || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
     for (int i = 0; ok && i < P; i++) {
         owner[i] = -1;
         inst[i] = model_new(model_device_backend(), &RL, mb, err, sizeof(err));
@@ -580,14 +585,13 @@ int train_pipeline(const train_config *c)
                     loss_sum += mb_loss[j];
                 }
                 double t0 = clk_mono_secs();
-                if (model_backward_range(inst[q], 0, rlast, params, d, mb, s > 0 ? din : NULL, grads) != 0) {
+                /* the micro-batch's parameter gradients are added to the step's sum (acc) */
+                if (model_backward_range_add(inst[q], 0, rlast, params, d, mb, s > 0 ? din : NULL, acc, grads) != 0) {
                     fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,
                             (long long)step, j);
                     failed = 1;
                     break;
                 }
-                for (size_t k = 0; k < pn[s]; k++)
-                    acc[k] += grads[k];
                 owner[q] = -1;
                 r.st.busy_secs += clk_mono_secs() - t0;
                 if (s > 0)
@@ -605,11 +609,11 @@ int train_pipeline(const train_config *c)
             /* the mean over the micro-batches to the ps, which averages the R replicas' */
             const float inv = 1.0f / (float)M;
             for (size_t k = 0; k < pn[s]; k++)
-                grads[k] = acc[k] * inv;
+                acc[k] *= inv; /* in place: the next step starts its sum from 0 */
             char id[64];
             snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)step);
             double t0 = clk_mono_secs();
-            if (pipe_ps_push(&pps, grads, c->trainer, step, B, loss_sum / M, id, err,
+            if (pipe_ps_push(&pps, acc, c->trainer, step, B, loss_sum / M, id, err,
                              sizeof(err)) != 0) {
                 if (train_stop_requested()) {
                     stopped = 1;

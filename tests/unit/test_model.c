@@ -795,6 +795,36 @@ static void test_cnn_gradients(void **state)
     assert_int_equal(model_backward_range(m, 0, cut, params, dmid, B, NULL, g3), 0);
     for (size_t i = 0; i < ly.n_params; i++)
         assert_true(fabsf(g3[i] - grads[i]) <= 1e-6f * fmaxf(1.0f, fabsf(grads[i])));
+    /* backward_range_add adds the same gradients to a sum (the pipeline's
+     * micro-batches), the CPU's own (dense: the sgemm's beta 1; conv: a
+     * buffer) and model.c's for a backend without one (backward_range into
+     * scratch, then the sum), over both chained ranges */
+    model_backend no_add = model_backend_cpu;
+    no_add.backward_range_add = NULL;
+    float *scratch = malloc(ly.n_params * sizeof(float));
+    for (int way = 0; way < 2; way++) {
+        m2->backend = way ? &no_add : &model_backend_cpu;
+        m->backend = m2->backend;
+        for (size_t i = 0; i < ly.n_params; i++)
+            g3[i] = 0.25f - 0.001f * (float)(i % 500);
+        for (int rep = 0; rep < 2; rep++) { /* twice: the second adds to the first */
+            assert_int_equal(model_forward_range(m, 0, cut, params, x, B, &ctx, mid), 0);
+            assert_int_equal(model_forward_range(m2, cut + 1, L - 1, params, mid, B, &ctx, logits), 0);
+            assert_int_equal(model_loss_head(m2, logits, labels, B, dlogits, &loss2), 0);
+            assert_int_equal(model_backward_range_add(m2, cut + 1, L - 1, params, dlogits, B, dmid, g3, scratch), 0);
+            assert_int_equal(model_backward_range_add(m, 0, cut, params, dmid, B, NULL, g3, scratch), 0);
+        }
+        for (size_t i = 0; i < ly.n_params; i++) {
+            const float want_i = 0.25f - 0.001f * (float)(i % 500) + 2.0f * grads[i];
+            if (!(fabsf(g3[i] - want_i) <= 2e-6f * fmaxf(1.0f, fabsf(want_i))))
+                fail_msg("backward_range_add (%s) parameter %zu: %g, want %g", way ? "model.c's" : "the CPU's", i,
+                         g3[i], want_i);
+        }
+    }
+    /* without scratch, a backend without its own add is refused */
+    assert_int_equal(model_backward_range_add(m, 0, cut, params, dmid, B, NULL, g3, NULL), -1);
+    m->backend = m2->backend = &model_backend_cpu;
+    free(scratch);
     /* evaluation has no dropout: its loss is the reference's without it */
     double el, acc;
     assert_int_equal(model_evaluate(m, params, x, labels, B, &el, &acc), 0);
