@@ -175,8 +175,8 @@ def test_example_settings_async_reach_085(cluster, tmp_path):
     # old. An independent numpy model of the example shows both (0.845-0.873
     # with current gradients; 0.827-0.852 with one-update-old ones). So 0.85
     # holds for most runs but not every one. A clean-clone CI run with the
-    # machine loaded beside it got 0.8276 (more staleness when a worker waits
-    # for a core), so the assertion is 0.80, the margin a run on a busy
+    # machine loaded beside it got 0.8276 (the workers shared the 2 cores
+    # with that load), so the assertion is 0.80, the margin a run on a busy
     # machine keeps (chance is 0.10); the 0.85 figure over seeds is
     # bench/async_accuracy.py's.
     print(f"example settings, async, 2 workers, 10,000 steps: test accuracy {acc:.4f}")
