@@ -143,14 +143,13 @@ def pipeline(stages, data, model, opt, k, m, sched, path, seed=3, extra=(), orde
 def compare(a_path, b_path, adam=False):
     """Every parameter within rtol 1e-5 / atol 4e-5. adam: Adam divides each
     update by the root of its gradient's mean square, so a weight whose
-    gradient is a near-cancelling sum of a few terms (a first-layer weight
-    of a pixel that is 0 in almost every image) turns a last-bit difference
-    of the summation order into a visible one: on OpenBLAS's SkylakeX
-    kernels, mlp K=3 R=2 M=2 1f1b moves hid0_w[155, 15] (pixel 155, at the
-    top edge) 8.2e-5 from --local's while the other 25087 stay within
-    1.2e-5. So with Adam, at most 1 element in 10,000 of a tensor (at least
-    1) may exceed the tolerance, each by at most 10x; a wrong gradient moves
-    far more."""
+    gradient is near 0 (a near-cancelling sum) can turn a last-bit
+    difference of the summation order into a visible step: on OpenBLAS's
+    SkylakeX kernels, mlp K=3 R=2 M=2 1f1b moves hid0_w[155, 15] 8.2e-5
+    from --local's while the other 25087 stay within 1.2e-5 (which of the
+    weight's gradients was near 0 was not traced). So with Adam, at most 1
+    element in 10,000 of a tensor (at least 1) may exceed the tolerance,
+    each by at most 10x; a wrong gradient moves far more."""
     a, _ = load_model(a_path)
     b, _ = load_model(b_path)
     assert set(a) == set(b)
