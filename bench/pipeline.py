@@ -20,16 +20,16 @@ per example each as computed: the first layer computes no input gradient,
    PIPELINE_ROUNDS, default 3), with the load average beside it, and the
    bound the split itself sets: the whole step's computed FLOPs over the
    larger stage's (the plan's costs, GET /v1/pipeline's flops_per_example);
-4b. a model where compute dominates, as the issue allows for the 1.5x:
-   mlp:2048,1536,256,2048,2048 at batch 4096 (M = 8: micro-batches of 512),
-   whose balanced split (27.7 | 28.4 MFLOP per example as computed) cuts at
-   the 256-wide layer, so a message is 512 KB against about 14 GFLOP of a
-   stage's compute per micro-batch; 2 stages against --local,
-   alternating rounds, best of PIPELINE_ROUNDS;
 5. 1f1b's peak activation memory against gpipe's: each CNN stage's peak
    resident set (VmHWM of /proc/PID/status, read every 5 ms) at M = 8 with
    each schedule (the parameters are the same, so the difference is the
    micro-batches' activations in flight: gpipe holds M, 1f1b at most K - s).
+6. a model where compute dominates, as the issue allows for the 1.5x:
+   mlp:2048,1536,256,2048,2048 at batch 4096 (M = 8: micro-batches of 512),
+   whose balanced split (27.7 | 28.4 MFLOP per example as computed) cuts at
+   the 256-wide layer, so a message is 512 KB against about 14 GFLOP of a
+   stage's compute per micro-batch; 2 stages against --local,
+   alternating rounds, best of PIPELINE_ROUNDS.
 
 Every process is started here on free 127.0.0.1 ports and stopped by PID.
 Prints figures, never fails on one. RESTPS_BIN_DIR picks the build (bin/).
@@ -60,9 +60,13 @@ STEADY = re.compile(r"stage (\d+) steady state \(steps 2-\d+\): ([0-9.]+) steps/
 SENT = re.compile(r"stage (\d+) finished .* (\d+) bytes sent")
 
 
+def train_args(model, steps, batch):
+    return [f"--data_dir={DATA}", f"--model={model}", "--optimizer=sgd", "--learning_rate=0.01",
+            f"--train_steps={steps}", f"--batch_size={batch}", "--log_every=0", "--threads=1"]
+
+
 def common():
-    return [f"--data_dir={DATA}", f"--model={MODEL}", "--optimizer=sgd", "--learning_rate=0.01",
-            f"--train_steps={STEPS}", f"--batch_size={BATCH}", "--log_every=0", "--threads=1"]
+    return train_args(MODEL, STEPS, BATCH)
 
 
 def hwm(pid):
@@ -188,6 +192,7 @@ def main():
         print(f"  stage 0 -> 1: {per_msg} bytes per message, {send * 1e3:.3f} ms per send (libcurl POST)"
               + (f"; psd GET /v1/vars of {per_msg} bytes {ps * 1e3:.3f} ms ({send / ps:.2f}x)" if ps else ""))
     cnn()
+    compute_bound()
     return 0
 
 
@@ -226,55 +231,16 @@ def split_bound(model):
         p.wait()
 
 
-def compute_bound():
-    rounds = int(os.environ.get("PIPELINE_ROUNDS", "3"))
-    steps = int(os.environ.get("PIPELINE_WIDE_STEPS", "5"))
-    model, batch = "mlp:2048,1536,256,2048,2048", int(os.environ.get("PIPELINE_WIDE_BATCH", "4096"))
-    args = [f"--data_dir={DATA}", f"--model={model}", "--optimizer=sgd", "--learning_rate=0.01",
-            f"--train_steps={steps}", f"--batch_size={batch}", "--log_every=0", "--threads=1"]
-    print(f"4b. {model}, 2 stages at M = 8 (batch {batch}, {steps} steps) against --local, "
-          f"best of {rounds} alternating rounds")
-    costs, split = split_bound(model)
-    if costs:
-        print(f"  the split {split}: computed FLOPs per example {costs[0]} | {costs[1]}: at most "
-              f"{sum(costs) / max(costs):.2f}x --local, {sum(costs) / max(costs) * 8 / 9:.2f}x with the "
-              f"fill-drain bubble of M = 8")
-    best = {"local": 0.0, "gpipe": 0.0, "1f1b": 0.0}
-    loads = []
-    for _ in range(rounds):
-        loads.append(load())
-        best["local"] = max(best["local"], local_steady_sps(args, batch) or 0)
-        for sched in ("gpipe", "1f1b"):
-            st = pipeline(8, sched, args)
-            if st:
-                best[sched] = max(best[sched], st[0]["sps"])
-        loads.append(load())
-    loc = best["local"]
-    if loc:
-        print(f"  --local {loc:.3f} steps/s (steps 2 on); gpipe {best['gpipe']:.3f} ({best['gpipe'] / loc:.2f}x), "
-              f"1f1b {best['1f1b']:.3f} ({best['1f1b'] / loc:.2f}x) steps/s (steady state); "
-              f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-
-
-def cnn():
-    rounds = int(os.environ.get("PIPELINE_ROUNDS", "3"))
-    steps = int(os.environ.get("PIPELINE_CNN_STEPS", "6"))
-    batch = int(os.environ.get("PIPELINE_CNN_BATCH", "256"))
-    args = [f"--data_dir={DATA}", "--model=cnn", "--optimizer=sgd", "--learning_rate=0.01", f"--train_steps={steps}",
-            f"--batch_size={batch}", "--log_every=0", "--threads=1"]
-    print(f"4. the CNN, 2 stages at M = 8 (batch {batch}, {steps} steps) against --local, "
-          f"best of {rounds} alternating rounds")
-    costs, split = split_bound("cnn")
-    if costs:
-        print(f"  the split {split}: computed FLOPs per example {costs[0]} | {costs[1]}: at most "
-              f"{sum(costs) / max(costs):.2f}x --local however well the stages overlap")
+def rounds_against_local(args, batch, rounds):
+    """--local, then 2 stages at M = 8 with each schedule, in alternating
+    rounds; prints the best steps/s of each and the ratios; returns each
+    schedule's peak resident set per stage."""
     best = {"local": 0.0, "gpipe": 0.0, "1f1b": 0.0}
     peaks = {"gpipe": [0, 0], "1f1b": [0, 0]}
     loads = []
     for _ in range(rounds):
         loads.append(load())
-        v = local_steady_sps(args, batch)
-        best["local"] = max(best["local"], v or 0)
+        best["local"] = max(best["local"], local_steady_sps(args, batch) or 0)
         for sched in ("gpipe", "1f1b"):
             pk = {}
             st = pipeline(8, sched, args, pk)
@@ -284,16 +250,43 @@ def cnn():
         loads.append(load())
     loc = best["local"]
     if loc:
-        print(f"  --local {loc:.2f} steps/s (steps 2 on); gpipe {best['gpipe']:.2f} ({best['gpipe'] / loc:.2f}x), "
-              f"1f1b {best['1f1b']:.2f} ({best['1f1b'] / loc:.2f}x) steps/s (steady state); "
+        print(f"  --local {loc:.3f} steps/s (steps 2 on); gpipe {best['gpipe']:.3f} ({best['gpipe'] / loc:.2f}x), "
+              f"1f1b {best['1f1b']:.3f} ({best['1f1b'] / loc:.2f}x) steps/s (steady state); "
               f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
-    compute_bound()
+    return peaks
+
+
+def cnn():
+    rounds = int(os.environ.get("PIPELINE_ROUNDS", "3"))
+    steps = int(os.environ.get("PIPELINE_CNN_STEPS", "6"))
+    batch = int(os.environ.get("PIPELINE_CNN_BATCH", "256"))
+    print(f"4. the CNN, 2 stages at M = 8 (batch {batch}, {steps} steps) against --local, "
+          f"best of {rounds} alternating rounds")
+    costs, split = split_bound("cnn")
+    if costs:
+        print(f"  the split {split}: computed FLOPs per example {costs[0]} | {costs[1]}: at most "
+              f"{sum(costs) / max(costs):.2f}x --local however well the stages overlap")
+    peaks = rounds_against_local(train_args("cnn", steps, batch), batch, rounds)
     print("5. peak resident set per CNN stage at M = 8 (the activations in flight: gpipe M, 1f1b K - s)")
     for k in range(2):
         g, f = peaks["gpipe"][k], peaks["1f1b"][k]
         if g and f:
             print(f"  stage {k}: gpipe {g / 1e6:.1f} MB, 1f1b {f / 1e6:.1f} MB "
                   f"(1f1b {(g - f) / 1e6:.1f} MB less, {f / g:.2f}x)")
+
+
+def compute_bound():
+    rounds = int(os.environ.get("PIPELINE_ROUNDS", "3"))
+    steps = int(os.environ.get("PIPELINE_WIDE_STEPS", "5"))
+    model, batch = "mlp:2048,1536,256,2048,2048", int(os.environ.get("PIPELINE_WIDE_BATCH", "4096"))
+    print(f"6. {model}, 2 stages at M = 8 (batch {batch}, {steps} steps) against --local, "
+          f"best of {rounds} alternating rounds")
+    costs, split = split_bound(model)
+    if costs:
+        print(f"  the split {split}: computed FLOPs per example {costs[0]} | {costs[1]}: at most "
+              f"{sum(costs) / max(costs):.2f}x --local, {sum(costs) / max(costs) * 8 / 9:.2f}x with the "
+              f"fill-drain bubble of M = 8")
+    rounds_against_local(train_args(model, steps, batch), batch, rounds)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ typedef struct model_cpu {
     float *col;                        /* im2col / dcol, col_floats */
     size_t col_floats;
     float *d[2];                       /* gradients, [max_batch, max_act] each */
+    float *conv_grad;                  /* backward_range_add: a convolution's kernel and bias gradients */
+    size_t conv_grad_floats;           /* the largest convolution's kernel + bias */
     int fwd_first, fwd_last, fwd_batch; /* the forward backward_range pairs with; first -1: none */
     void *blocks[3 * MODEL_MAX_LAYERS + 4];
     int n_blocks;
@@ -1106,11 +1108,15 @@ static model *cpu_create(const model_layout *layout, int max_batch, char *err, s
             }
             if (f > c->col_floats)
                 c->col_floats = f;
+            const size_t g = (size_t)l->kh * l->kw * l->in.c * l->out.c + (size_t)l->out.c;
+            if (g > c->conv_grad_floats)
+                c->conv_grad_floats = g;
         }
     }
     if (ok && c->col_floats) {
         c->col = block(c, c->col_floats * sizeof(float));
-        ok = c->col != NULL;
+        c->conv_grad = block(c, c->conv_grad_floats * sizeof(float));
+        ok = c->col && c->conv_grad;
     }
     for (int k = 0; k < 2 && ok; k++) {
         c->d[k] = block(c, B * layout->max_act * sizeof(float));
@@ -1253,9 +1259,7 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
             break;
         case LAYER_CONV2D: {
             const size_t wn = ly->tensors[l->w].numel, bn = ly->tensors[l->b].numel;
-            float *tmp = add ? malloc((wn + bn) * sizeof(float)) : NULL;
-            if (add && !tmp)
-                return -1;
+            float *tmp = c->conv_grad; /* add: wn + bn <= conv_grad_floats */
             float *dW = add ? tmp : grads + ly->tensors[l->w].offset;
             float *db = add ? tmp + wn : grads + ly->tensors[l->b].offset;
 #ifdef X86_AVX2
@@ -1273,7 +1277,6 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
                     gw[k] += tmp[k];
                 for (size_t k = 0; k < bn; k++)
                     gb[k] += tmp[wn + k];
-                free(tmp);
             }
             break;
         }
