@@ -34,7 +34,7 @@ SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_sta
 CLIENT_SRC = client/libps.c client/transfer.c
 WORKER_SRC = client/idx.c client/model.c client/model_spec.c client/model_cpu.c client/blas_kernel.c client/model_device.c client/shards.c client/train.c client/batcher.c client/chief.c client/evaluator.c client/local.c client/model_file.c client/progress.c client/heartbeat.c client/placement.c \
              client/ring.c client/ring_ckpt.c client/ring_train.c \
-             client/pipeline_plan.c client/pipeline_schedule.c client/pipeline_mailbox.c client/pipeline_link.c client/pipeline_ps.c client/pipeline_train.c
+             client/pipeline_plan.c client/pipeline_schedule.c client/pipeline_mailbox.c client/pipeline_ring.c client/pipeline_link.c client/pipeline_ps.c client/pipeline_train.c
 
 # The CUDA backend (client/model_cuda.cu, cuBLAS) is built when nvcc is found
 # ($(CUDA_HOME)/bin/nvcc, else on PATH), for Hopper (sm_90) plus compute_75 PTX
@@ -184,7 +184,7 @@ $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/plac
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
 # model parallelism's split, tables and receive buffer (the layout from model_spec.o)
-$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/model_spec.o $(BUILD)/client/model.o $(BUILD)/common/errmsg.o
+$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/pipeline_ring.o $(BUILD)/client/model_spec.o $(BUILD)/client/model.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lm -lpthread -lcmocka
 # the endpoint layer alone, on a real daemon on 127.0.0.1:0, spoken to with libcurl

@@ -106,7 +106,7 @@ static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size
         }
     pipe_dir d;
     if (pipe_dir_from_wire(dir, &d) != 0) {
-        snprintf(msg, cap, "query argument 'dir' must be act, grad, params or reduce");
+        snprintf(msg, cap, "query argument 'dir' must be act, grad, params, reduce or ring");
         return 400;
     }
     if ((uint32_t)plan != l->plan_id) {
@@ -120,7 +120,14 @@ static unsigned parse_msg(pipe_link *l, http_req *r, msg_req *q, char *msg, size
                  from, mb, l->stage, l->replica, l->replicas);
         return 409;
     }
-    if (d != PIPE_REDUCE && (from != want_from || from < 0 || from >= l->stages)) {
+    const int left = (l->replica + l->replicas - 1) % l->replicas;
+    if (d == PIPE_RING && (l->replicas < 2 || from != left)) {
+        snprintf(msg, cap, "ring chunks from replica %lld: this is stage %d of replica %d of %d, which takes them "
+                           "from replica %d (its left neighbour) alone",
+                 from, l->stage, l->replica, l->replicas, l->replicas < 2 ? -1 : left);
+        return 409;
+    }
+    if (d != PIPE_REDUCE && d != PIPE_RING && (from != want_from || from < 0 || from >= l->stages)) {
         snprintf(msg, cap, "%s from stage %lld: stage %d takes them from %s", pipe_dir_name(d), from, l->stage,
                  d == PIPE_ACT   ? (l->stage > 0 ? "the stage before it" : "no one (it reads the data)")
                  : d == PIPE_GRAD ? (l->stage < l->stages - 1 ? "the stage after it" : "no one (it computes the loss)")
@@ -462,8 +469,7 @@ static void *sender_main(void *arg)
             else
                 snprintf(l->send_err, sizeof(l->send_err), "sending the %s of step %lld, %s %d: %s",
                          pipe_dir_name(j->k.dir), (long long)j->k.step,
-                         j->k.dir == PIPE_PARAMS ? "stage" : j->k.dir == PIPE_REDUCE ? "replica" : "micro-batch",
-                         j->k.mb, err);
+                         pipe_dir_unit(j->k.dir), j->k.mb, err);
             atomic_store(&l->failed, 1);
         }
         free(j->data);

@@ -68,7 +68,7 @@ void pipe_link_free(pipe_link *l);
  * -2 when abort() said stop. */
 int pipe_link_send(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
                    int64_t example0, double deadline, char *err, size_t errlen);
-/* The same to this stage of replica `to` (PIPE_REDUCE). */
+/* The same to this stage of replica `to` (PIPE_REDUCE, PIPE_RING). */
 int pipe_link_send_replica(pipe_link *l, int to, const pipe_key *k, const float *data, size_t floats,
                            double deadline, char *err, size_t errlen);
 

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "clock.h"
+#include "pipeline_ring.h"
 
 enum { SLOT_EMPTY, SLOT_FULL, SLOT_TAKEN };
 
@@ -30,13 +31,16 @@ struct pipe_mailbox {
     int has_params;
     int replicas;
     size_t reduce;
+    int ring;                                /* PIPE_RING instead of PIPE_REDUCE */
+    size_t ring_floats[2 * PIPE_MAX_REPLICAS]; /* the chunk each ring step brings */
     int64_t step;
-    mslot *slots; /* [2 parities][2 dirs][micro], [PIPE_MAX_STAGES] params, [2 parities][PIPE_MAX_REPLICAS] sums */
+    mslot *slots; /* [2 parities][2 dirs][micro], [PIPE_MAX_STAGES] params, [2 parities][PIPE_MAX_REPLICAS] sums,
+                   * [2 parities][2 PIPE_MAX_REPLICAS] ring chunks */
 };
 
 static size_t n_slots(const pipe_mailbox *m)
 {
-    return 4 * (size_t)m->micro + PIPE_MAX_STAGES + 2 * PIPE_MAX_REPLICAS;
+    return 4 * (size_t)m->micro + PIPE_MAX_STAGES + 6 * PIPE_MAX_REPLICAS;
 }
 
 /* The slot of k (its numbers range-checked by the caller) and its size. */
@@ -51,6 +55,11 @@ static mslot *slot_of(pipe_mailbox *m, const pipe_key *k, size_t *want)
         *want = m->reduce;
         return &m->slots[base + PIPE_MAX_STAGES + (size_t)(k->step & 1) * PIPE_MAX_REPLICAS + (size_t)k->mb];
     }
+    if (k->dir == PIPE_RING) {
+        *want = m->ring_floats[k->mb];
+        return &m->slots[base + PIPE_MAX_STAGES + 2 * PIPE_MAX_REPLICAS +
+                         (size_t)(k->step & 1) * 2 * PIPE_MAX_REPLICAS + (size_t)k->mb];
+    }
     *want = k->dir == PIPE_ACT ? m->act : m->grad;
     return &m->slots[((size_t)(k->step & 1) * 2 + (size_t)k->dir) * (size_t)m->micro + (size_t)k->mb];
 }
@@ -58,17 +67,24 @@ static mslot *slot_of(pipe_mailbox *m, const pipe_key *k, size_t *want)
 const char *pipe_dir_name(pipe_dir d)
 {
     return d == PIPE_ACT ? "activations" : d == PIPE_GRAD ? "gradients" : d == PIPE_PARAMS ? "parameters"
-                                                                                        : "gradient sums";
+                                               : d == PIPE_REDUCE                      ? "gradient sums"
+                                                                                       : "ring chunks";
+}
+
+const char *pipe_dir_unit(pipe_dir d)
+{
+    return d == PIPE_PARAMS ? "stage" : d == PIPE_REDUCE ? "replica" : d == PIPE_RING ? "ring step" : "micro-batch";
 }
 
 const char *pipe_dir_wire(pipe_dir d)
 {
-    return d == PIPE_ACT ? "act" : d == PIPE_GRAD ? "grad" : d == PIPE_PARAMS ? "params" : "reduce";
+    return d == PIPE_ACT ? "act" : d == PIPE_GRAD ? "grad" : d == PIPE_PARAMS ? "params" : d == PIPE_REDUCE ? "reduce"
+                                                                                                        : "ring";
 }
 
 int pipe_dir_from_wire(const char *s, pipe_dir *out)
 {
-    for (int d = PIPE_ACT; d <= PIPE_REDUCE; d++)
+    for (int d = PIPE_ACT; d <= PIPE_RING; d++)
         if (s && strcmp(s, pipe_dir_wire((pipe_dir)d)) == 0) {
             *out = (pipe_dir)d;
             return 0;
@@ -120,6 +136,18 @@ void pipe_mailbox_free(pipe_mailbox *m)
     free(m);
 }
 
+void pipe_mailbox_set_ring(pipe_mailbox *m, int replica)
+{
+    pthread_mutex_lock(&m->mu);
+    m->ring = 1;
+    for (int t = 0; t < pipe_ring_steps(m->replicas); t++) {
+        size_t off;
+        m->ring_floats[t] =
+            pipe_ring_chunk(m->reduce, m->replicas, pipe_ring_recv_chunk(m->replicas, replica, t), &off);
+    }
+    pthread_mutex_unlock(&m->mu);
+}
+
 void pipe_mailbox_set_step(pipe_mailbox *m, int64_t step)
 {
     pthread_mutex_lock(&m->mu);
@@ -137,8 +165,22 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
             return 400;
         }
     } else if (k->dir == PIPE_REDUCE) {
+        if (m->ring) {
+            snprintf(msg, cap, "this stage takes its replicas' gradients as ring chunks (--allreduce=ring)");
+            return 400;
+        }
         if (m->replicas < 2 || k->mb < 0 || k->mb >= m->replicas) {
             snprintf(msg, cap, "gradient sums of replica %d: this pipeline has %d replicas", k->mb, m->replicas);
+            return 400;
+        }
+    } else if (k->dir == PIPE_RING) {
+        if (!m->ring) {
+            snprintf(msg, cap, "this stage takes no ring chunks (it was not started with --allreduce=ring)");
+            return 400;
+        }
+        if (k->mb < 0 || k->mb >= pipe_ring_steps(m->replicas)) {
+            snprintf(msg, cap, "ring step %d: %d replicas' ring has steps 0 to %d", k->mb, m->replicas,
+                     pipe_ring_steps(m->replicas) - 1);
             return 400;
         }
     } else {
@@ -162,7 +204,7 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
     if ((*out)->step == k->step && (*out)->state != SLOT_EMPTY) {
         snprintf(msg, cap, "%s of step %lld, %s %d: received already (a duplicate)",
                  pipe_dir_name(k->dir), (long long)k->step,
-                 k->dir == PIPE_PARAMS ? "stage" : k->dir == PIPE_REDUCE ? "replica" : "micro-batch", k->mb);
+                 pipe_dir_unit(k->dir), k->mb);
         return 409;
     }
     if (floats > *want) {

@@ -4,7 +4,9 @@
  * training, on stage 0, each other stage's parameters (PIPE_PARAMS, keyed by
  * that stage's number), and with R > 1 replicas the step's gradient sum of
  * the same stage of every other replica (PIPE_REDUCE, keyed by that
- * replica's number). A message is keyed (step, micro-batch, direction).
+ * replica's number), or with --allreduce=ring the chunks of the left
+ * neighbour's ring steps (PIPE_RING, keyed by the ring step:
+ * pipeline_ring.h). A message is keyed (step, micro-batch, direction).
  *
  * The HTTP thread puts (pipe_mailbox_check before it reads a body, then
  * pipe_mailbox_put), the stage's thread takes with a deadline. What a put
@@ -23,19 +25,23 @@
 
 #include "pipeline_plan.h"
 
-typedef enum { PIPE_ACT = 0, PIPE_GRAD = 1, PIPE_PARAMS = 2, PIPE_REDUCE = 3 } pipe_dir;
+typedef enum { PIPE_ACT = 0, PIPE_GRAD = 1, PIPE_PARAMS = 2, PIPE_REDUCE = 3, PIPE_RING = 4 } pipe_dir;
 
 #define PIPE_MAX_REPLICAS 8
 
 typedef struct pipe_key {
     int64_t step;
-    int mb;      /* the micro-batch; PIPE_PARAMS: the sending stage */
+    int mb;      /* the micro-batch; PIPE_PARAMS: the sending stage; PIPE_REDUCE: the sending
+                  * replica; PIPE_RING: the ring step */
     pipe_dir dir;
 } pipe_key;
 
-/* "activations", "gradients", "parameters", "gradient sums"; and "act",
- * "grad", "params", "reduce" (the wire's dir=) back to a direction (-1: none). */
+/* "activations", "gradients", "parameters", "gradient sums", "ring chunks";
+ * and "act", "grad", "params", "reduce", "ring" (the wire's dir=) back to a
+ * direction (-1: none). */
 const char *pipe_dir_name(pipe_dir d);
+/* What a key's mb names: "micro-batch", "stage", "replica", "ring step". */
+const char *pipe_dir_unit(pipe_dir d);
 const char *pipe_dir_wire(pipe_dir d);
 int pipe_dir_from_wire(const char *s, pipe_dir *out);
 
@@ -50,6 +56,10 @@ typedef struct pipe_mailbox pipe_mailbox;
 pipe_mailbox *pipe_mailbox_new(int micro, size_t act_floats, size_t grad_floats, int stages,
                                const size_t *param_floats, int replicas, size_t reduce_floats);
 void pipe_mailbox_free(pipe_mailbox *m);
+/* Take ring chunks (PIPE_RING) instead of whole sums (PIPE_REDUCE), this
+ * stage being replica `replica`: ring step t brings chunk
+ * pipe_ring_recv_chunk(replicas, replica, t) of the reduce_floats. */
+void pipe_mailbox_set_ring(pipe_mailbox *m, int replica);
 
 /* The step this stage is at (it accepts messages for it and the next). */
 void pipe_mailbox_set_step(pipe_mailbox *m, int64_t step);

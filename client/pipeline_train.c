@@ -7,7 +7,10 @@
  * and at the end of a step every stage sends its gradient sum to the same
  * stage of the other replicas; each adds the R sums up in replica order (the
  * same floats on every replica) and applies their mean, so R replicas with
- * --batch_size B train what --local trains with R x B.
+ * --batch_size B train what --local trains with R x B. With --allreduce=ring
+ * the same stages all-reduce their sums in a ring instead
+ * (pipeline_ring.h: the same floats on every replica too, 2 (R - 1) / R of
+ * the sum sent a step where the exchange sends R - 1 times it).
  *
  * A step: the batch (--batch_size) is cut into --micro_batches=M
  * micro-batches of batch/M examples. Stage 0 reads the data; the last stage
@@ -29,8 +32,9 @@
  * Memory: a stage's instances are of its range layout (model_layout_range:
  * workspace for its layers only), and its parameters, gradients, step sum
  * and optimizer slots are buffers of its own parameters (4 floats per
- * parameter, 6 with replicas, one more where the backend cannot add a
- * micro-batch's gradients to the sum itself: model_state_bytes). --max_model_bytes=N
+ * parameter, 6 with replicas (the ring: 4 and a chunk of 1 / R), one more
+ * where the backend cannot add a micro-batch's gradients to the sum itself:
+ * model_state_bytes). --max_model_bytes=N
  * refuses to start a stage whose buffers exceed N; stage 0 also counts the
  * whole model's parameters it gathers at the end for the test accuracy and
  * --export, after its training buffers are freed: the whole buffer (4 bytes
@@ -59,6 +63,7 @@
 #include "pipeline_mailbox.h"
 #include "pipeline_plan.h"
 #include "pipeline_ps.h"
+#include "pipeline_ring.h"
 #include "pipeline_schedule.h"
 #include "progress.h"
 
@@ -190,6 +195,37 @@ static int receive_replica(stage_run *r, const pipe_key *key, int k, float *dst,
         fprintf(stderr, "workerd: %s (stage %d of %d): no gradient sum of step %lld from replica %d (%s) within "
                         "%.0f s (--pipeline_timeout_secs): that task died or is stuck; stopping\n",
                 r->c->name, r->s, r->K, (long long)key->step, k, pipe_link_replica_peer(r->link, k), wait);
+        return 1;
+    }
+    return 0;
+}
+
+/* pipeline_ring's send: queued on the link to this stage of replica `to`. */
+static int ring_send(void *ctx, int to, const pipe_key *k, const float *data, size_t n, double wait, char *err,
+                     size_t errlen)
+{
+    return pipe_link_post(((stage_run *)ctx)->link, 1, to, k, data, n, 0, clk_mono_secs() + wait, err, errlen);
+}
+
+/* --allreduce=ring: buf summed over the R replicas in place; as receive. */
+static int ring_reduce(stage_run *r, int R, int replica, int64_t step, float *buf, size_t n, float *tmp,
+                       double wait)
+{
+    char err[1024];
+    int t = 0;
+    int rc = pipe_ring_allreduce(ring_send, r, r->box, R, replica, step, buf, n, tmp, wait, stop_or_send_failed,
+                                 &r->st.idle_secs, &t, err, sizeof(err));
+    if (rc == -2)
+        return stopped_why(r->c, r->link, r->s, r->K);
+    if (rc == -3) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", r->c->name, r->s, r->K, err);
+        return 1;
+    }
+    if (rc != 0) {
+        int left = (replica + R - 1) % R;
+        fprintf(stderr, "workerd: %s (stage %d of %d): no ring chunk of step %lld, ring step %d, from replica %d "
+                        "(%s) within %.0f s (--pipeline_timeout_secs): that task died or is stuck; stopping\n",
+                r->c->name, r->s, r->K, (long long)step, t, left, pipe_link_replica_peer(r->link, left), wait);
         return 1;
     }
     return 0;
@@ -352,19 +388,22 @@ int train_pipeline(const train_config *c)
     }
     const int rlast = last - first;
     const int adds = model_adds_gradients(model_device_backend());
-    const int floats = (R > 1 ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !adds;
+    /* with the ps, the replicas' sums are the ps's; without, the ring sums in
+     * place with a chunk's buffer, the exchange into a buffer of its own with one for each sum received */
+    const int xchg = R > 1 && !c->pipeline_ps && !c->ring, ringx = R > 1 && !c->pipeline_ps && c->ring;
+    const size_t chunk_n = ringx ? pn[s] / (size_t)R + 1 : 0;
+    const int floats = (xchg ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !adds;
     {
-        uint64_t need = model_state_bytes(pn[s], floats);
+        uint64_t need = model_state_bytes(pn[s], floats) + chunk_n * sizeof(float);
         /* the whole buffer, and the others' parameters twice while they arrive (the HTTP body, the mailbox's copy) */
         uint64_t gather = s == 0 ? (uint64_t)(np + 2 * (np - pn[0])) * sizeof(float) : 0;
         if (c->max_model_bytes && (need > c->max_model_bytes || gather > c->max_model_bytes)) {
             if (need > c->max_model_bytes)
                 fprintf(stderr, "workerd: %s (stage %d of %d): layers %d-%d hold %zu parameters, %llu bytes with "
-                                "their gradients, step sum and optimizer slots (%d floats each): more than "
+                                "their gradients, step sum and optimizer slots (%d floats each%s): more than "
                                 "--max_model_bytes=%llu; split the model into more stages\n",
-                        c->name, s, K, first, last, pn[s], (unsigned long long)need,
-                        floats,
-                        (unsigned long long)c->max_model_bytes);
+                        c->name, s, K, first, last, pn[s], (unsigned long long)need, floats,
+                        ringx ? ", and the ring's chunk" : "", (unsigned long long)c->max_model_bytes);
             else
                 fprintf(stderr, "workerd: %s (stage 0 of %d): the whole model's %zu parameters, which stage 0 gathers "
                                 "at the end (%llu bytes with the two copies of the messages they arrive in), are more than "
@@ -393,11 +432,11 @@ int train_pipeline(const train_config *c)
      * for a backend that cannot add them itself (the CPU's sgemm does) */
     float *grads = adds ? NULL : calloc(pn[s] ? pn[s] : 1, sizeof(float));
     float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
-    /* with the ps, the replicas' sums and the optimizer slots are the ps's */
-    const int xchg = R > 1 && !c->pipeline_ps;
+    /* with the ps, the optimizer slots are the ps's */
     const size_t nslot = c->pipeline_ps || !pn[s] ? 1 : pn[s];
     float *sum = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
-    float *theirs_g = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : NULL;
+    /* the exchange: each replica's sum as it comes; the ring: a chunk */
+    float *theirs_g = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : ringx ? calloc(chunk_n, sizeof(float)) : NULL;
     float *s0 = calloc(nslot, sizeof(float)), *s1 = calloc(nslot, sizeof(float));
     float *whole = NULL; /* stage 0 at the end: every stage's parameters */
     model *eval = NULL;
@@ -414,7 +453,7 @@ int train_pipeline(const train_config *c)
     heartbeat *hb = NULL;
     int64_t step0 = 0;
     unsigned nonce = 0;
-    int ok = params && (adds || grads) && acc && sum && (!xchg || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
+    int ok = params && (adds || grads) && acc && sum && (!(xchg || ringx) || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
     for (int i = 0; ok && i < P; i++) {
         owner[i] = -1;
         inst[i] = model_new(model_device_backend(), &RL, mb, err, sizeof(err));
@@ -436,6 +475,8 @@ int train_pipeline(const train_config *c)
         fprintf(stderr, "workerd: out of memory\n");
         goto out;
     }
+    if (ringx)
+        pipe_mailbox_set_ring(box, g.replica);
     /* this replica's stages, by the grid rule: the chief task (when there is one), then the workers */
     const cluster_spec *cs = c->cluster;
     int has_chief = cs->jobs[JOB_CHIEF].n > 0;
@@ -485,6 +526,10 @@ int train_pipeline(const train_config *c)
                optim_name(c->optim.kind), (long long)c->train_steps, pipe_link_peer(link, s),
                model_device_describe(c->threads));
         printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
+        if (R > 1 && !c->pipeline_ps)
+            printf("%s: the %d replicas' gradient sums of stage %d (%zu floats): %s\n", c->name, R, s, pn[s],
+                   ringx ? "a ring all-reduce (--allreduce=ring: each sends 2(R-1)/R of its sum a step)"
+                         : "exchanged (each sends its sum to the R - 1 others)");
         fflush(stdout);
     }
     stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
@@ -647,6 +692,13 @@ int train_pipeline(const train_config *c)
                 failed = e != 2;
                 break;
             }
+        } else if (ringx) {
+            int e = ring_reduce(&r, R, g.replica, step, acc, pn[s], theirs_g, wait);
+            if (e) {
+                stopped = e == 2;
+                failed = e != 2;
+                break;
+            }
         }
         /* the mean over the batch (all replicas'): the sum over the micro-batches / (M R) */
         double t0 = clk_mono_secs();
@@ -663,7 +715,8 @@ int train_pipeline(const train_config *c)
             r.st.step = step + 1;
             pipe_link_set_state(link, &r.st);
         }
-        msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M + (uint64_t)(R > 1) * (uint64_t)(R - 1);
+        msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M +
+                (uint64_t)(xchg ? R - 1 : ringx ? pipe_ring_steps(R) : 0);
         if (step == step0) {
             t_steady = clk_mono_secs();
             busy_steady = r.st.busy_secs;
@@ -692,6 +745,15 @@ int train_pipeline(const train_config *c)
     if (failed)
         goto out;
     double t_end = clk_mono_secs(), secs = t_end - t_start, steady = t_end - t_steady;
+    { /* what is queued delivered (the bytes below are all the steps') */
+        int f = pipe_link_flush(link, err, sizeof(err));
+        if (f == -1)
+            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+        if (f != 0) {
+            rc = f == -2 ? 0 : 1;
+            goto out;
+        }
+    }
     double busy1 = r.st.busy_secs - busy_steady, idle1 = r.st.idle_secs - idle_steady;
     printf("%s: stage %d finished %lld steps in %.2f s: %.2f steps/s, busy %.2f s, idle %.2f s (%.1f%% idle), "
            "%llu bytes sent\n",
@@ -705,17 +767,8 @@ int train_pipeline(const train_config *c)
                c->name, s, (long long)c->train_steps, (double)(c->train_steps - 1) / steady, steady, busy1, idle1,
                1.0 - busy1 / steady, (unsigned long long)msgs, pipe_link_send_secs(link));
     fflush(stdout);
-    /* the end: what is queued delivered, then every stage's parameters to stage 0 */
+    /* then every stage's parameters to stage 0 */
     const int64_t fin = c->train_steps - 1;
-    {
-        int f = pipe_link_flush(link, err, sizeof(err));
-        if (f == -1)
-            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
-        if (f != 0) {
-            rc = f == -2 ? 0 : 1;
-            goto out;
-        }
-    }
     free_training_state((train_bufs){&grads, &acc, &sum, &s0, &s1, &theirs_g});
     if (c->pipeline_ps) {
         heartbeat_stop(hb);

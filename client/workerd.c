@@ -147,7 +147,7 @@ int main(int argc, char **argv)
         {"ps_retry_secs", FLAG_FLOAT, &retry_secs, "once training runs, keep retrying a ps that does not answer for this long, e.g. while it restarts from its checkpoint (default 120; the evaluator waits at most 2 x --eval_secs, 10 at least)", 0},
         {"ps_backoff_ms", FLAG_INT, &backoff_ms, "first wait before retrying a ps, doubled each time, with jitter (default 100)", 0},
         {"ps_backoff_max_ms", FLAG_INT, &backoff_max_ms, "longest wait between retries (default 2000)", 0},
-        {"allreduce", FLAG_STRING, &allreduce, "none (default): train against the ps tasks; ring: no ps, the chief and the workers sum their gradients in a ring all-reduce over HTTP (HTTPS with --ring_tls_cert), each serving it on its own --worker_hosts (or --chief_hosts) address, and every task applies the average (always synchronous; the ps flags are ignored)", 0},
+        {"allreduce", FLAG_STRING, &allreduce, "none (default): train against the ps tasks; ring: no ps, the chief and the workers sum their gradients in a ring all-reduce over HTTP (HTTPS with --ring_tls_cert), each serving it on its own --worker_hosts (or --chief_hosts) address, and every task applies the average (always synchronous; the ps flags are ignored); with --pipeline_stages, the same stage of the R replicas all-reduces its step's gradient sum in a ring over the stages' own endpoints (plain HTTP, --pipeline_timeout_secs) instead of sending it to the R - 1 others", 0},
         {"ring_timeout_secs", FLAG_FLOAT, &ring_timeout, "ring: a neighbour silent this long has died; the job stops (default 30; the first step waits at least 120 for every task to start)", 0},
         {"ring_tls_cert", FLAG_STRING, &ring_tls_cert, "ring: serve this task's ring endpoint over HTTPS only, with this PEM certificate (chain), which must name its --worker_hosts (or --chief_hosts) host, and send to the neighbours over HTTPS, verifying theirs against --tls_ca (default: the system's CAs), host name included; needs --ring_tls_key; every task needs one (a neighbour that speaks the other protocol, or whose certificate does not verify, stops this task at once, naming it)", 0},
         {"ring_tls_key", FLAG_STRING, &ring_tls_key, "ring: the PEM private key of --ring_tls_cert", 0},
@@ -157,7 +157,7 @@ int main(int argc, char **argv)
         {"save_checkpoint_secs", FLAG_INT, &save_ckpt_secs, "ring: the chief writes a checkpoint this often (default 60; 0 = only at the end, on a stop and when the ring breaks)", 0},
         {"log_param_hash", FLAG_BOOL, &log_param_hash, "ring: print a CRC-32C of the parameters after every step (replicas must agree; default false)", 0},
         {"pipeline_stages", FLAG_INT, &pipeline_stages, "model parallelism: split the model's layers into K (2 to 8) contiguous stages, one per training task: task i (the chief task first, then the workers) is stage i mod K; each holds only its layers' parameters (and, without the ps, their optimizer slots), activations go forward and their gradients back to the neighbouring stage as HTTP POSTs to its own --worker_hosts (or --chief_hosts) address, and the chief (stage 0) reports and exports the whole model at the end. The training tasks number K x R: R replicas (task i is in replica i / K) each take their block of every batch, as sync workers do. Where the updates happen: see --pipeline_updates (default 0: off)", 0},
-        {"pipeline_updates", FLAG_STRING, &pipeline_updates, "--pipeline_stages: ps: the chief (stage 0 of replica 0) initializes the variables on the ps tasks and configures them as a sync chief does (each ps aggregates the gradients of the stages whose variables it holds, R per variable), every stage pulls its layers' variables at a step's start and pushes its gradient mean over the micro-batches at its end (always sync; the ps keeps the optimizer, moving averages and checkpoints; the chief pulls the whole model at the end); local: no ps, each stage applies the optimizer to its own layers and the replicas exchange their gradient sums stage to stage (the ps flags are ignored); auto (default): ps when --ps_hosts is given (or TF_CONFIG names ps tasks), else local", 0},
+        {"pipeline_updates", FLAG_STRING, &pipeline_updates, "--pipeline_stages: ps: the chief (stage 0 of replica 0) initializes the variables on the ps tasks and configures them as a sync chief does (each ps aggregates the gradients of the stages whose variables it holds, R per variable), every stage pulls its layers' variables at a step's start and pushes its gradient mean over the micro-batches at its end (always sync; the ps keeps the optimizer, moving averages and checkpoints; the chief pulls the whole model at the end); local: no ps, each stage applies the optimizer to its own layers and the replicas exchange their gradient sums stage to stage (with --allreduce=ring: in a ring; the ps flags are ignored); auto (default): ps when --ps_hosts is given (or TF_CONFIG names ps tasks) and --allreduce is not ring, else local", 0},
         {"stage_layers", FLAG_STRING, &stage_layers, "--pipeline_stages: the stages' layer ranges, e.g. 0-3,4-6,7-9 (the layers of the expanded model: flatten and ReLU count; the start line prints the split); default: balance the estimated forward+backward FLOPs", 0},
         {"pipeline_schedule", FLAG_STRING, &pipeline_schedule, "--pipeline_stages: gpipe (every micro-batch forward, then every backward: M activations in flight) or 1f1b (one forward, one backward in the steady state: at most K in flight; default)", 0},
         {"micro_batches", FLAG_INT, &micro_batches, "--pipeline_stages: cut each --batch_size batch into this many micro-batches (1 to 256, dividing --batch_size; default 4); the update is the mean over the whole batch, as one worker's", 0},
@@ -383,8 +383,13 @@ int main(int argc, char **argv)
             bad = "--pipeline_stages must be 2 to 8";
         else if (local)
             bad = "--pipeline_stages is not for --local (--local is the one-process reference it is compared with)";
-        else if (c.ring)
-            bad = "--pipeline_stages does not go with --allreduce=ring yet";
+        else if (c.ring && (ring_tls_cert || flags_get(flags, nflags, "ring_timeout_secs")->given ||
+                            flags_get(flags, nflags, "ring_piece_bytes")->given))
+            bad = "--pipeline_stages --allreduce=ring runs the ring over the stages' own endpoints (HTTP, "
+                  "--pipeline_timeout_secs, whole chunks): not with --ring_tls_cert, --ring_timeout_secs or "
+                  "--ring_piece_bytes";
+        else if (c.ring && strcmp(pipeline_updates, "ps") == 0)
+            bad = "--allreduce=ring is for --pipeline_updates=local: with the ps, the ps averages the replicas";
         else if (strcmp(pipeline_updates, "auto") != 0 && strcmp(pipeline_updates, "ps") != 0 &&
                  strcmp(pipeline_updates, "local") != 0)
             bad = "--pipeline_updates must be ps, local or auto";
@@ -479,9 +484,10 @@ int main(int argc, char **argv)
     }
     c.replicas_to_aggregate = replicas ? replicas : c.n_trainers;
     if (c.pipeline_stages) {
-        /* the rule: the ps when asked for, or (auto) when ps tasks are named */
+        /* the rule: the ps when asked for, or (auto) when ps tasks are named and there is no ring */
         c.pipeline_ps = strcmp(pipeline_updates, "ps") == 0 ||
-                        (strcmp(pipeline_updates, "auto") == 0 && (ps_hosts || (tf && *tf && cs.jobs[JOB_PS].n > 0)));
+                        (strcmp(pipeline_updates, "auto") == 0 && !c.ring &&
+                         (ps_hosts || (tf && *tf && cs.jobs[JOB_PS].n > 0)));
         const char *bad = NULL;
         if (!c.pipeline_ps && c.moving_average_decay > 0)
             bad = "--moving_average_decay needs the ps tasks: not with --pipeline_updates=local (give --ps_hosts)";

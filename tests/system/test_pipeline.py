@@ -34,6 +34,7 @@ back over HTTP.
 """
 import gzip
 import json
+import re
 import os
 import signal
 import struct
@@ -216,6 +217,43 @@ def test_two_replicas_train_what_local_trains_with_twice_the_batch(stages, tmp_p
         assert f"pipeline stage {i % 2} of 2, replica {i // 2} of 2" in outs[i]
 
 
+def replica_sums(outs, stage):
+    """(floats of stage's gradient sum, how the replicas add them up) from its start lines."""
+    m = re.search(rf"replicas' gradient sums of stage {stage} \((\d+) floats\): (\w+)", outs)
+    return int(m.group(1)), m.group(2)
+
+
+def bytes_sent(out):
+    return int(re.search(r"finished \d+ steps in .* (\d+) bytes sent", out).group(1))
+
+
+@pytest.mark.parametrize("r", [2, 3])
+def test_with_allreduce_ring_the_replicas_train_what_local_trains_and_send_2_r_minus_1_over_r(
+        stages, tmp_path, small_data, r):
+    """2 stages x R replicas, --allreduce=ring: each stage's gradient sum goes
+    round a ring of the R replicas' same stage (pipeline_ring.h) and the
+    update is still --local's with R x the batch; against the exchange run
+    with the same flags, each stage sends (R - 1) - 2 (R - 1) / R of its sum
+    fewer a step (R = 2: the same bytes)."""
+    model, opt = (CNN, "adam") if r == 2 else (MLP, "sgd")
+    ref = local(small_data, model, opt, str(tmp_path / "local.safetensors"), batch=32 * r)
+    got = str(tmp_path / "ring.safetensors")
+    outs = pipeline(stages, small_data, model, opt, 2, 2, "1f1b", got, replicas=r, extra=["--allreduce=ring"])
+    _, _, worst = compare(ref, got, adam=opt == "adam")
+    print(f"{model} K=2 R={r} M=2 1f1b {opt} --allreduce=ring: max abs diff against --local x {32 * r} {worst:.2e}")
+    xg = str(tmp_path / "exchange.safetensors")
+    xouts = pipeline(stages, small_data, model, opt, 2, 2, "1f1b", xg, replicas=r)
+    compare(ref, xg, adam=opt == "adam")
+    for i in range(2 * r):
+        n, how = replica_sums(outs[i], i % 2)
+        assert how == "a" and f"pipeline stage {i % 2} of 2, replica {i // 2} of {r}" in outs[i], outs[i][-2000:]
+        assert replica_sums(xouts[i], i % 2) == (n, "exchanged"), xouts[i][-2000:]
+        # the ring sends 2 (R - 1) chunks of n / R floats (one more or less each) a step
+        saved = bytes_sent(xouts[i]) - bytes_sent(outs[i])
+        want = STEPS * 4 * ((r - 1) * n - 2 * (r - 1) * n / r)
+        assert abs(saved - want) <= STEPS * 4 * 2 * (r - 1), (i, saved, want, n, [(bytes_sent(outs[j]), bytes_sent(xouts[j])) for j in range(2 * r)])
+
+
 def test_one_seed_one_file_another_seed_another(stages, tmp_path, small_data):
     files = []
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
@@ -280,6 +318,52 @@ def test_a_dead_stage_stops_the_others_within_the_timeout(tmp_path, small_data, 
             if abs(i - victim) == 1:
                 assert f"stage {victim}" in line, line
             print(f"stage {victim} killed: stage {i} exited {rc} after {took:.1f} s: {line}")
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_with_allreduce_ring_a_dead_replica_stops_every_stage_naming_the_ring_chunk(tmp_path, small_data):
+    """2 stages x 2 replicas, --allreduce=ring: SIGKILL stage 0 of replica
+    1 (task 2). Its ring neighbour, stage 0 of replica 0, says which ring
+    chunk from replica 1 it waited for; every other task stops too, within
+    the timeout (each waits at most that long for what it needs)."""
+    tmo = 2
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
+    ps, logs = [], []
+    try:
+        for i in range(4):
+            argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", "--pipeline_stages=2",
+                    "--micro_batches=2", f"--pipeline_timeout_secs={tmo}", "--allreduce=ring"]
+            argv += common(small_data, MLP, "sgd", steps=10 ** 9) + ["--log_every=100"]
+            logs.append(tmp_path / f"task{i}.log")
+            with open(logs[-1], "wb") as f:
+                ps.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        while b"step 300 loss" not in logs[1].read_bytes():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), \
+                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
+            time.sleep(0.05)
+        os.kill(ps[2].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for i in (0, 1, 3):
+            try:
+                rc = ps[i].wait(timeout=3 * tmo + 30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"task {i} did not stop (a hang):\n" + logs[i].read_text(errors="replace")[-2000:])
+            took = time.monotonic() - t0
+            out = logs[i].read_text(errors="replace")
+            for mark in SANITIZER_MARKS:
+                assert mark not in out, out[-6000:]
+            assert rc == 1 and took < 3 * tmo + 10, (rc, took, out[-2000:])
+            line = [ln for ln in out.splitlines() if "stopping" in ln][-1]
+            if i == 0:
+                assert "no ring chunk of step " in line and ", ring step " in line, line
+                assert "from replica 1 (127.0.0.1:" in line and "--pipeline_timeout_secs" in line, line
+            assert " of step " in line and ("from stage " in line or "from replica " in line), line
+            print(f"task 2 killed: task {i} exited {rc} after {took:.1f} s: {line}")
     finally:
         for p in ps:
             if p.poll() is None:
@@ -362,6 +446,33 @@ def test_bad_messages_are_refused_with_nothing_buffered_and_the_pipeline_unharme
     assert rc0 == 0 and rc1 == 0, out0[-2000:] + out1[-2000:]
     ref = local(small_data, MLP, "sgd", str(tmp_path / "local.safetensors"))
     compare(ref, path)
+
+
+def test_ring_chunks_from_anyone_but_the_left_neighbour_or_of_another_size_are_refused(stages, small_data):
+    """Stage 1 of replica 0 in a 2 x 2 grid with --allreduce=ring, alone
+    (the others never start): ring step 0 brings chunk 1 (the second half
+    of its gradient sum) from replica 1 and nothing else is taken."""
+    ports = [free_port() for _ in range(4)]
+    flags = [f"--worker_hosts={','.join(f'127.0.0.1:{p}' for p in ports)}", "--pipeline_stages=2",
+             "--micro_batches=2", "--pipeline_timeout_secs=60", "--allreduce=ring"] + common(small_data, MLP, "sgd")
+    s1 = stages.start([binary("workerd"), "--task_index=1"] + flags)
+    lines = "".join(wait_for_line(s1, "replicas' gradient sums of stage 1"))
+    n, how = replica_sums(lines, 1)
+    assert how == "a", lines
+    st, _, body = http("GET", f"http://127.0.0.1:{ports[1]}/v1/pipeline")
+    plan = crc32c(json.loads(body)["plan"].encode())
+    half = np.ones(n - n // 2, dtype="<f4").tobytes()
+    q = f"plan={plan}&step=0"
+    assert post(ports[1], f"{q}&mb=0&dir=ring&from=0", half)[0] == 409                # itself
+    assert post(ports[1], f"{q}&mb=1&dir=reduce&from=1", half)[0] == 400              # a whole sum
+    assert post(ports[1], f"{q}&mb=2&dir=ring&from=1", half)[0] == 400                # ring steps 0 and 1
+    assert post(ports[1], f"{q}&mb=0&dir=ring&from=1", half[:-4])[0] == 400           # one float short
+    assert post(ports[1], f"{q}&mb=0&dir=ring&from=1", half + b"\0" * 4)[0] == 413    # one float over
+    assert post(ports[1], f"plan={plan}&step=2&mb=0&dir=ring&from=1", half)[0] == 409  # not its step
+    assert json.loads(http("GET", f"http://127.0.0.1:{ports[1]}/v1/pipeline")[2])["buffered"] == 0
+    assert post(ports[1], f"{q}&mb=0&dir=ring&from=1", half)[0] == 204
+    assert post(ports[1], f"{q}&mb=0&dir=ring&from=1", half)[0] == 409                # a duplicate
+    assert json.loads(http("GET", f"http://127.0.0.1:{ports[1]}/v1/pipeline")[2])["buffered"] == 1
 
 
 def test_a_duplicate_message_is_409_and_leaves_the_first(stages, tmp_path, small_data):
@@ -453,7 +564,8 @@ def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, s
     (["--pipeline_stages=7", f"--model={MLP}"], "has 6 layers"),
     (["--pipeline_stages=2", f"--model={MLP}", "--stage_layers=0-1,3-5"], "'3-5' starts at layer 3, not 2"),
     (["--pipeline_stages=2", "--worker_hosts=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"], "not whole pipelines"),
-    (["--pipeline_stages=2", "--allreduce=ring"], "--allreduce=ring"),
+    (["--pipeline_stages=2", "--allreduce=ring", "--ring_timeout_secs=5"], "not with --ring_tls_cert, --ring_timeout"),
+    (["--pipeline_stages=2", "--allreduce=ring", "--pipeline_updates=ps"], "--allreduce=ring is for --pipeline_updates=local"),
     (["--max_model_bytes=1000000"], "--max_model_bytes is for --local and --pipeline_stages"),
     (["--pipeline_updates=ps"], "need --pipeline_stages"),
     (["--pipeline_stages=2", "--pipeline_updates=both"], "must be ps, local or auto"),

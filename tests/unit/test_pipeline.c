@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +23,7 @@
 
 #include "clock.h"
 #include "pipeline_mailbox.h"
+#include "pipeline_ring.h"
 #include "pipeline_plan.h"
 #include "pipeline_schedule.h"
 
@@ -613,6 +615,158 @@ static void test_mailbox_take_waits_until_the_deadline(void **state)
     pipe_mailbox_free(m);
 }
 
+/* The ring between R replicas in one process: each thread is a replica
+ * with its own mailbox, and a send puts the chunk straight into the right
+ * neighbour's (what the link's HTTP thread does). */
+typedef struct ring_peer {
+    pipe_mailbox *box[PIPE_MAX_REPLICAS];
+    int R, r, rc, drop_at; /* drop_at >= 0: replica 0 never sends that ring step */
+    size_t n;
+    float *buf, *tmp;
+} ring_peer;
+
+static int ring_put(void *ctx, int to, const pipe_key *k, const float *data, size_t n, double wait, char *err,
+                    size_t errlen)
+{
+    (void)wait;
+    ring_peer *p = ctx;
+    if (p->r == 0 && k->mb == p->drop_at)
+        return 0;
+    unsigned st = pipe_mailbox_put(p->box[to], k, data, n, 0, err, errlen);
+    return st ? -1 : 0;
+}
+
+static void *ring_run(void *arg)
+{
+    ring_peer *p = arg;
+    double idle = 0;
+    int t = -1;
+    char err[256];
+    for (int64_t step = 0; step < 3 && p->rc == 0; step++) {
+        pipe_mailbox_set_step(p->box[p->r], step);
+        p->rc = pipe_ring_allreduce(ring_put, p, p->box[p->r], p->R, p->r, step, p->buf + (size_t)step * p->n, p->n,
+                                    p->tmp, p->drop_at >= 0 ? 0.3 : 10, NULL, &idle, &t, err, sizeof(err));
+    }
+    if (p->rc == -1)
+        p->rc = -100 - t; /* which ring step it waited for */
+    return NULL;
+}
+
+static void test_the_ring_sums_every_chunk_to_the_same_floats_on_every_replica(void **state)
+{
+    (void)state;
+    /* the chunks tile the buffer, each replica sends and receives each once a phase */
+    for (int R = 2; R <= PIPE_MAX_REPLICAS; R++) {
+        assert_int_equal(pipe_ring_steps(R), 2 * (R - 1));
+        for (size_t n = 0; n < 40; n += 13) {
+            size_t at = 0, off;
+            for (int c = 0; c < R; c++) {
+                size_t len = pipe_ring_chunk(n, R, c, &off);
+                assert_int_equal(off, at);
+                assert_true(len + 1 >= n / (size_t)R && len <= n / (size_t)R + 1);
+                at += len;
+            }
+            assert_int_equal(at, n);
+        }
+        for (int r = 0; r < R; r++) {
+            int sent[PIPE_MAX_REPLICAS] = {0}, got[PIPE_MAX_REPLICAS] = {0};
+            for (int t = 0; t < R - 1; t++) {
+                sent[pipe_ring_send_chunk(R, r, t)]++;
+                got[pipe_ring_recv_chunk(R, r, t)]++;
+            }
+            /* the reduce-scatter: every chunk but one's own arrives, the last being r + 1 (summed
+             * here); every chunk but that one leaves */
+            for (int c = 0; c < R; c++) {
+                assert_int_equal(got[c], c != r);
+                assert_int_equal(sent[c], c != (r + 1) % R);
+            }
+            assert_int_equal(pipe_ring_recv_chunk(R, r, R - 2), (r + 1) % R);
+            /* the all-gather starts with the chunk summed here */
+            assert_int_equal(pipe_ring_send_chunk(R, r, R - 1), (r + 1) % R);
+        }
+    }
+    for (int R = 2; R <= PIPE_MAX_REPLICAS; R++)
+        for (size_t n = 1; n <= 301; n += 100) {
+            ring_peer p[PIPE_MAX_REPLICAS];
+            pthread_t th[PIPE_MAX_REPLICAS];
+            for (int r = 0; r < R; r++) {
+                p[0].box[r] = pipe_mailbox_new(1, 0, 0, 2, NULL, R, n);
+                assert_non_null(p[0].box[r]);
+                pipe_mailbox_set_ring(p[0].box[r], r);
+            }
+            for (int r = 0; r < R; r++) {
+                p[r] = p[0];
+                p[r].R = R, p[r].r = r, p[r].rc = 0, p[r].drop_at = -1, p[r].n = n;
+                p[r].buf = malloc(sizeof(float) * n * 3);
+                p[r].tmp = malloc(sizeof(float) * (n / (size_t)R + 1));
+                for (size_t u = 0; u < n * 3; u++) /* values whose float sum depends on the order */
+                    p[r].buf[u] = (float)((double)((u * 7919 + (size_t)r * 104729) % 1000) / 997.0 - 0.5) *
+                                  (r % 2 ? 1e-3f : 1.0f);
+            }
+            double want[3 * 301];
+            for (size_t u = 0; u < n * 3; u++) {
+                want[u] = 0;
+                for (int r = 0; r < R; r++)
+                    want[u] += p[r].buf[u];
+            }
+            for (int r = 0; r < R; r++)
+                assert_int_equal(pthread_create(&th[r], NULL, ring_run, &p[r]), 0);
+            for (int r = 0; r < R; r++)
+                pthread_join(th[r], NULL);
+            for (int r = 0; r < R; r++) {
+                assert_int_equal(p[r].rc, 0);
+                assert_memory_equal(p[r].buf, p[0].buf, sizeof(float) * n * 3); /* bit for bit */
+            }
+            for (size_t u = 0; u < n * 3; u++)
+                assert_true(fabs(p[0].buf[u] - want[u]) <= 1e-6 * (1 + fabs(want[u])));
+            for (int r = 0; r < R; r++) {
+                free(p[r].buf);
+                free(p[r].tmp);
+                pipe_mailbox_free(p[0].box[r]);
+            }
+        }
+}
+
+static void test_a_ring_chunk_that_never_comes_times_out_naming_its_step(void **state)
+{
+    (void)state;
+    const int R = 3;
+    const size_t n = 30;
+    ring_peer p[3];
+    pthread_t th[3];
+    char msg[256];
+    for (int r = 0; r < R; r++) {
+        p[0].box[r] = pipe_mailbox_new(1, 0, 0, 2, NULL, R, n);
+        pipe_mailbox_set_ring(p[0].box[r], r);
+    }
+    /* a box without the ring takes no ring chunk, one with it no whole sum, nor a step past the ring's */
+    pipe_mailbox *plain = pipe_mailbox_new(1, 0, 0, 2, NULL, R, n);
+    assert_int_equal(pipe_mailbox_check(plain, &(pipe_key){0, 0, PIPE_RING}, 10, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_check(p[0].box[1], &(pipe_key){0, 0, PIPE_REDUCE}, n, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_check(p[0].box[1], &(pipe_key){0, 4, PIPE_RING}, 10, msg, sizeof(msg)), 400);
+    assert_int_equal(pipe_mailbox_check(p[0].box[1], &(pipe_key){0, 0, PIPE_RING}, 11, msg, sizeof(msg)), 413);
+    assert_int_equal(pipe_mailbox_check(p[0].box[1], &(pipe_key){0, 0, PIPE_RING}, 10, msg, sizeof(msg)), 0);
+    pipe_mailbox_free(plain);
+    for (int r = 0; r < R; r++) {
+        p[r] = p[0];
+        p[r].R = R, p[r].r = r, p[r].rc = 0, p[r].drop_at = 1, p[r].n = n;
+        p[r].buf = calloc(n * 3, sizeof(float));
+        p[r].tmp = calloc(n / R + 1, sizeof(float));
+        assert_int_equal(pthread_create(&th[r], NULL, ring_run, &p[r]), 0);
+    }
+    for (int r = 0; r < R; r++)
+        pthread_join(th[r], NULL);
+    /* replica 0 drops its ring step 1: replica 1 waits for it; the others then for what 1 would pass on */
+    assert_int_equal(p[1].rc, -100 - 1);
+    assert_true(p[2].rc <= -100 - 1);
+    assert_true(p[0].rc <= -100 - 1);
+    for (int r = 0; r < R; r++) {
+        free(p[r].buf);
+        free(p[r].tmp);
+        pipe_mailbox_free(p[0].box[r]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -629,6 +783,8 @@ int main(void)
         cmocka_unit_test(test_schedule_names_and_format),
         cmocka_unit_test(test_mailbox_refusals_leave_nothing),
         cmocka_unit_test(test_mailbox_take_waits_until_the_deadline),
+        cmocka_unit_test(test_the_ring_sums_every_chunk_to_the_same_floats_on_every_replica),
+        cmocka_unit_test(test_a_ring_chunk_that_never_comes_times_out_naming_its_step),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
