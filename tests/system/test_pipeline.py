@@ -325,11 +325,12 @@ def test_a_dead_stage_stops_the_others_within_the_timeout(tmp_path, small_data, 
                 p.wait()
 
 
-def test_with_allreduce_ring_a_dead_replica_stops_every_stage_naming_the_ring_chunk(tmp_path, small_data):
+def test_with_allreduce_ring_a_dead_replica_stops_every_stage_within_the_timeout(tmp_path, small_data):
     """2 stages x 2 replicas, --allreduce=ring: SIGKILL stage 0 of replica
-    1 (task 2). Its ring neighbour, stage 0 of replica 0, says which ring
-    chunk from replica 1 it waited for; every other task stops too, within
-    the timeout (each waits at most that long for what it needs)."""
+    1 (task 2). Every other task stops within the timeout (each waits at
+    most that long for what it needs), saying what it gave up on: a stage
+    neighbour's message, or a ring chunk of its replica neighbour (which
+    one comes first depends on where each task was)."""
     tmo = 2
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
     ps, logs = [], []
@@ -359,10 +360,11 @@ def test_with_allreduce_ring_a_dead_replica_stops_every_stage_naming_the_ring_ch
                 assert mark not in out, out[-6000:]
             assert rc == 1 and took < 3 * tmo + 10, (rc, took, out[-2000:])
             line = [ln for ln in out.splitlines() if "stopping" in ln][-1]
-            if i == 0:
-                assert "no ring chunk of step " in line and ", ring step " in line, line
-                assert "from replica 1 (127.0.0.1:" in line and "--pipeline_timeout_secs" in line, line
-            assert " of step " in line and ("from stage " in line or "from replica " in line), line
+            # what it waited for: activations or gradients from its stage neighbour, or a ring chunk
+            # from (or to) its replica neighbour, whichever gave up first
+            assert " of step " in line and ("stage " in line or "replica " in line), line
+            if "ring chunk" in line:
+                assert ", ring step " in line and f"replica {(i // 2 + 1) % 2} (127.0.0.1:" in line, line
             print(f"task 2 killed: task {i} exited {rc} after {took:.1f} s: {line}")
     finally:
         for p in ps:
