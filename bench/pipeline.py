@@ -96,9 +96,10 @@ def pipeline(m, sched, args=None, peaks=None):
         peak = [0, 0]
         deadline = time.monotonic() + 600
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            for k, p in enumerate(procs):
-                peak[k] = max(peak[k], hwm(p.pid))
-            time.sleep(0.005)
+            if peaks is not None:  # 2 reads of /proc every 5 ms: only when the peaks are wanted
+                for k, p in enumerate(procs):
+                    peak[k] = max(peak[k], hwm(p.pid))
+            time.sleep(0.005 if peaks is not None else 0.1)
         if peaks is not None:
             peaks[1], peaks[0] = peak
         outs = []
@@ -231,10 +232,11 @@ def split_bound(model):
         p.wait()
 
 
-def rounds_against_local(args, batch, rounds):
+def rounds_against_local(args, batch, rounds, want_peaks=True):
     """--local, then 2 stages at M = 8 with each schedule, in alternating
     rounds; prints the best steps/s of each and the ratios; returns each
-    schedule's peak resident set per stage."""
+    schedule's peak resident set per stage (want_peaks: else not read, so
+    the stages share the 2 cores with nothing of the bench's)."""
     best = {"local": 0.0, "gpipe": 0.0, "1f1b": 0.0}
     peaks = {"gpipe": [0, 0], "1f1b": [0, 0]}
     loads = []
@@ -242,11 +244,11 @@ def rounds_against_local(args, batch, rounds):
         loads.append(load())
         best["local"] = max(best["local"], local_steady_sps(args, batch) or 0)
         for sched in ("gpipe", "1f1b"):
-            pk = {}
+            pk = {} if want_peaks else None
             st = pipeline(8, sched, args, pk)
             if st:
                 best[sched] = max(best[sched], st[0]["sps"])
-                peaks[sched] = [max(peaks[sched][k], pk.get(k, 0)) for k in range(2)]
+                peaks[sched] = [max(peaks[sched][k], (pk or {}).get(k, 0)) for k in range(2)]
         loads.append(load())
     loc = best["local"]
     if loc:
@@ -286,7 +288,7 @@ def compute_bound():
         print(f"  the split {split}: computed FLOPs per example {costs[0]} | {costs[1]}: at most "
               f"{sum(costs) / max(costs):.2f}x --local, {sum(costs) / max(costs) * 8 / 9:.2f}x with the "
               f"fill-drain bubble of M = 8")
-    rounds_against_local(train_args(model, steps, batch), batch, rounds)
+    rounds_against_local(train_args(model, steps, batch), batch, rounds, want_peaks=False)
 
 
 if __name__ == "__main__":

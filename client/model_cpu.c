@@ -1008,16 +1008,24 @@ static void relu_forward(float *restrict out, const float *restrict in, size_t n
     }
 }
 
-/* din = dout where the output was > 0, else 0 */
-static void relu_backward(float *restrict din, const float *restrict dout, const float *restrict out,
-                          size_t n)
+/* din = dout where the output was > 0, else 0. Both loaded unconditionally
+ * and kept out of line (noinline): inlined into backward() with dout's load
+ * under the condition, gcc made it a scalar loop with a branch and its
+ * pointers reloaded from the stack each element, ~7% of a dense stage's
+ * time (perf, mlp:2048,...'s stage 1); so it is a compare and a blend. */
+__attribute__((noinline)) static void relu_backward(float *restrict din, const float *restrict dout,
+                                                    const float *restrict out, size_t n)
 {
     size_t j = 0;
     for (; j + VEC <= n; j += VEC)
-        for (int k = 0; k < VEC; k++)
-            din[j + k] = out[j + k] > 0.0f ? dout[j + k] : 0.0f;
-    for (; j < n; j++)
-        din[j] = out[j] > 0.0f ? dout[j] : 0.0f;
+        for (int k = 0; k < VEC; k++) {
+            const float d = dout[j + k], o = out[j + k];
+            din[j + k] = o > 0.0f ? d : 0.0f;
+        }
+    for (; j < n; j++) {
+        const float d = dout[j], o = out[j];
+        din[j] = o > 0.0f ? d : 0.0f;
+    }
 }
 
 /* out = keep ? in * scale : 0, keep from the contract's mask, saved. */
