@@ -29,7 +29,8 @@ per example each as computed: the first layer computes no input gradient,
    whose balanced split (27.7 | 28.4 MFLOP per example as computed) cuts at
    the 256-wide layer, so a message is 512 KB against about 14 GFLOP of a
    stage's compute per micro-batch; 2 stages against --local,
-   alternating rounds, best of PIPELINE_ROUNDS.
+   alternating rounds (PIPELINE_WIDE_ROUNDS, default 5): the best of each,
+   and the median and range of the ratio taken round by round.
 
 Every process is started here on free 127.0.0.1 ports and stopped by PID.
 Prints figures, never fails on one. RESTPS_BIN_DIR picks the build (bin/).
@@ -234,27 +235,38 @@ def split_bound(model):
 
 def rounds_against_local(args, batch, rounds, want_peaks=True):
     """--local, then 2 stages at M = 8 with each schedule, in alternating
-    rounds; prints the best steps/s of each and the ratios; returns each
-    schedule's peak resident set per stage (want_peaks: else not read, so
-    the stages share the 2 cores with nothing of the bench's)."""
+    rounds; prints the best steps/s of each and their ratio, and the ratio
+    round by round (each schedule against the --local run just before it:
+    pairing keeps it meaningful when the machine's speed drifts between
+    rounds), its median and range; returns each schedule's peak resident
+    set per stage (want_peaks: else not read, so the stages share the 2
+    cores with nothing of the bench's)."""
     best = {"local": 0.0, "gpipe": 0.0, "1f1b": 0.0}
+    ratios = {"gpipe": [], "1f1b": []}
     peaks = {"gpipe": [0, 0], "1f1b": [0, 0]}
     loads = []
     for _ in range(rounds):
         loads.append(load())
-        best["local"] = max(best["local"], local_steady_sps(args, batch) or 0)
+        loc = local_steady_sps(args, batch) or 0
+        best["local"] = max(best["local"], loc)
         for sched in ("gpipe", "1f1b"):
             pk = {} if want_peaks else None
             st = pipeline(8, sched, args, pk)
             if st:
                 best[sched] = max(best[sched], st[0]["sps"])
                 peaks[sched] = [max(peaks[sched][k], (pk or {}).get(k, 0)) for k in range(2)]
+                if loc:
+                    ratios[sched].append(st[0]["sps"] / loc)
         loads.append(load())
     loc = best["local"]
     if loc:
         print(f"  --local {loc:.3f} steps/s (steps 2 on); gpipe {best['gpipe']:.3f} ({best['gpipe'] / loc:.2f}x), "
-              f"1f1b {best['1f1b']:.3f} ({best['1f1b'] / loc:.2f}x) steps/s (steady state); "
+              f"1f1b {best['1f1b']:.3f} ({best['1f1b'] / loc:.2f}x) steps/s (steady state, best of each); "
               f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+        if all(ratios.values()):
+            print("  round by round, against that round's --local: " + ", ".join(
+                f"{k} median {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f}, {len(v)} rounds: "
+                + " ".join(f"{x:.2f}" for x in v) + ")" for k, v in ratios.items()))
     return peaks
 
 
@@ -278,7 +290,7 @@ def cnn():
 
 
 def compute_bound():
-    rounds = int(os.environ.get("PIPELINE_ROUNDS", "3"))
+    rounds = int(os.environ.get("PIPELINE_WIDE_ROUNDS", "5"))
     steps = int(os.environ.get("PIPELINE_WIDE_STEPS", "5"))
     model, batch = "mlp:2048,1536,256,2048,2048", int(os.environ.get("PIPELINE_WIDE_BATCH", "4096"))
     print(f"6. {model}, 2 stages at M = 8 (batch {batch}, {steps} steps) against --local, "
