@@ -511,11 +511,13 @@ int main(int argc, char **argv)
         if (c.pipeline_ps)
             c.sync = 1;
     }
-    if (c.pipeline_stages && (cs.job == JOB_EVALUATOR || c.n_trainers % c.pipeline_stages != 0 ||
+    /* with the ps an evaluator task evaluates the ps's variables, as it does for sync workers */
+    if (c.pipeline_stages && ((cs.job == JOB_EVALUATOR && !c.pipeline_ps) || c.n_trainers % c.pipeline_stages != 0 ||
                               c.n_trainers / c.pipeline_stages > PIPE_MAX_REPLICAS)) {
         if (cs.job == JOB_EVALUATOR)
-            fprintf(stderr, "workerd: --pipeline_stages has no evaluator task: the chief prints the test "
-                            "accuracy at the end\n");
+            fprintf(stderr, "workerd: --pipeline_stages without the ps has no evaluator task (the variables are "
+                            "the stages' own): the chief prints the test accuracy at the end; with --ps_hosts an "
+                            "evaluator task evaluates the ps's\n");
         else if (c.n_trainers % c.pipeline_stages != 0)
             fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks (chief + workers) are not whole "
                             "pipelines: they must number K x R (stages x replicas)\n",

@@ -122,10 +122,10 @@ def local(data, model, opt, path, seed=3, batch=32, steps=STEPS):
 
 
 def pipeline(stages, data, model, opt, k, m, sched, path, seed=3, extra=(), order=None, replicas=1, ps=None,
-             steps=STEPS):
+             steps=STEPS, hosts=None):
     """Start the K x R tasks (stage 0 of replica 0 exports to path), wait for all; their outputs.
-    ps: the ps tasks' host:port (--ps_hosts), or None: no ps."""
-    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(k * replicas))
+    ps: the ps tasks' host:port (--ps_hosts), or None: no ps. hosts: --worker_hosts (default: free ports)."""
+    hosts = hosts or ",".join(f"127.0.0.1:{free_port()}" for _ in range(k * replicas))
     procs = []
     for i in (order or range(k * replicas)):
         argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--pipeline_stages={k}",
@@ -577,6 +577,7 @@ def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, s
     (["--pipeline_stages=2", "--ps_hosts=127.0.0.1:1", "--max_model_bytes=1000000"],
      "--max_model_bytes is not for --pipeline_stages with the ps"),
     (["--pipeline_stages=2", "--moving_average_decay=0.9"], "not with --pipeline_updates=local"),
+    (["--pipeline_stages=2", "--job_name=evaluator"], "without the ps has no evaluator task"),
 ])
 def test_bad_pipeline_flags_exit_2_with_one_line(small_data, args, says):
     r = subprocess.run([binary("workerd"), small_data] + args, capture_output=True, timeout=30)
@@ -782,6 +783,34 @@ def test_with_the_ps_one_seed_one_file(stages, start_psd, tmp_path, small_data):
                  ps=[p.host_port for p in psds])
         files.append(open(path, "rb").read())
     assert files[0] == files[1]
+
+
+def test_with_the_ps_an_evaluator_task_evaluates_what_the_stages_train(stages, start_psd, tmp_path, small_data):
+    """2 stages x 2 replicas against 2 ps tasks, and an evaluator task
+    (--job_name=evaluator, the same flags): it evaluates the ps's variables
+    every --eval_secs while the stages train, reports each to ps 0 (GET
+    /v1/status's eval), and its last report, of the final step, is the
+    chief's own test accuracy (the same parameters, the same test set)."""
+    psds = start_ps(start_psd, 2)
+    ps = ",".join(p.host_port for p in psds)
+    hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
+    ev = stages.start([binary("workerd"), f"--worker_hosts={hosts}", f"--ps_hosts={ps}", "--job_name=evaluator",
+                       "--task_index=0", "--pipeline_stages=2", "--micro_batches=2", "--eval_secs=0.2"]
+                      + common(small_data, MLP, "adam", steps=PS_STEPS))
+    outs = pipeline(stages, small_data, MLP, "adam", 2, 2, "1f1b", str(tmp_path / "pipe.safetensors"), replicas=2,
+                    steps=PS_STEPS, ps=ps.split(","), hosts=hosts, extra=["--keep_ps"])
+    rc, out = finish(ev)
+    assert rc == 0, out[-3000:]
+    reports = re.findall(r"evaluator 0: global step (\d+): test loss ([0-9.]+), test accuracy ([0-9.]+)", out)
+    assert reports and int(reports[-1][0]) == PS_STEPS, out[-3000:]
+    chief = re.search(rf"training done at global step {PS_STEPS}: .*test loss ([0-9.]+), test accuracy ([0-9.]+)",
+                      outs[0])
+    assert chief, outs[0][-2000:]
+    assert reports[-1][2] == chief.group(2) and abs(float(reports[-1][1]) - float(chief.group(1))) <= 2e-4, \
+        (reports[-1], chief.group(0))
+    st = json.loads(http("GET", f"http://{psds[0].host_port}/v1/status")[2])
+    assert st["eval"]["global_step"] == PS_STEPS and st["eval"]["examples"] > 0, st["eval"]
+    print(f"evaluator: {len(reports)} reports, the last {reports[-1]}; the chief: {chief.group(0)}")
 
 
 def ps_job(tmp_path, name, data, ps_port, steps, tmo, extra=()):
