@@ -176,8 +176,8 @@ static enum MHD_Result msg_before_body(http_req *r)
     q->counted = 1;
     atomic_fetch_add(&l->active, 1);
     unsigned bad = parse_msg(l, r, q, msg, sizeof(msg));
-    if (bad == 413 || bad == 411)
-        return http_reply_error(r, bad, "%s", msg); /* before a byte of the body is read */
+    if (bad == 413 || bad == 411 || bad == 503)
+        return http_reply_error(r, bad, "%s", msg); /* before a byte of the body is read (503: it comes again) */
     if (bad)
         return http_refuse_after_body(r, bad, "%s", msg); /* read and dropped: the sender reads the answer */
     return MHD_YES;

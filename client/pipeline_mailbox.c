@@ -29,6 +29,7 @@ struct pipe_mailbox {
     size_t act, grad;
     size_t params[PIPE_MAX_STAGES];
     int has_params;
+    int params_open; /* stage 0 takes the stages' parameters (503 before: it still trains) */
     int replicas;
     size_t reduce;
     int ring;                                /* PIPE_RING instead of PIPE_REDUCE */
@@ -148,6 +149,13 @@ void pipe_mailbox_set_ring(pipe_mailbox *m, int replica)
     pthread_mutex_unlock(&m->mu);
 }
 
+void pipe_mailbox_open_params(pipe_mailbox *m)
+{
+    pthread_mutex_lock(&m->mu);
+    m->params_open = 1;
+    pthread_mutex_unlock(&m->mu);
+}
+
 void pipe_mailbox_set_step(pipe_mailbox *m, int64_t step)
 {
     pthread_mutex_lock(&m->mu);
@@ -163,6 +171,11 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
         if (!m->has_params || k->mb < 1 || k->mb >= m->stages) {
             snprintf(msg, cap, "this stage takes no parameters from stage %d", k->mb);
             return 400;
+        }
+        if (!m->params_open) {
+            snprintf(msg, cap, "stage 0 takes the stages' parameters once its training buffers are freed: "
+                               "retry");
+            return 503;
         }
     } else if (k->dir == PIPE_REDUCE) {
         if (m->ring) {

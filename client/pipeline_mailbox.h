@@ -11,6 +11,7 @@
  * The HTTP thread puts (pipe_mailbox_check before it reads a body, then
  * pipe_mailbox_put), the stage's thread takes with a deadline. What a put
  * refuses leaves nothing buffered:
+ *   503 parameters before pipe_mailbox_open_params (the sender retries);
  *   400 a micro-batch or stage out of range, or a size other than expected;
  *   409 a step other than the stage's current one or the next (a neighbour
  *       can run one step ahead while this stage applies its update), or a
@@ -60,6 +61,11 @@ void pipe_mailbox_free(pipe_mailbox *m);
  * stage being replica `replica`: ring step t brings chunk
  * pipe_ring_recv_chunk(replicas, replica, t) of the reduce_floats. */
 void pipe_mailbox_set_ring(pipe_mailbox *m, int replica);
+
+/* Stage 0, its training buffers freed: take the other stages' parameters
+ * from now on (before, they are refused with 503, so they never sit beside
+ * those buffers: --max_model_bytes counts the larger of the two, not both). */
+void pipe_mailbox_open_params(pipe_mailbox *m);
 
 /* The step this stage is at (it accepts messages for it and the next). */
 void pipe_mailbox_set_step(pipe_mailbox *m, int64_t step);

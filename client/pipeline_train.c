@@ -39,7 +39,9 @@
  * whole model's parameters it gathers at the end for the test accuracy and
  * --export, after its training buffers are freed: the whole buffer (4 bytes
  * per parameter) and the other stages' parameters twice while they arrive
- * (the HTTP body and the mailbox's copy: 8 bytes per parameter).
+ * (the HTTP body and the mailbox's copy: 8 bytes per parameter). Its
+ * mailbox refuses them (503, the senders retry) until then, so the two
+ * never overlap.
  *
  * Every receive waits at most --pipeline_timeout_secs (the first step at
  * least PIPE_START_SECS, while the others start): then the stage says which
@@ -806,6 +808,7 @@ int train_pipeline(const train_config *c)
     memcpy(whole + poff[0], params, sizeof(float) * pn[0]);
     free(params);
     params = NULL;
+    pipe_mailbox_open_params(box); /* the others' parameters: refused (503, retried) until now */
     for (int k = 1; k < K; k++)
         if (receive(&r, &(pipe_key){fin, k, PIPE_PARAMS}, k, whole + poff[k], NULL, tmo) != 0)
             goto out;

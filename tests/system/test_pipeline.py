@@ -678,12 +678,15 @@ def test_a_model_over_one_workers_limit_trains_in_stages_each_holding_its_share(
     n = n0 + n1
     count_local, count = 16 * n, [max(16 * n0, 4 * n + 8 * n1), 16 * n1]
     assert count_local > limit and max(count) < limit
-    # Stage 0's peak is its gathering, which moves with timing: stage 1 ends
-    # first and sends its parameters, which may arrive while stage 0 still
-    # holds its training buffers (seen: 14.0-18.3 MB against 15.9 counted).
-    # Its range: at least what it surely holds at once (the training buffers,
-    # or the whole buffer and one copy of stage 1's), at most both overlapping.
-    lo0, hi0 = max(16 * n0, 4 * n + 4 * n1), 16 * n0 + 8 * n1
+    # Stage 0: stage 1 ends first, and its parameters are refused (503,
+    # retried) until stage 0 has freed its training buffers, so the two never
+    # overlap. Its peak above the mlp:1,1 run is still bimodal, 13.7-14.5 MB
+    # or 17.2-18.5 MB (18 runs, with the gate; 14.0-18.3 before it), with the
+    # same code and data: the cause is not found (not glibc's dynamic mmap
+    # threshold: MALLOC_MMAP_THRESHOLD_ fixed, the same two modes). Held to
+    # at least its training state, at most that and all of stage 1's
+    # parameters twice (what an overlap would hold) + 3 MB.
+    lo0, hi0 = 16 * n0, 16 * n0 + 8 * n1
     argv = lambda model, extra: ([binary("workerd")] + common(small_data, model, "adam", steps=3) +
                                  [f"--max_model_bytes={limit}"] * (model == big) + extra)
     def stages_of(model):
@@ -709,7 +712,7 @@ def test_a_model_over_one_workers_limit_trains_in_stages_each_holding_its_share(
     print(f"peak RSS above the mlp:1,1 run: --local {(whole_local - base_local) / MB:.1f} MB (counted {count_local / MB:.1f}); "
           + ", ".join(f"stage {k} {got[k] / MB:.1f} MB (counted {count[k] / MB:.1f})" for k in range(2)))
     assert 0.9 * count_local <= whole_local - base_local <= count_local + 3 * MB, (whole_local, base_local)
-    assert 0.85 * lo0 <= got[0] <= hi0 + 3 * MB, (got[0], lo0, hi0)
+    assert 0.95 * lo0 <= got[0] <= hi0 + 3 * MB, (got[0], lo0, hi0)
     assert 0.85 * count[1] <= got[1] <= count[1] + 3 * MB, (got[1], count[1])
 
 

@@ -532,6 +532,11 @@ static void test_mailbox_refusals_leave_nothing(void **state)
     assert_int_equal(pipe_mailbox_put(m, &(pipe_key){12, 1, PIPE_ACT}, a, 4, 0, msg, sizeof(msg)), 409);
     assert_int_equal(pipe_mailbox_put(m, &k, a, 3, 0, msg, sizeof(msg)), 400);
     assert_int_equal(pipe_mailbox_put(m, &k, a, 5, 0, msg, sizeof(msg)), 413);
+    /* parameters wait until stage 0 freed its training buffers: 503, then taken */
+    assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 1, PIPE_PARAMS}, a, 5, 0, msg, sizeof(msg)), 503);
+    assert_non_null(strstr(msg, "retry"));
+    assert_int_equal(pipe_mailbox_pending(m), 0);
+    pipe_mailbox_open_params(m);
     assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 1, PIPE_PARAMS}, a, 5, 0, msg, sizeof(msg)), 0);
     assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 0, PIPE_PARAMS}, a, 0, 0, msg, sizeof(msg)), 400);
     assert_int_equal(pipe_mailbox_put(m, &(pipe_key){10, 3, PIPE_PARAMS}, a, 0, 0, msg, sizeof(msg)), 400);
