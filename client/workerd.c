@@ -384,10 +384,11 @@ int main(int argc, char **argv)
         else if (local)
             bad = "--pipeline_stages is not for --local (--local is the one-process reference it is compared with)";
         else if (c.ring && (ring_tls_cert || flags_get(flags, nflags, "ring_timeout_secs")->given ||
-                            flags_get(flags, nflags, "ring_piece_bytes")->given))
+                            flags_get(flags, nflags, "ring_piece_bytes")->given ||
+                            flags_get(flags, nflags, "save_checkpoint_secs")->given))
             bad = "--pipeline_stages --allreduce=ring runs the ring over the stages' own endpoints (HTTP, "
-                  "--pipeline_timeout_secs, whole chunks): not with --ring_tls_cert, --ring_timeout_secs or "
-                  "--ring_piece_bytes";
+                  "--pipeline_timeout_secs, whole chunks, no checkpoints): not with --ring_tls_cert, "
+                  "--ring_timeout_secs, --ring_piece_bytes or --save_checkpoint_secs";
         else if (c.ring && strcmp(pipeline_updates, "ps") == 0)
             bad = "--allreduce=ring is for --pipeline_updates=local: with the ps, the ps averages the replicas";
         else if (strcmp(pipeline_updates, "auto") != 0 && strcmp(pipeline_updates, "ps") != 0 &&

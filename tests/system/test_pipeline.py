@@ -567,6 +567,7 @@ def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, s
     (["--pipeline_stages=2", f"--model={MLP}", "--stage_layers=0-1,3-5"], "'3-5' starts at layer 3, not 2"),
     (["--pipeline_stages=2", "--worker_hosts=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"], "not whole pipelines"),
     (["--pipeline_stages=2", "--allreduce=ring", "--ring_timeout_secs=5"], "not with --ring_tls_cert, --ring_timeout"),
+    (["--pipeline_stages=2", "--allreduce=ring", "--save_checkpoint_secs=5"], "no checkpoints): not with"),
     (["--pipeline_stages=2", "--allreduce=ring", "--pipeline_updates=ps"], "--allreduce=ring is for --pipeline_updates=local"),
     (["--max_model_bytes=1000000"], "--max_model_bytes is for --local and --pipeline_stages"),
     (["--pipeline_updates=ps"], "need --pipeline_stages"),
