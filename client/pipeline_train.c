@@ -711,12 +711,12 @@ int train_pipeline(const train_config *c)
                         s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
         }
         r.st.busy_secs += clk_mono_secs() - t0;
+        /* every stage has the micro-batches' losses (the last stage computed them, the
+         * gradients brought them back): its replica's step loss, for /v1/status and the page */
         double loss = loss_sum / M;
-        if (is_last) {
-            r.st.loss = loss;
-            r.st.step = step + 1;
-            pipe_link_set_state(link, &r.st);
-        }
+        r.st.loss = loss;
+        r.st.step = step + 1;
+        pipe_link_set_state(link, &r.st);
         msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M +
                 (uint64_t)(xchg ? R - 1 : ringx ? pipe_ring_steps(R) : 0);
         if (step == step0) {

@@ -514,7 +514,8 @@ def test_the_chiefs_status_shows_every_stage(stages, small_data):
     assert last["mode"] == "pipeline" and last["stage"] == 1 and "pipeline" not in last, last
     assert last["global_step"] >= 1 and 0 < last["last_loss"] < 10, last
     st = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/status")[2])
-    assert st["mode"] == "pipeline" and st["stage"] == 0 and st["last_loss"] is None, st
+    # the chief has the step's loss too (the gradients bring it back): its page draws it
+    assert st["mode"] == "pipeline" and st["stage"] == 0 and 0 < st["last_loss"] < 10 and st["global_step"] >= 1, st
     assert [e["stage"] for e in st["pipeline"]] == [0, 1], st
     assert [e["url"] for e in st["pipeline"]] == [f"127.0.0.1:{p}" for p in ports], st
     for e in st["pipeline"]:
