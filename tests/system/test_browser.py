@@ -760,7 +760,8 @@ def test_a_pipeline_chief_shows_its_stages(browser):
     """Two real workerd pipeline stages (mlp:32,16 on Fashion-MNIST, training
     until stopped): the page the chief stage serves shows a "Pipeline stages"
     row per stage with the step and busy/idle seconds of that stage's own
-    GET /v1/pipeline, and the stage that is killed as not answering."""
+    GET /v1/pipeline, its loss and loss points (from the chief's live
+    status), and the stage that is killed as not answering."""
     import socket
     import subprocess
     data = "/usr/share/datasets/fashion-mnist"
@@ -810,6 +811,12 @@ def test_a_pipeline_chief_shows_its_stages(browser):
         for r, e in zip(got, st):  # the step shown is at most the one read after it, busy/idle are numbers
             assert int(r[1].replace(",", "")) <= e["current_step"], (r, e)
             assert float(r[4]) >= 0 and float(r[5]) >= 0 and r[6].endswith("%"), r
+        # the chief's status carries the step's loss (brought back by the gradients): the page
+        # shows it and draws its points (no /v1/history on a stage: from the live status)
+        wait_for(lambda: b.js("return document.getElementById('last-loss').textContent") not in ("", "\u2014")
+                 and int(b.js("return document.getElementById('chart').getAttribute('data-points')")) >= 2, 15,
+                 "the chief's page shows no loss")
+        assert 0 < float(b.js("return document.getElementById('last-loss').textContent")) < 10
         procs[0].kill()  # stage 1
         procs[0].wait()
         wait_for(lambda: len(rows()) == 2 and rows()[1][1] not in ("", "\u2014") and len(rows()[1]) == 2, 15,
