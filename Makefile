@@ -21,10 +21,10 @@ BUILD ?= build
 BIN   ?= bin
 
 COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
-COMMON_SRC += common/ckptdir.c
+COMMON_SRC += common/ckptdir.c common/history.c
 SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_state.c \
              server/waiters.c server/ticker.c server/changes.c \
-             server/metrics.c server/workers.c server/history.c server/shard_view.c server/membership.c \
+             server/metrics.c server/workers.c server/shard_view.c server/membership.c \
              server/checkpoint.c server/saver.c server/summaries.c \
              server/routes.c server/request.c server/reply_blobs.c \
              server/route_params.c server/route_grads.c server/route_vars.c server/route_config.c \
@@ -196,7 +196,7 @@ $(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
 # the history alone (the TensorBoard writer faked in the test)
-$(BIN)/test_history: $(BUILD)/tests/unit/test_history.o $(BUILD)/server/history.o $(BUILD)/common/log.o
+$(BIN)/test_history: $(BUILD)/tests/unit/test_history.o $(BUILD)/common/history.o $(BUILD)/common/log.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lpthread -lcmocka
 $(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)

@@ -17,6 +17,7 @@
 
 #include "clock.h"
 #include "endpoint.h"
+#include "history.h"
 #include "http_server.h"
 #include "pipeline_schedule.h"
 #include "web_assets.h"
@@ -42,9 +43,11 @@ struct pipe_link {
     struct curl_slist *headers;
     char resp[512];
     size_t resp_len;
-    pthread_mutex_t mu; /* guards st and info */
+    pthread_mutex_t mu; /* guards st, info and hist_step */
     pipe_link_state st;
     json_t *info;
+    struct history *hist; /* the steps' losses, GET /v1/history (psd's, common/history.h) */
+    int64_t hist_step;    /* the last step recorded there */
     uint64_t bytes_sent;
     double send_secs;
     atomic_int active; /* messages being received: the stage waits for their answers before it stops */
@@ -332,6 +335,24 @@ static enum MHD_Result health_handle(http_req *r)
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
 }
 
+/* GET /v1/history[?since=STEP]: the replica's steps and losses, as psd's */
+static enum MHD_Result history_handle(http_req *r)
+{
+    pipe_link *l = r->ctx;
+    long long since = -1;
+    if (http_query_int(r, "since", (long long)1 << 62, &since) < 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "since must be a non-negative integer (a global_step), "
+                                                         "got '%.40s'", http_query(r, "since"));
+    pthread_mutex_lock(&l->mu);
+    int64_t step = l->st.step;
+    pthread_mutex_unlock(&l->mu);
+    size_t len;
+    char *text = history_json(l->hist, since, step, &len);
+    if (!text)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    return http_reply_text(r, MHD_HTTP_OK, "application/json", text, len);
+}
+
 static void msg_done(http_req *r, int completed_ok)
 {
     pipe_link *l = r->ctx;
@@ -346,6 +367,7 @@ static const http_route link_routes[] = {
      "one message from a neighbouring stage (raw float32)"},
     {"GET", "/v1/pipeline", HTTP_ROUTE_OPEN, 0, NULL, state_handle, "the stage's plan, table and state"},
     {"GET", "/v1/status", HTTP_ROUTE_OPEN, 0, NULL, status_handle, "the stage; on the chief, every stage"},
+    {"GET", "/v1/history", HTTP_ROUTE_OPEN, 0, NULL, history_handle, "the replica's step losses over time"},
     {"GET", "/healthz", HTTP_ROUTE_OPEN, 0, NULL, health_handle, "alive"},
     {"GET", "/", HTTP_ROUTE_OPEN, 0, NULL, web_handle, "the monitoring page"},
     {"GET", "/app.js", HTTP_ROUTE_OPEN, 0, NULL, web_handle, "the monitoring page's script"},
@@ -583,7 +605,8 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
     pthread_cond_init(&l->qcv, NULL);
     curl_global_init(CURL_GLOBAL_DEFAULT);
     l->curl = curl_easy_init();
-    if (!l->info || !l->plan_text || !l->name || (o->token && !l->token) || !l->curl) {
+    l->hist = history_new();
+    if (!l->info || !l->plan_text || !l->name || (o->token && !l->token) || !l->curl || !l->hist) {
         snprintf(err, errlen, "out of memory");
         pipe_link_free(l);
         return NULL;
@@ -671,6 +694,7 @@ void pipe_link_free(pipe_link *l)
         curl_easy_cleanup(l->curl);
     curl_slist_free_all(l->headers);
     json_decref(l->info);
+    history_free(l->hist);
     free(l->plan_text);
     free(l->name);
     free(l->token);
@@ -682,7 +706,13 @@ void pipe_link_set_state(pipe_link *l, const pipe_link_state *st)
 {
     pthread_mutex_lock(&l->mu);
     l->st = *st;
+    /* a step done with its loss: a point of /v1/history (once per step) */
+    int record = st->step > l->hist_step && st->loss == st->loss;
+    if (record)
+        l->hist_step = st->step;
     pthread_mutex_unlock(&l->mu);
+    if (record)
+        history_record(l->hist, st->step, 1, st->loss);
 }
 
 const char *pipe_link_peer(const pipe_link *l, int s) { return l->peer[s]; }

@@ -3,7 +3,7 @@
  * (pipeline_mailbox.h), and the sends to the other stages (libcurl).
  *
  * Routes (every stage, on its own --worker_hosts / --chief_hosts address):
- *   POST /v1/pipeline/msg?step=S&mb=J&dir=act|grad|params&from=F&plan=P[&example0=E]
+ *   POST /v1/pipeline/msg?step=S&mb=J&dir=act|grad|params|reduce|ring&from=F&plan=P[&example0=E]
  *        one message: raw little-endian float32, Content-Length exactly the
  *        message's size (micro-batch x the floats of one example's
  *        activation at the stage boundary; params: the sender's parameters);
@@ -21,13 +21,19 @@
  *        stage), so that every stage reports it with its push to the ps.
  *        dir=reduce: with R > 1 replicas, the step's gradient sum of this
  *        stage from replica mb (= from), which every replica adds up in
- *        replica order.
+ *        replica order; dir=ring (--allreduce=ring): ring step mb's chunk
+ *        from the left neighbour replica (pipeline_ring.h). 503 (before the
+ *        body; the sender retries): parameters before stage 0 has freed its
+ *        training buffers.
  *   GET  /v1/pipeline  the plan, the table, the current step and slot, what
  *        the stage waits for and from whom, busy and idle seconds (JSON)
  *   GET  /v1/status  {"mode": "pipeline", the stage, its step and loss, and
  *        on the chief (stage 0 of replica 0) "pipeline": every stage of its
  *        replica as its /v1/pipeline says now (fetched, 1 s each), or the
  *        error that stage gave}
+ *   GET  /v1/history[?since=STEP]  the replica's step losses over time, as
+ *        psd's (common/history.h: bounded memory), recorded as
+ *        pipe_link_set_state reports each step done with its loss
  *   GET  /healthz
  * A send retries a neighbour that does not answer yet (starting, or busy)
  * until its deadline; a refusal (4xx) is final. Nothing here exits. */

@@ -557,7 +557,7 @@ def test_million_step_history_stays_fast(start_psd, trainer, browser):
     t_h = time.monotonic()
     st, _, body = http("GET", p.url + "/v1/history?since=0")
     hist_secs = time.monotonic() - t_h
-    # the hook is built into psd (server/history.c): a psd that ignores it is a failure
+    # the hook is built into psd (common/history.c): a psd that ignores it is a failure
     assert st == 200, f"/v1/history answers {st}: {body[:200]!r}"
     hist = json.loads(body)
     pts = hist.get("points") or []
@@ -760,8 +760,8 @@ def test_a_pipeline_chief_shows_its_stages(browser):
     """Two real workerd pipeline stages (mlp:32,16 on Fashion-MNIST, training
     until stopped): the page the chief stage serves shows a "Pipeline stages"
     row per stage with the step and busy/idle seconds of that stage's own
-    GET /v1/pipeline, its loss and loss points (from the chief's live
-    status), and the stage that is killed as not answering."""
+    GET /v1/pipeline, its loss and its curve (from the chief's
+    /v1/history), and the stage that is killed as not answering."""
     import socket
     import subprocess
     data = "/usr/share/datasets/fashion-mnist"
@@ -811,17 +811,18 @@ def test_a_pipeline_chief_shows_its_stages(browser):
         for r, e in zip(got, st):  # the step shown is at most the one read after it, busy/idle are numbers
             assert int(r[1].replace(",", "")) <= e["current_step"], (r, e)
             assert float(r[4]) >= 0 and float(r[5]) >= 0 and r[6].endswith("%"), r
-        # the chief's status carries the step's loss (brought back by the gradients): the page
-        # shows it and draws its points (no /v1/history on a stage: from the live status)
+        # the chief's status carries the step's loss (brought back by the gradients) and its
+        # /v1/history the steps': the page shows it and draws the curve from the history
         wait_for(lambda: b.js("return document.getElementById('last-loss').textContent") not in ("", "\u2014")
                  and int(b.js("return document.getElementById('chart').getAttribute('data-points')")) >= 2, 15,
                  "the chief's page shows no loss")
+        assert b.js("return document.getElementById('chart').getAttribute('data-source')") == "history"
         assert 0 < float(b.js("return document.getElementById('last-loss').textContent")) < 10
         procs[0].kill()  # stage 1
         procs[0].wait()
         wait_for(lambda: len(rows()) == 2 and rows()[1][1] not in ("", "\u2014") and len(rows()[1]) == 2, 15,
                  "the dead stage's row does not say it does not answer")
-        assert not [e for e in b.js_errors(allow=("net::ERR_BLOCKED_BY_CLIENT", "v1/history", "v1/events"))]
+        assert not [e for e in b.js_errors(allow=("net::ERR_BLOCKED_BY_CLIENT", "v1/events"))]
     finally:
         for p in procs:
             if p.poll() is None:

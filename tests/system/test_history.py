@@ -24,7 +24,7 @@ import pytest
 from conftest import BIN, http
 from syshelp import st_grads
 
-RECENT, LONG_SLOTS = 2048, 2048  # server/history.h
+RECENT, LONG_SLOTS = 2048, 2048  # common/history.h
 MAX_POINTS = RECENT + LONG_SLOTS
 
 

@@ -1740,10 +1740,12 @@ def test_a_pipeline_stages_answers_match_its_spec(tmp_path):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), "no stage trains"
             rec.exchanges.clear()
             time.sleep(0.1)
-        for path in ("/", "/app.js", "/style.css", "/healthz", "/v1/status", "/v1/pipeline"):
+        for path in ("/", "/app.js", "/style.css", "/healthz", "/v1/status", "/v1/pipeline", "/v1/history"):
             for method in ("GET", "HEAD"):
                 rec(chief, method, path, expect=200)
         rec(last, "GET", "/v1/pipeline", expect=200)
+        rec(chief, "GET", "/v1/history", query={"since": 1}, expect=200)
+        rec(chief, "GET", "/v1/history", query={"since": "x"}, expect=400)
         q = {"step": 0, "mb": 0, "dir": "act", "from": 0, "plan": 1, "example0": 0}
         rec(last, "POST", "/v1/pipeline/msg", query={"step": 0}, body=b"", expect=400)
         rec(last, "POST", "/v1/pipeline/msg", query=q, body=bytes(8), expect=409)  # another plan

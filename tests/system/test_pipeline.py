@@ -517,6 +517,14 @@ def test_the_chiefs_status_shows_every_stage(stages, small_data):
     # the chief has the step's loss too (the gradients bring it back): its page draws it
     assert st["mode"] == "pipeline" and st["stage"] == 0 and 0 < st["last_loss"] < 10 and st["global_step"] >= 1, st
     assert [e["stage"] for e in st["pipeline"]] == [0, 1], st
+    # and keeps it per step for the page's curve (GET /v1/history, psd's format)
+    h = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/history")[2])
+    steps = [p[0] for p in h["points"]]
+    assert steps and steps == sorted(set(steps)) and steps[0] >= 1 and h["eval"] == [], h
+    assert all(0 < p[1] < 10 and p[2] > 1.7e9 for p in h["points"]) and steps[-1] <= h["global_step"], h
+    later = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/history?since={steps[0]}")[2])
+    assert later["points"] and all(p[0] > steps[0] for p in later["points"]), later
+    assert http("GET", f"http://127.0.0.1:{ports[0]}/v1/history?since=-1")[0] == 400
     assert [e["url"] for e in st["pipeline"]] == [f"127.0.0.1:{p}" for p in ports], st
     for e in st["pipeline"]:
         assert "error" not in e and e["current_step"] >= 0 and e["busy_secs"] >= 0, e

@@ -1,4 +1,4 @@
-/* test_history.c - server/history.c alone (with common/log.o; the
+/* test_history.c - common/history.c alone (with common/log.o; the
  * TensorBoard writer faked here: tfevents_scalar records its calls). Every
  * answer is parsed back with jansson and compared with what the test works out
  * itself:
