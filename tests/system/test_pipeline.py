@@ -51,7 +51,7 @@ from test_train import DATA, free_port, load_model
 ASAN = "asan" in BIN
 MLP = "mlp:32,16"
 CNN = "conv:3x3x4,pool:2,dense:16,dropout:0.25,dense:10"
-STEPS = 6
+STEPS = 20  # the 20 steps
 pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
 
