@@ -40,8 +40,9 @@ TESTS = {
         "dead one, /v1/pipeline, refused messages) run under the sanitizer in test_pipeline",
     ("test_history.py", "test_steps_per_sec"): "a rate measured over 7.5 s of pushes and waiting; the "
         "rate's code runs under the sanitizer in every /v1/status read",
-    ("test_pipeline.py", "test_one_seed_one_file_another_seed_another"): "three more runs of the pipeline "
-        "paths the equivalence matrix runs under the sanitizer (the same stages, schedule and optimizer code); "
+    ("test_pipeline.py", "test_one_seed_one_file_another_seed_another"): "three more runs per case of the pipeline "
+        "paths the equivalence matrix, R = 2 and the ring run under the sanitizer (the same stages, schedule, "
+        "exchange, ring and optimizer code); "
         "determinism is a property of the normal build's floats",
     ("test_pipeline.py",
      "test_with_the_ps_a_killed_stage_stops_the_other_and_the_restarted_job_ends_with_the_uninterrupted_model"):

@@ -244,6 +244,8 @@ def test_with_allreduce_ring_the_replicas_train_what_local_trains_and_send_2_r_m
     xg = str(tmp_path / "exchange.safetensors")
     xouts = pipeline(stages, small_data, model, opt, 2, 2, "1f1b", xg, replicas=r)
     compare(ref, xg, adam=opt == "adam")
+    if r == 2:  # each float the sum of the same two (a + b = b + a): the same file
+        assert open(got, "rb").read() == open(xg, "rb").read()
     for i in range(2 * r):
         n, how = replica_sums(outs[i], i % 2)
         assert how == "a" and f"pipeline stage {i % 2} of 2, replica {i // 2} of {r}" in outs[i], outs[i][-2000:]
@@ -254,11 +256,17 @@ def test_with_allreduce_ring_the_replicas_train_what_local_trains_and_send_2_r_m
         assert abs(saved - want) <= STEPS * 4 * 2 * (r - 1), (i, saved, want, n, [(bytes_sent(outs[j]), bytes_sent(xouts[j])) for j in range(2 * r)])
 
 
-def test_one_seed_one_file_another_seed_another(stages, tmp_path, small_data):
+@pytest.mark.parametrize("k,m,r,extra", [(3, 4, 1, ()), (2, 2, 2, ()), (2, 2, 2, ("--allreduce=ring",))],
+                         ids=["K3-M4", "K2-M2-R2", "K2-M2-R2-ring"])
+def test_one_seed_one_file_another_seed_another(stages, tmp_path, small_data, k, m, r, extra):
+    """Two runs with one seed export the same bytes, another seed other ones;
+    with R = 2 also with the replicas' sums exchanged or in a ring (the
+    tasks started in reverse order)."""
     files = []
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
         path = str(tmp_path / f"{name}.safetensors")
-        pipeline(stages, small_data, CNN, "adam", 3, 4, "1f1b", path, seed=seed, order=[2, 1, 0])
+        pipeline(stages, small_data, CNN, "adam", k, m, "1f1b", path, seed=seed, order=list(range(k * r))[::-1],
+                 replicas=r, extra=extra)
         files.append(open(path, "rb").read())
     assert files[0] == files[1]
     assert files[0] != files[2]
