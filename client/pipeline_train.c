@@ -391,8 +391,10 @@ int train_pipeline(const train_config *c)
     const int rlast = last - first;
     const int adds = model_adds_gradients(model_device_backend());
     /* with the ps, the replicas' sums are the ps's; without, the ring sums in
-     * place with a chunk's buffer, the exchange into a buffer of its own with one for each sum received */
-    const int xchg = R > 1 && !c->pipeline_ps && !c->ring, ringx = R > 1 && !c->pipeline_ps && c->ring;
+     * place with a chunk's buffer, the exchange into a buffer of its own with one for each sum received;
+     * a stage without parameters (a ReLU and a pool, say) has nothing to add up */
+    const int reduce = R > 1 && !c->pipeline_ps && pn[s] > 0;
+    const int xchg = reduce && !c->ring, ringx = reduce && c->ring;
     const size_t chunk_n = ringx ? pn[s] / (size_t)R + 1 : 0;
     const int floats = (xchg ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !adds;
     {
@@ -530,8 +532,9 @@ int train_pipeline(const train_config *c)
         printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
         if (R > 1 && !c->pipeline_ps)
             printf("%s: the %d replicas' gradient sums of stage %d (%zu floats): %s\n", c->name, R, s, pn[s],
-                   ringx ? "a ring all-reduce (--allreduce=ring: each sends 2(R-1)/R of its sum a step)"
-                         : "exchanged (each sends its sum to the R - 1 others)");
+                   !reduce ? "none (the stage has no parameters)"
+                   : ringx ? "a ring all-reduce (--allreduce=ring: each sends 2(R-1)/R of its sum a step)"
+                           : "exchanged (each sends its sum to the R - 1 others)");
         fflush(stdout);
     }
     stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};

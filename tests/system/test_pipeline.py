@@ -333,6 +333,26 @@ def test_a_dead_stage_stops_the_others_within_the_timeout(tmp_path, small_data, 
                 p.wait()
 
 
+@pytest.mark.parametrize("extra", [(), ("--allreduce=ring",)], ids=["exchange", "ring"])
+def test_a_stage_without_parameters_adds_nothing_up_between_replicas(stages, tmp_path, small_data, extra):
+    """3 stages x 2 replicas of the CNN, the middle stage its ReLU and
+    dropout (no parameters): that stage sends and takes no gradient sums
+    (only its 2 M activations and gradients a step), the others do, and the
+    update is --local's with twice the batch."""
+    ref = local(small_data, CNN, "sgd", str(tmp_path / "local.safetensors"), batch=64)
+    got = str(tmp_path / "pipe.safetensors")
+    outs = pipeline(stages, small_data, CNN, "sgd", 3, 2, "1f1b", got, replicas=2,
+                    extra=["--stage_layers=0-4,5-6,7-7"] + list(extra))
+    compare(ref, got)
+    for i in range(6):
+        n, how = replica_sums(outs[i], i % 3)
+        if i % 3 == 1:
+            assert (n, how) == (0, "none"), outs[i][-2000:]
+            assert f"received {STEPS * 2 * 2} messages" in outs[i], outs[i][-2000:]
+        else:
+            assert n > 0 and how == ("a" if extra else "exchanged"), outs[i][-2000:]
+
+
 def test_with_allreduce_ring_a_dead_replica_stops_every_stage_within_the_timeout(tmp_path, small_data):
     """2 stages x 2 replicas, --allreduce=ring: SIGKILL stage 0 of replica
     1 (task 2). Every other task stops within the timeout (each waits at
