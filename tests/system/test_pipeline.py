@@ -286,24 +286,42 @@ def wait_for_line(p, text, timeout=30):
     raise AssertionError(f"no line with {text!r}:\n{''.join(seen)[-3000:]}")
 
 
+def start_logged(argvs, logs):
+    """Start each argv with its output in the file of the same index (a file: a
+    pipe nobody reads would stop the stage); the processes."""
+    procs = []
+    try:
+        for argv, lg in zip(argvs, logs):
+            with open(lg, "wb") as f:
+                procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
+    except BaseException:  # none left running when one cannot start
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    return procs
+
+
+def wait_in_log(procs, logs, k, text, poll=0.05, timeout=60):
+    """Until logs[k] holds text (bytes), every process still running meanwhile."""
+    deadline = time.monotonic() + timeout
+    while text not in logs[k].read_bytes():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
+        time.sleep(poll)
+
+
 @pytest.mark.parametrize("victim", [0, 1, 2])
 def test_a_dead_stage_stops_the_others_within_the_timeout(tmp_path, small_data, victim):
     k, tmo = 3, 2
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(k))
-    ps, logs = [], []
+    logs = [tmp_path / f"stage{i}.log" for i in range(k)]
+    ps = []
     try:
-        for i in range(k):
-            argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--pipeline_stages={k}",
-                    "--micro_batches=2", f"--pipeline_timeout_secs={tmo}"]
-            argv += common(small_data, MLP, "sgd", steps=10 ** 9) + ["--log_every=100"]
-            logs.append(tmp_path / f"stage{i}.log")
-            with open(logs[-1], "wb") as f:  # a file: a pipe nobody reads would stop the stage
-                ps.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 60
-        while b"step 300 loss" not in logs[k - 1].read_bytes():  # every stage is running
-            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), \
-                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
-            time.sleep(0.05)
+        ps = start_logged([[binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--pipeline_stages={k}",
+                            "--micro_batches=2", f"--pipeline_timeout_secs={tmo}"]
+                           + common(small_data, MLP, "sgd", steps=10 ** 9) + ["--log_every=100"] for i in range(k)], logs)
+        wait_in_log(ps, logs, k - 1, b"step 300 loss")  # every stage is running
         os.kill(ps[victim].pid, signal.SIGKILL)
         t0 = time.monotonic()
         for i, p in enumerate(ps):
@@ -361,20 +379,13 @@ def test_with_allreduce_ring_a_dead_replica_stops_every_stage_within_the_timeout
     one comes first depends on where each task was)."""
     tmo = 2
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
-    ps, logs = [], []
+    logs = [tmp_path / f"task{i}.log" for i in range(4)]
+    ps = []
     try:
-        for i in range(4):
-            argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", "--pipeline_stages=2",
-                    "--micro_batches=2", f"--pipeline_timeout_secs={tmo}", "--allreduce=ring"]
-            argv += common(small_data, MLP, "sgd", steps=10 ** 9) + ["--log_every=100"]
-            logs.append(tmp_path / f"task{i}.log")
-            with open(logs[-1], "wb") as f:
-                ps.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 60
-        while b"step 300 loss" not in logs[1].read_bytes():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), \
-                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
-            time.sleep(0.05)
+        ps = start_logged([[binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", "--pipeline_stages=2",
+                            "--micro_batches=2", f"--pipeline_timeout_secs={tmo}", "--allreduce=ring"]
+                           + common(small_data, MLP, "sgd", steps=10 ** 9) + ["--log_every=100"] for i in range(4)], logs)
+        wait_in_log(ps, logs, 1, b"step 300 loss")
         os.kill(ps[2].pid, signal.SIGKILL)
         t0 = time.monotonic()
         for i in (0, 1, 3):
@@ -867,15 +878,11 @@ def test_with_the_ps_an_evaluator_task_evaluates_what_the_stages_train(stages, s
 def ps_job(tmp_path, name, data, ps_port, steps, tmo, extra=()):
     """The 2 stages of an MLP job against one ps, their output in files: (procs, log paths)."""
     hosts = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    procs, logs = [], []
-    for i in range(2):
-        argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}", f"--ps_hosts=127.0.0.1:{ps_port}",
-                "--pipeline_stages=2", "--micro_batches=2", f"--pipeline_timeout_secs={tmo}"]
-        argv += common(data, MLP, "adam", steps=steps) + ["--log_every=10"] + list(extra if i == 0 else ())
-        logs.append(tmp_path / f"{name}-stage{i}.log")
-        with open(logs[-1], "wb") as f:  # a file: a pipe nobody reads would stop the stage
-            procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
-    return procs, logs
+    logs = [tmp_path / f"{name}-stage{i}.log" for i in range(2)]
+    return start_logged([[binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}",
+                          f"--ps_hosts=127.0.0.1:{ps_port}", "--pipeline_stages=2", "--micro_batches=2",
+                          f"--pipeline_timeout_secs={tmo}"] + common(data, MLP, "adam", steps=steps) + ["--log_every=10"]
+                         + list(extra if i == 0 else ()) for i in range(2)], logs), logs
 
 
 def wait_all(procs, logs, timeout=120):
@@ -908,11 +915,7 @@ def test_with_the_ps_a_killed_stage_stops_the_other_and_the_restarted_job_ends_w
         logdir = tmp_path / "ps-logs"
         ps = start_psd(f"--logdir={logdir}", "--save_checkpoint_secs=1")
         procs, logs = ps_job(tmp_path, "cut", small_data, ps.port, steps, tmo)
-        deadline = time.monotonic() + 60
-        while b"step 40 loss" not in logs[1].read_bytes():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
-            time.sleep(0.02)
+        wait_in_log(procs, logs, 1, b"step 40 loss", poll=0.02)
         os.kill(procs[victim].pid, signal.SIGKILL)
         t0 = time.monotonic()
         other = 1 - victim
@@ -998,20 +1001,14 @@ def test_with_the_ps_a_replica_that_dies_is_named_by_the_stages_waiting_on_the_p
     tmo = 2
     ps = start_psd()
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
-    procs, logs = [], []
+    logs = [tmp_path / f"task{i}.log" for i in range(4)]
+    procs = []
     try:
-        for i in range(4):
-            argv = [binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}",
-                    f"--ps_hosts=127.0.0.1:{ps.port}", "--pipeline_stages=2", "--micro_batches=2",
-                    f"--pipeline_timeout_secs={tmo}"] + common(small_data, MLP, "sgd", steps=10 ** 6) + ["--log_every=10"]
-            logs.append(tmp_path / f"task{i}.log")
-            with open(logs[-1], "wb") as f:
-                procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 60
-        while b"step 30 loss" not in logs[1].read_bytes():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                "".join(lg.read_text(errors="replace")[-1500:] for lg in logs)
-            time.sleep(0.02)
+        procs = start_logged([[binary("workerd"), f"--worker_hosts={hosts}", f"--task_index={i}",
+                               f"--ps_hosts=127.0.0.1:{ps.port}", "--pipeline_stages=2", "--micro_batches=2",
+                               f"--pipeline_timeout_secs={tmo}"] + common(small_data, MLP, "sgd", steps=10 ** 6)
+                              + ["--log_every=10"] for i in range(4)], logs)
+        wait_in_log(procs, logs, 1, b"step 30 loss", poll=0.02)
         os.kill(procs[3].pid, signal.SIGKILL)
         rcs = wait_all(procs[:3], logs[:3], timeout=3 * tmo + 30)
         procs[3].wait()
