@@ -31,15 +31,27 @@ SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_sta
              server/route_run.c server/route_placement.c server/route_sync.c server/route_status.c \
              server/route_history.c server/route_metrics.c server/route_events.c \
              server/route_checkpoint.c server/route_web.c
-CLIENT_SRC = client/libps.c client/transfer.c
-WORKER_SRC = client/idx.c client/model.c client/model_spec.c client/model_cpu.c client/blas_kernel.c client/model_device.c client/shards.c client/train.c client/batcher.c client/chief.c client/evaluator.c client/local.c client/model_file.c client/progress.c client/heartbeat.c client/placement.c \
-             client/ring.c client/ring_ckpt.c client/ring_train.c \
-             client/pipeline_plan.c client/pipeline_schedule.c client/pipeline_mailbox.c client/pipeline_ring.c client/pipeline_link.c client/pipeline_ps.c client/pipeline_train.c
+# client/, a folder a concept (each with one public header; includes name the
+# folder, "model/model.h", and point down: workerd -> pipeline -> ring, shards,
+# data -> model; libps -> common)
+LIBPS_SRC    = client/libps/libps.c client/libps/transfer.c
+MODEL_SRC    = client/model/model.c client/model/model_spec.c client/model/model_cpu.c client/model/blas_kernel.c
+# (the device choice links the CUDA backend, or its stub: MODEL_CUDA_OBJ below)
+DEVICE_SRC   = client/model/model_device.c
+DATA_SRC     = client/data/idx.c client/data/batcher.c
+SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/heartbeat.c
+RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c
+PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
+               client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c
+WORKERD_SRC  = client/workerd/train.c client/workerd/chief.c client/workerd/evaluator.c client/workerd/local.c \
+               client/workerd/ring_train.c client/workerd/pipeline_train.c client/workerd/model_file.c client/workerd/progress.c
+CLIENT_SRC = $(LIBPS_SRC)
+WORKER_SRC = $(MODEL_SRC) $(DEVICE_SRC) $(DATA_SRC) $(SHARDS_SRC) $(RING_SRC) $(PIPELINE_SRC) $(WORKERD_SRC)
 
-# The CUDA backend (client/model_cuda.cu, cuBLAS) is built when nvcc is found
+# The CUDA backend (client/model/model_cuda.cu, cuBLAS) is built when nvcc is found
 # ($(CUDA_HOME)/bin/nvcc, else on PATH), for Hopper (sm_90) plus compute_75 PTX
 # that newer and older GPUs JIT-compile; make CUDA=0 forces a CPU-only build
-# (client/model_cuda_stub.c). Sanitizer builds (-fsanitize in OPT, make asan) are
+# (client/model/model_cuda_stub.c). Sanitizer builds (-fsanitize in OPT, make asan) are
 # CPU-only: the CUDA runtime and ASan's shadow memory do not mix. cudart is
 # linked statically and libcublas is dlopen'ed once a device is chosen, so
 # workerd starts on a machine without the NVIDIA driver or cuBLAS (and then
@@ -60,12 +72,12 @@ ifeq ($(CUDA),1)
 ifeq ($(NVCC),)
 $(error CUDA=1 but no nvcc in $(CUDA_HOME)/bin or on PATH: install the CUDA toolkit, set CUDA_HOME, or make CUDA=0)
 endif
-MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda.o
+MODEL_CUDA_OBJ = $(BUILD)/client/model/model_cuda.o
 LDLIBS_CUDA = -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 GPU_BINS = $(BIN)/cuda_vs_cpu $(BIN)/gpu_bench
 $(info restps: CUDA backend on ($(NVCC): sm_90 + compute_75 PTX); make CUDA=0 for a CPU-only build)
 else
-MODEL_CUDA_OBJ = $(BUILD)/client/model_cuda_stub.o
+MODEL_CUDA_OBJ = $(BUILD)/client/model/model_cuda_stub.o
 LDLIBS_CUDA =
 GPU_BINS =
 $(info restps: CPU-only build (no CUDA backend: CUDA=0 or no nvcc))
@@ -121,12 +133,12 @@ $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
-$(BIN)/workerd: $(BUILD)/client/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(BUILD)/libps.a
+$(BIN)/workerd: $(BUILD)/client/workerd/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
 
 # One member of a ring all-reduce, no model (tests/system/test_ring.py, bench/ring.py).
-$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring.o $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(COMMON_OBJ)
+$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring/ring.o $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lgnutls $(LDLIBS_CLIENT)
 
@@ -146,8 +158,8 @@ UNIT_TESTS += test_history
 UNIT_TESTS += test_http_server
 UNIT_TESTS += test_pipeline
 UNIT_TESTS += test_push_in_body
-IDX_OBJ = $(BUILD)/client/idx.o
-MODEL_OBJ = $(BUILD)/client/model.o $(BUILD)/client/model_spec.o $(BUILD)/client/model_cpu.o $(BUILD)/client/blas_kernel.o
+IDX_OBJ = $(BUILD)/client/data/idx.o
+MODEL_OBJ = $(MODEL_SRC:%.c=$(BUILD)/%.o)
 
 $(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
@@ -155,7 +167,7 @@ $(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
 $(BIN)/test_model: $(BUILD)/tests/unit/test_model.o $(MODEL_OBJ) $(COMMON_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
-$(BIN)/test_blas_kernel: $(BUILD)/tests/unit/test_blas_kernel.o $(BUILD)/client/blas_kernel.o
+$(BIN)/test_blas_kernel: $(BUILD)/tests/unit/test_blas_kernel.o $(BUILD)/client/model/blas_kernel.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm -lcmocka
 # Loss and gradients of given inputs, for the numpy comparison (tests/system/test_mlp_numpy.py).
@@ -180,11 +192,11 @@ $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
 $(BIN)/test_while_waiting: $(BUILD)/tests/unit/test_while_waiting.o $(BUILD)/libps.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
-$(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/placement.o $(BUILD)/client/model_spec.o $(BUILD)/common/errmsg.o
+$(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/shards/placement.o $(BUILD)/client/model/model_spec.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
 # model parallelism's split, tables and receive buffer (the layout from model_spec.o)
-$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(BUILD)/client/pipeline_plan.o $(BUILD)/client/pipeline_schedule.o $(BUILD)/client/pipeline_mailbox.o $(BUILD)/client/pipeline_ring.o $(BUILD)/client/model_spec.o $(BUILD)/client/model.o $(BUILD)/common/errmsg.o
+$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(addprefix $(BUILD)/client/pipeline/,pipeline_plan.o pipeline_schedule.o pipeline_mailbox.o pipeline_ring.o) $(BUILD)/client/model/model_spec.o $(BUILD)/client/model/model.o $(BUILD)/common/errmsg.o
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lm -lpthread -lcmocka
 # the endpoint layer alone, on a real daemon on 127.0.0.1:0, spoken to with libcurl

@@ -23,8 +23,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "blas_kernel.h"
-#include "model.h"
+#include "model/blas_kernel.h"
+#include "model/model.h"
 
 static double now(void)
 {

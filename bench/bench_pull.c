@@ -21,7 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "libps.h"
+#include "libps/libps.h"
 #include "safetensors.h"
 
 #define SMALL_N 79510                    /* 784*100 + 100 + 100*10 + 10: the example MLP */

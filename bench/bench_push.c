@@ -28,7 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "libps.h"
+#include "libps/libps.h"
 #include "safetensors.h"
 
 #define SMALL_N 79510

@@ -12,7 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "libps.h"
+#include "libps/libps.h"
 #include "safetensors.h"
 
 static double now(void)

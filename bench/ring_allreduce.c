@@ -10,7 +10,7 @@
 
 #include "cluster.h"
 #include "flags.h"
-#include "ring.h"
+#include "ring/ring.h"
 
 static double now_secs(void)
 {

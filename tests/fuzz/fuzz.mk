@@ -42,7 +42,7 @@ $(FUZZ_BUILD)/common/web_assets_table.o: $(BUILD)/common/web_assets_table.c
 
 # idx.c reads in chunks of 256 KiB; 512 bytes here puts chunk boundaries
 # inside small inputs and keeps zlib's buffers small
-$(FUZZ_BUILD)/client/idx.o: FUZZ_CFLAGS += -DIDX_CHUNK=512
+$(FUZZ_BUILD)/client/data/idx.o: FUZZ_CFLAGS += -DIDX_CHUNK=512
 
 FUZZ_LINK = $(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^
 $(FUZZ_BUILD)/bin/fuzz_safetensors: $(FUZZ_BUILD)/tests/fuzz/fuzz_safetensors.o $(FUZZ_COMMON)
@@ -51,7 +51,7 @@ $(FUZZ_BUILD)/bin/fuzz_safetensors: $(FUZZ_BUILD)/tests/fuzz/fuzz_safetensors.o 
 $(FUZZ_BUILD)/bin/fuzz_cluster: $(FUZZ_BUILD)/tests/fuzz/fuzz_cluster.o $(FUZZ_COMMON)
 	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) -ljansson -lm
-$(FUZZ_BUILD)/bin/fuzz_idx: $(FUZZ_BUILD)/tests/fuzz/fuzz_idx.o $(FUZZ_BUILD)/client/idx.o $(FUZZ_COMMON)
+$(FUZZ_BUILD)/bin/fuzz_idx: $(FUZZ_BUILD)/tests/fuzz/fuzz_idx.o $(FUZZ_BUILD)/client/data/idx.o $(FUZZ_COMMON)
 	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) -lz -ljansson -lm
 $(FUZZ_BUILD)/bin/fuzz_request: $(FUZZ_BUILD)/tests/fuzz/fuzz_request.o $(FUZZ_SERVER) $(FUZZ_COMMON)

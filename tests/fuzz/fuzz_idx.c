@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "fuzz_util.h"
-#include "idx.h"
+#include "data/idx.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -48,9 +48,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "blas_kernel.h"
-#include "dropout_mask.h"
-#include "model.h"
+#include "model/blas_kernel.h"
+#include "model/dropout_mask.h"
+#include "model/model.h"
 #include "rng.h"
 
 #define LIMIT 1e-4

@@ -31,7 +31,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "model.h"
+#include "model/model.h"
 #include "rng.h"
 
 static double now(void)

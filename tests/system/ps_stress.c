@@ -18,7 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "libps.h"
+#include "libps/libps.h"
 #include "safetensors.h"
 
 static const char *host;

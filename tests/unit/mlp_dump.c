@@ -21,8 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "blas_kernel.h"
-#include "model.h"
+#include "model/blas_kernel.h"
+#include "model/model.h"
 
 static void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3), noreturn));
 static void die(int code, const char *fmt, ...)

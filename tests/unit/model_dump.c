@@ -22,8 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "blas_kernel.h"
-#include "model.h"
+#include "model/blas_kernel.h"
+#include "model/model.h"
 #include "safetensors.h"
 
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));

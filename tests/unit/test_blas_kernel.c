@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "blas_kernel.h"
+#include "model/blas_kernel.h"
 
 static void test_selftest_passes_on_the_kernel_in_use(void **state)
 {

@@ -17,7 +17,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include "idx.h"
+#include "data/idx.h"
 
 #ifndef FASHION_DIR
 #define FASHION_DIR "/usr/share/datasets/fashion-mnist"

@@ -19,8 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dropout_mask.h"
-#include "model.h"
+#include "model/dropout_mask.h"
+#include "model/model.h"
 
 static const model_shape IMG = {28, 28, 1};
 

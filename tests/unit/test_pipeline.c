@@ -22,10 +22,10 @@
 #include <unistd.h>
 
 #include "clock.h"
-#include "pipeline_mailbox.h"
-#include "pipeline_ring.h"
-#include "pipeline_plan.h"
-#include "pipeline_schedule.h"
+#include "pipeline/pipeline_mailbox.h"
+#include "pipeline/pipeline_ring.h"
+#include "pipeline/pipeline_plan.h"
+#include "pipeline/pipeline_schedule.h"
 
 static model_layout layout(const char *spec)
 {

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "placement.h"
+#include "shards/placement.h"
 
 /* A layout of n tensors with the given names and 1-D or 2-D shapes (rows,
  * cols; cols 0 = 1-D), laid out one after the other. */

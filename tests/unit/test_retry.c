@@ -23,7 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "libps.h"
+#include "libps/libps.h"
 
 enum { ANSWER, CLOSE, PARTIAL };
 

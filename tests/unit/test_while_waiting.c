@@ -25,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "libps.h"
+#include "libps/libps.h"
 
 #define ANSWER_DELAY_MS 150
 

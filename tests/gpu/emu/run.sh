@@ -1,5 +1,5 @@
 #!/bin/bash
-# tests/gpu/emu/run.sh - the CUDA backend (client/model_cuda.cu) on a host
+# tests/gpu/emu/run.sh - the CUDA backend (client/model/model_cuda.cu) on a host
 # emulation of the CUDA runtime and cuBLAS, on a machine without a GPU: the
 # kernels run as loops over their threads (unlaunch.py), cuBLAS is OpenBLAS
 # in column-major order (fake_cuda.cc), then tests/gpu/cuda_vs_cpu compares it
@@ -18,14 +18,14 @@ mkdir -p "$B/emu"
 # the CPU side (the model library and common/) as make builds it, without CUDA
 make -s CUDA=0 BUILD="$B" BIN="$B/bin" "$B/bin/model_dump" > "$B/emu/make.log" 2>&1 ||
     { cat "$B/emu/make.log"; exit 1; }
-python3 "$E/unlaunch.py" client/model_cuda.cu "$B/emu/model_cuda_emu.cc"
+python3 "$E/unlaunch.py" client/model/model_cuda.cu "$B/emu/model_cuda_emu.cc"
 CXXW="-Wall -Wextra -Werror -Wno-unused-function -Wno-unused-parameter"
 g++ -O1 -g -shared -fPIC -I"$E" -Wl,-soname,libcublas.so.13 -o "$B/emu/libcublas.so.13" "$E/fake_cuda.cc" -lopenblas
 g++ -O2 -g -std=c++17 $CXXW -I"$E" -Iclient -Icommon -DRESTPS_CUDA_LIBDIR="\"$PWD/$B/emu\"" \
     -c -o "$B/emu/model_cuda_emu.o" "$B/emu/model_cuda_emu.cc"
 cc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -I"$E" -Iclient -Icommon \
     -c -o "$B/emu/cuda_vs_cpu.o" tests/gpu/cuda_vs_cpu.c
-objs=("$B"/client/model.o "$B"/client/model_spec.o "$B"/client/model_cpu.o "$B"/client/blas_kernel.o "$B"/common/*.o)
+objs=("$B"/client/model/model.o "$B"/client/model/model_spec.o "$B"/client/model/model_cpu.o "$B"/client/model/blas_kernel.o "$B"/common/*.o)
 cc -o "$B/emu/cuda_vs_cpu" "$B/emu/cuda_vs_cpu.o" "$B/emu/model_cuda_emu.o" "${objs[@]}" \
     "$B/emu/libcublas.so.13" -Wl,-rpath,"$PWD/$B/emu" -lopenblas -ljansson -lm -lstdc++ -ldl
 echo "tests/gpu/emu/run.sh: cuda_vs_cpu on the host emulation (not a GPU)"

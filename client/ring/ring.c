@@ -1,0 +1,1023 @@
+/* ring.c - ring all-reduce over HTTP (or HTTPS): the endpoint each worker
+ * serves (libmicrohttpd, GnuTLS with a certificate), the pushes to the right
+ * neighbour (libcurl, one keep-alive handle), and the reduce-scatter /
+ * all-gather between them. See ring.h. */
+#include "ring/ring.h"
+
+#include <arpa/inet.h>
+#include <curl/curl.h>
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "clock.h"
+#include "endpoint.h"
+#include "errmsg.h"
+#include "http_server.h"
+#include "pem.h"
+#include "tls_priorities.h"
+#include "web_assets.h"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "ring.c sends the host's floats as little-endian float32"
+#endif
+
+#define PEER_MAX (CLUSTER_HOST_MAX + 16)
+#define RING_MISMATCH_LINGER_MS 3000
+/* The endpoint's connections: a neighbour or two, the chief's page and
+ * curl; a thread each (MHD_USE_THREAD_PER_CONNECTION). A head must arrive
+ * within RING_HEADER_SECS, as psd's --connection_timeout default. */
+#define RING_MAX_CONNS 256
+#define RING_HEADER_SECS 60
+
+struct ring {
+    int n, rank;
+    char name[64];
+    char (*peer)[PEER_MAX]; /* "host:port" */
+    char right_url[PEER_MAX + 16];
+    size_t n_floats, piece;  /* piece: floats */
+    size_t *off;             /* chunk c is [off[c], off[c+1]) */
+    size_t chunk_max, pieces_max;
+    int K;                   /* ring steps per all-reduce: 2(N-1) */
+    double timeout;
+    int (*abort)(void);
+    char *token; /* NULL: the endpoint is open */
+    int tls;     /* HTTPS, served and spoken */
+    char *cert_pem, *key_pem, *ca_file; /* with tls; ca_file NULL: the system's CAs */
+    char *priorities; /* with tls: the GnuTLS priority string served */
+    long sslversion;  /* with tls: curl's range of the TLS versions it enables (the pushes offer) */
+    char tls_desc[32]; /* with tls: "TLS 1.3", "TLS 1.2-1.3" */
+    char self_url[PEER_MAX + 16];
+    struct {
+        char cert[48], key[48], ca[48], prio[48];
+    } names; /* what messages call the TLS settings (ring_tls_names) */
+    http_server *srv;        /* the endpoint (header deadlines, room kept for a new peer) */
+    struct timespec started;
+
+    /* receive slots: [parity][k] a buffer of chunk_max floats, and per piece
+     * the training step whose data it holds (-1: none yet) */
+    float *slots;
+    int64_t *piece_step;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+
+    CURL *curl;
+    struct curl_slist *hdrs, *auth; /* auth: the token alone (the state fetch); NULL: none */
+    char resp[512];
+    size_t resp_len;
+    char curl_err[CURL_ERROR_SIZE];
+    _Atomic uint64_t bytes_sent;
+    _Atomic int64_t allreduces;
+    _Atomic int uploads; /* pieces being received or answered */
+    _Atomic int mismatch; /* a peer speaks the other protocol: ring_free lingers */
+
+    /* under mu */
+    void *state;
+    size_t state_len;
+    ring_info info;
+    char optimizer[32];
+    int64_t global_step, ckpt_step;
+    int64_t cur_step; /* the all-reduce in progress or last done; -1 before the first */
+    double loss;
+    int has_loss;
+    char ckpt_path[512];
+};
+
+static void sleep_ms(long ms)
+{
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* The chunk rank receives at ring step k: reduce-scatter (k < N-1) the one
+ * its left neighbour just added to, all-gather the next finished sum. */
+static int recv_chunk(const ring *r, int k)
+{
+    return k < r->n - 1 ? mod(r->rank - k - 1, r->n) : mod(r->rank - (k - (r->n - 1)), r->n);
+}
+
+static size_t chunk_len(const ring *r, int c) { return r->off[c + 1] - r->off[c]; }
+
+static float *slot(ring *r, int64_t step, int k)
+{
+    return r->slots + ((size_t)(step & 1) * (size_t)r->K + (size_t)k) * r->chunk_max;
+}
+
+static int64_t *slot_steps(ring *r, int64_t step, int k)
+{
+    return r->piece_step + ((size_t)(step & 1) * (size_t)r->K + (size_t)k) * r->pieces_max;
+}
+
+/* ---- the endpoint (common/http_server.h) ---- */
+
+/* A chunk upload's state (the request's ext): where its piece goes. */
+typedef struct chunk_req {
+    int64_t step;
+    int k;
+    size_t piece;
+    int counted; /* in r->uploads */
+} chunk_req;
+
+/* The chunk route's before_body: check the upload's arguments against what
+ * this worker expects and point the body at its slot; a refusal is sent
+ * after the (small) body is swallowed, so that the sender reads it, except
+ * a 413, answered before the body is read. */
+static enum MHD_Result chunk_begin(http_req *q)
+{
+    ring *r = q->ctx;
+    chunk_req *cq = q->ext;
+    cq->counted = 1;
+    atomic_fetch_add(&r->uploads, 1);
+    long long vals[6];
+    const char *names[] = {"step", "k", "offset", "from", "n", "floats"};
+    for (int i = 0; i < 6; i++)
+        if (http_query_int(q, names[i], LLONG_MAX, &vals[i]) != 1)
+            return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
+                                          "query argument '%s' is missing or not a non-negative integer", names[i]);
+    long long step = vals[0], k = vals[1], offset = vals[2], from = vals[3], n = vals[4], floats = vals[5];
+    if (n != r->n || (size_t)floats != r->n_floats)
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "the sender's ring has %lld workers and %lld floats, this worker's %d and %zu: "
+                                      "start every worker with the same --worker_hosts and model",
+                                      n, floats, r->n, r->n_floats);
+    if (from != mod(r->rank - 1, r->n))
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "a piece from worker %lld, but this worker's left neighbour is worker %d", from,
+                                      mod(r->rank - 1, r->n));
+    /* the left neighbour sends pieces of this worker's step or the next (it
+     * is never further ahead: that step needs this worker's gradient), or
+     * resends one of the step before; anything else comes from a worker
+     * that is not in step with this ring, and must not land in its slots */
+    pthread_mutex_lock(&r->mu);
+    int64_t cur = r->cur_step;
+    pthread_mutex_unlock(&r->mu);
+    if (cur >= 0 && (step < cur - 1 || step > cur + 1))
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "a piece of global step %lld, but this worker is at global step %lld: a worker "
+                                      "restarted alone cannot rejoin a running ring; restart the whole job",
+                                      step, (long long)cur);
+    if (k >= r->K)
+        return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST, "k=%lld: a ring of %d workers has ring steps 0 to %d",
+                                      k, r->n, r->K - 1);
+    size_t len = chunk_len(r, recv_chunk(r, (int)k));
+    if ((size_t)offset >= len || (size_t)offset % r->piece)
+        return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
+                                      "offset=%lld: pieces of chunk %d start at multiples of %zu below %zu", offset,
+                                      recv_chunk(r, (int)k), r->piece, len);
+    size_t want = len - (size_t)offset < r->piece ? len - (size_t)offset : r->piece;
+    if (q->expect_len == UINT64_MAX)
+        return http_refuse_after_body(q, MHD_HTTP_LENGTH_REQUIRED, "Content-Length is required");
+    if (q->expect_len != want * 4) {
+        const char *fmt = "the piece at offset %lld of ring step %lld has %zu floats (%zu bytes), the body %llu bytes";
+        unsigned long long body = (unsigned long long)q->expect_len;
+        if (body > want * 4)
+            return http_reply_error(q, MHD_HTTP_CONTENT_TOO_LARGE, fmt, offset, k, want, want * 4, body);
+        return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST, fmt, offset, k, want, want * 4, body);
+    }
+    cq->step = step;
+    cq->k = (int)k;
+    cq->piece = (size_t)offset / r->piece;
+    http_body_into(q, slot(r, step, (int)k) + offset, want * 4);
+    return MHD_YES;
+}
+
+/* The piece is in its slot: mark it, wake the all-reduce. */
+static enum MHD_Result h_chunk(http_req *q)
+{
+    ring *r = q->ctx;
+    chunk_req *cq = q->ext;
+    pthread_mutex_lock(&r->mu);
+    slot_steps(r, cq->step, cq->k)[cq->piece] = cq->step;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return http_reply_response(q, MHD_HTTP_NO_CONTENT,
+                               MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT), 0);
+}
+
+static void chunk_done(http_req *q, int completed_ok)
+{
+    (void)completed_ok;
+    chunk_req *cq = q->ext;
+    if (cq && cq->counted)
+        atomic_fetch_sub(&((ring *)q->ctx)->uploads, 1);
+}
+
+static json_t *status_json(ring *r)
+{
+    pthread_mutex_lock(&r->mu);
+    double up = clk_mono_since(&r->started);
+    json_t *o = json_pack("{s:{s:s,s:i},s:s,s:I,s:o,s:b,s:s,s:f,s:i,s:I,s:f}", "task", "type",
+                          r->info.task_type ? r->info.task_type : "worker", "index", r->info.task_index,
+                          "mode", "ring", "global_step", (json_int_t)r->global_step, "last_loss",
+                          r->has_loss ? json_real(r->loss) : json_null(), "ready", r->info.optimizer != NULL,
+                          "optimizer", r->optimizer, "learning_rate", r->info.learning_rate, "workers", r->n,
+                          "train_steps", (json_int_t)r->info.train_steps, "uptime_secs", up);
+    json_object_set_new(o, "ring",
+                        json_pack("{s:i,s:i,s:s,s:o,s:s,s:s,s:I,s:I}", "size", r->n, "rank", r->rank, "url",
+                                  r->self_url, "tls", r->tls ? json_string(r->tls_desc) : json_null(), "left",
+                                  r->peer[mod(r->rank - 1, r->n)], "right", r->peer[mod(r->rank + 1, r->n)],
+                                  "bytes_sent", (json_int_t)atomic_load(&r->bytes_sent), "allreduces",
+                                  (json_int_t)atomic_load(&r->allreduces)));
+    json_object_set_new(o, "checkpoint",
+                        r->ckpt_path[0] ? json_pack("{s:I,s:s}", "global_step", (json_int_t)r->ckpt_step,
+                                                    "path", r->ckpt_path)
+                                        : json_null());
+    pthread_mutex_unlock(&r->mu);
+    return o;
+}
+
+static enum MHD_Result h_healthz(http_req *q)
+{
+    return http_reply_json(q, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+}
+
+static enum MHD_Result h_status(http_req *q)
+{
+    return http_reply_json(q, MHD_HTTP_OK, status_json(q->ctx));
+}
+
+/* The whole model (the chief's): a read that needs the token, as a write does. */
+static enum MHD_Result h_state(http_req *q)
+{
+    ring *r = q->ctx;
+    pthread_mutex_lock(&r->mu);
+    void *s = r->state;
+    size_t len = r->state_len;
+    pthread_mutex_unlock(&r->mu);
+    if (!s)
+        return http_reply_error(q, MHD_HTTP_SERVICE_UNAVAILABLE,
+                                "%s has not published the parameters (yet): only the chief does", r->name);
+    /* published once and kept until ring_free, which stops this server first */
+    struct MHD_Response *resp = MHD_create_response_from_buffer(len, s, MHD_RESPMEM_PERSISTENT);
+    if (resp)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/octet-stream");
+    return http_reply_response(q, MHD_HTTP_OK, resp, len);
+}
+
+/* The monitoring page (the chief's is the job's). */
+static enum MHD_Result h_web(http_req *q)
+{
+    const struct web_asset *a = web_asset_find(q->url);
+    if (!a)
+        return http_reply_error(q, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", q->url);
+    struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+    if (resp) {
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    }
+    return http_reply_response(q, MHD_HTTP_OK, resp, a->len);
+}
+
+/* The endpoint's routes: the token guards the chunks and the state (the
+ * whole model); status, health and the page stay open. */
+static const http_route ring_routes[] = {
+    {"GET", "/healthz", 0, 0, NULL, h_healthz, "liveness"},
+    {"GET", "/v1/status", 0, 0, NULL, h_status, "the ring task's status"},
+    {"GET", "/v1/ring/state", HTTP_ROUTE_AUTH, 0, NULL, h_state, "the chief's published parameters"},
+    {"POST", "/v1/ring/chunk", HTTP_ROUTE_AUTH | HTTP_ROUTE_BODY, HTTP_BODY_UNLIMITED, chunk_begin, h_chunk,
+     "one piece of a chunk from the left neighbour"},
+    {"GET", "/", 0, 0, NULL, h_web, "the monitoring page"},
+    {"GET", "/app.js", 0, 0, NULL, h_web, "the monitoring page's script"},
+    {"GET", "/style.css", 0, 0, NULL, h_web, "the monitoring page's style sheet"},
+};
+#define N_RING_ROUTES (sizeof(ring_routes) / sizeof(ring_routes[0]))
+
+/* An unknown path (GET for HEAD: the routes' names). */
+static enum MHD_Result ring_not_found(http_req *q)
+{
+    const char *m = strcmp(q->method, "HEAD") == 0 ? "GET" : q->method;
+    return http_reply_error(q, MHD_HTTP_NOT_FOUND, "no route %s '%.200s' on a ring worker", m, q->url);
+}
+
+/* Another method on a known path: the chunk route says what it takes, the
+ * state route is a 405, the open routes answer as an unknown path does. */
+static enum MHD_Result ring_wrong_method(http_req *q, const char *pattern, const char *allow)
+{
+    (void)allow;
+    const char *m = strcmp(q->method, "HEAD") == 0 ? "GET" : q->method;
+    if (strcmp(pattern, "/v1/ring/chunk") == 0)
+        return http_reply_error(q, MHD_HTTP_METHOD_NOT_ALLOWED, "%s takes %s", pattern, "POST");
+    return http_reply_error(q, strcmp(pattern, "/v1/ring/state") == 0 ? MHD_HTTP_METHOD_NOT_ALLOWED : MHD_HTTP_NOT_FOUND,
+                            "no route %s '%.200s' on a ring worker", m, q->url);
+}
+
+/* ---- the client side ---- */
+
+static size_t on_body(char *p, size_t size, size_t n, void *ctx)
+{
+    ring *r = ctx;
+    size_t len = size * n, room = sizeof(r->resp) - 1 - r->resp_len;
+    size_t k = len < room ? len : room;
+    memcpy(r->resp + r->resp_len, p, k);
+    r->resp_len += k;
+    r->resp[r->resp_len] = '\0';
+    return len;
+}
+
+/* The "error" of a JSON error body, or the body itself. */
+static const char *resp_error(ring *r)
+{
+    static __thread char out[sizeof(((ring *)0)->resp)];
+    json_t *j = json_loads(r->resp, 0, NULL);
+    const char *e = j ? json_string_value(json_object_get(j, "error")) : NULL;
+    snprintf(out, sizeof(out), "%s", e ? e : r->resp);
+    json_decref(j);
+    return out;
+}
+
+/* What a peer's 401 means, after "worker N (host:port)". */
+static const char *token_refused(const ring *r)
+{
+    return r->token ? "refused this task's bearer token (HTTP 401): start every task with the same "
+                      "--auth_token_file"
+                    : "wants a bearer token (HTTP 401) and this task has none: start every task with "
+                      "the same --auth_token_file";
+}
+
+static size_t on_discard(char *p, size_t size, size_t n, void *ctx)
+{
+    (void)p;
+    (void)ctx;
+    return size * n;
+}
+
+/* HTTPS on a handle to a peer: offer the TLS versions this task serves,
+ * and verify its certificate (and host name, curl's default) against the
+ * ring's CA file, or the system's. */
+static void set_tls(const ring *r, CURL *h)
+{
+    if (!r->tls)
+        return;
+    curl_easy_setopt(h, CURLOPT_SSLVERSION, r->sslversion);
+    if (r->ca_file)
+        curl_easy_setopt(h, CURLOPT_CAINFO, r->ca_file);
+}
+
+/* GET /healthz on peer i over `scheme` (HTTPS: unverified, with curl's TLS
+ * versions sslversion): CURLE_OK when it answers 200, CURLE_HTTP_RETURNED_ERROR
+ * when it answers something else, else the failure's code. One request, 3 s
+ * at most. */
+static CURLcode probe(const ring *r, int i, const char *scheme, long sslversion)
+{
+    CURL *h = curl_easy_init();
+    if (!h)
+        return CURLE_OUT_OF_MEMORY;
+    char url[PEER_MAX + 32];
+    snprintf(url, sizeof(url), "%s://%s/healthz", scheme, r->peer[i]);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_SSLVERSION, sslversion);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 3000L);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_discard);
+    /* only asks which protocol it speaks: nothing is sent but the path */
+    curl_easy_setopt(h, CURLOPT_SSL_VERIFYPEER, 0L);
+    curl_easy_setopt(h, CURLOPT_SSL_VERIFYHOST, 0L);
+    long status = 0;
+    CURLcode cc = curl_easy_perform(h);
+    if (cc == CURLE_OK)
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+    curl_easy_cleanup(h);
+    return cc != CURLE_OK ? cc : status == 200 ? CURLE_OK : CURLE_HTTP_RETURNED_ERROR;
+}
+
+/* 1 when peer i speaks the other protocol than this task (HTTP when this
+ * task speaks HTTPS, HTTPS when it speaks HTTP): it was started with other
+ * TLS flags. (An answer is proof; no answer proves nothing.) */
+static int speaks_other(const ring *r, int i)
+{
+    return probe(r, i, r->tls ? "http" : "https", CURL_SSLVERSION_DEFAULT) == CURLE_OK;
+}
+
+/* 1 when peer i, on HTTPS as this task, refuses a TLS handshake offering
+ * only this task's versions (CURLE_SSL_CONNECT_ERROR: GnuTLS behind
+ * libmicrohttpd hangs up, no alert, and OpenSSL says SSL_ERROR_SYSCALL) and
+ * right after answers one offering curl's: its priority string shares no TLS
+ * version with this task's, or none of the cipher suites libcurl offers for
+ * them. The restricted probe goes first, so a peer that stops meanwhile fails
+ * the second; the pair runs twice, so one hang-up (an overloaded peer) is not
+ * taken for a refusal; any other outcome (a timeout, a refused connection, a
+ * 503) proves nothing and is left to the retries. */
+static int refuses_these_versions(const ring *r, int i)
+{
+    if (!r->tls)
+        return 0;
+    for (int k = 0; k < 2; k++) {
+        if (k)
+            sleep_ms(50);
+        if (probe(r, i, "https", r->sslversion) != CURLE_SSL_CONNECT_ERROR ||
+            probe(r, i, "https", CURL_SSLVERSION_DEFAULT) != CURLE_OK)
+            return 0;
+    }
+    return 1;
+}
+
+/* After a request to peer i (`who`: "worker 1 (h:p), the right neighbour")
+ * failed with cc: -1 with err when no retry can help (its certificate does
+ * not verify, the CA file is unusable, it speaks the other protocol, or it
+ * refuses the TLS versions this task offers: refuses_these_versions), else 0.
+ * curl_err: the handle's error buffer. */
+static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const char *who, char *err,
+                       size_t errlen)
+{
+    const char *why = curl_err && *curl_err ? curl_err : curl_easy_strerror(cc);
+    switch (cc) {
+    case CURLE_PEER_FAILED_VERIFICATION:
+        errmsg(err, errlen,
+               "%s: its certificate does not verify (%s): every task's %s must be signed by a CA "
+               "in %s%s%s and name its host in the cluster",
+               who, why, r->names.cert, r->ca_file ? "" : "the system's store (no ", r->names.ca,
+               r->ca_file ? "" : ")");
+        return -1;
+    case CURLE_SSL_CACERT_BADFILE:
+    case CURLE_SSL_CERTPROBLEM:
+        errmsg(err, errlen, "cannot talk HTTPS to %s: %s (%s)", who, why, r->names.ca);
+        return -1;
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_GOT_NOTHING:
+    case CURLE_RECV_ERROR:
+    case CURLE_SEND_ERROR:
+    case CURLE_WEIRD_SERVER_REPLY:
+    case CURLE_UNSUPPORTED_PROTOCOL:
+    case CURLE_OPERATION_TIMEDOUT: /* a TLS hello to an HTTP server waits for a line end */
+        if (speaks_other(r, i)) {
+            atomic_store(&r->mismatch, 1);
+            if (r->tls)
+                errmsg(err, errlen,
+                       "%s, serves the ring over plain HTTP and this task over HTTPS (%s): "
+                       "give every task %s and %s, or none",
+                       who, r->names.cert, r->names.cert, r->names.key);
+            else
+                errmsg(err, errlen,
+                       "%s, serves the ring over HTTPS (%s) and this task over plain HTTP: "
+                       "give every task %s and %s, or none",
+                       who, r->names.cert, r->names.cert, r->names.key);
+            return -1;
+        }
+        /* a refused handshake fails with this code alone */
+        if (cc == CURLE_SSL_CONNECT_ERROR && refuses_these_versions(r, i)) {
+            atomic_store(&r->mismatch, 1);
+            errmsg(err, errlen,
+                   "%s, could not agree on TLS with this task's %s (%s): it takes other TLS versions, "
+                   "not these (or not with the cipher suites libcurl offers): give every task %s that "
+                   "share a TLS version",
+                   who, r->names.prio, r->tls_desc, r->names.prio);
+            return -1;
+        }
+        return 0;
+    default:
+        return 0;
+    }
+}
+
+/* POST one piece to the right neighbour, retrying what may pass (it is not up
+ * yet, a 5xx) until `deadline`. */
+static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *data, size_t n,
+                      double deadline, char *err, size_t errlen)
+{
+    char url[PEER_MAX + 200];
+    snprintf(url, sizeof(url), "%s/v1/ring/chunk?step=%lld&k=%d&offset=%zu&from=%d&n=%d&floats=%zu",
+             r->right_url, (long long)step, k, offset, r->rank, r->n, r->n_floats);
+    int right = mod(r->rank + 1, r->n);
+    long wait = 20;
+    for (;;) {
+        r->resp_len = 0;
+        r->resp[0] = '\0';
+        r->curl_err[0] = '\0';
+        curl_easy_setopt(r->curl, CURLOPT_URL, url);
+        curl_easy_setopt(r->curl, CURLOPT_POSTFIELDS, (const char *)data);
+        curl_easy_setopt(r->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
+        CURLcode cc = curl_easy_perform(r->curl);
+        long status = 0;
+        if (cc == CURLE_OK)
+            curl_easy_getinfo(r->curl, CURLINFO_RESPONSE_CODE, &status);
+        if (cc == CURLE_OK && status >= 200 && status < 300) {
+            atomic_fetch_add(&r->bytes_sent, (uint64_t)n * 4);
+            return 0;
+        }
+        if (cc == CURLE_OK && status == 401) {
+            errmsg(err, errlen, "worker %d (%s), the right neighbour, %s", right, r->peer[right],
+                   token_refused(r));
+            return -1;
+        }
+        if (cc == CURLE_OK && status >= 400 && status < 500) {
+            errmsg(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
+                   status, resp_error(r));
+            return -1;
+        }
+        if (cc != CURLE_OK) {
+            char who[PEER_MAX + 64];
+            snprintf(who, sizeof(who), "worker %d (%s), the right neighbour", right, r->peer[right]);
+            if (tls_refused(r, right, cc, r->curl_err, who, err, errlen))
+                return -1;
+        }
+        if (r->abort && r->abort())
+            return -2;
+        if (clk_mono_secs() + (double)wait / 1000 > deadline) {
+            if (cc != CURLE_OK)
+                errmsg(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
+                       right, r->peer[right], r->curl_err[0] ? r->curl_err : curl_easy_strerror(cc));
+            else
+                errmsg(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
+                       r->peer[right], status, resp_error(r));
+            return -1;
+        }
+        sleep_ms(wait);
+        wait = wait * 2 > 500 ? 500 : wait * 2;
+    }
+}
+
+/* Wait until piece p of ring step k holds step's data. */
+static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, double patience,
+                      char *err, size_t errlen)
+{
+    int64_t *st = slot_steps(r, step, k);
+    int rc = 0;
+    pthread_mutex_lock(&r->mu);
+    while (st[p] != step) {
+        double t = clk_mono_secs();
+        if (r->abort && r->abort()) {
+            rc = -2;
+            break;
+        }
+        if (t >= deadline) {
+            int left = mod(r->rank - 1, r->n);
+            errmsg(err, errlen,
+                   "nothing from worker %d (%s), the left neighbour, for %.0f s (step %lld, ring step %d): "
+                   "it died or is stuck",
+                   left, r->peer[left], patience, (long long)step, k);
+            rc = -1;
+            break;
+        }
+        /* wake at least every 200 ms to see abort() */
+        double until = deadline < t + 0.2 ? deadline : t + 0.2;
+        double add = until - t; /* at most 0.2 s: whole milliseconds, rounded up */
+        struct timespec ts = clk_mono_after_ms(add > 0 ? (int64_t)(add * 1000.0 + 0.999) : 0);
+        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen)
+{
+    if (r->n == 1) {
+        atomic_fetch_add(&r->allreduces, 1);
+        return 0;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->cur_step = step;
+    pthread_mutex_unlock(&r->mu);
+    double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
+    double deadline = clk_mono_secs() + patience;
+    /* ring step 0: this worker's own chunk */
+    size_t len = chunk_len(r, r->rank);
+    for (size_t o = 0; o < len; o += r->piece) {
+        size_t m = len - o < r->piece ? len - o : r->piece;
+        int rc = send_piece(r, step, 0, o, buf + r->off[r->rank] + o, m, deadline, err, errlen);
+        if (rc)
+            return rc;
+        deadline = clk_mono_secs() + patience;
+    }
+    for (int k = 0; k < r->K; k++) {
+        int c = recv_chunk(r, k);
+        len = chunk_len(r, c);
+        const float *in = slot(r, step, k);
+        float *own = buf + r->off[c];
+        for (size_t o = 0, p = 0; o < len; o += r->piece, p++) {
+            size_t m = len - o < r->piece ? len - o : r->piece;
+            int rc = wait_piece(r, step, k, p, deadline, patience, err, errlen);
+            if (rc)
+                return rc;
+            if (k < r->n - 1)
+                for (size_t i = 0; i < m; i++) /* the left partial sum + this worker's */
+                    own[o + i] = in[o + i] + own[o + i];
+            else
+                memcpy(own + o, in + o, m * 4);
+            if (k + 1 < r->K && (rc = send_piece(r, step, k + 1, o, own + o, m,
+                                                 clk_mono_secs() + patience, err, errlen)) != 0)
+                return rc;
+            deadline = clk_mono_secs() + patience;
+        }
+    }
+    atomic_fetch_add(&r->allreduces, 1);
+    return 0;
+}
+
+/* ---- state, status ---- */
+
+void ring_publish(ring *r, void *body, size_t len)
+{
+    pthread_mutex_lock(&r->mu);
+    void *old = r->state;
+    r->state = body;
+    r->state_len = len;
+    pthread_mutex_unlock(&r->mu);
+    /* a response may still point into the old body: keep it out of reach
+     * only when nothing was published before (the one use: once at start) */
+    free(old);
+}
+
+typedef struct grow {
+    char *p;
+    size_t len, cap;
+} grow;
+
+static size_t on_grow(char *p, size_t size, size_t n, void *ctx)
+{
+    grow *g = ctx;
+    size_t len = size * n;
+    if (g->len + len > g->cap) {
+        size_t cap = g->cap ? g->cap : 1 << 16;
+        while (cap < g->len + len)
+            cap *= 2;
+        char *q = realloc(g->p, cap);
+        if (!q)
+            return 0;
+        g->p = q;
+        g->cap = cap;
+    }
+    memcpy(g->p + g->len, p, len);
+    g->len += len;
+    return len;
+}
+
+int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *len, char *err,
+                     size_t errlen)
+{
+    CURL *h = curl_easy_init();
+    if (!h) {
+        errmsg(err, errlen, "out of memory");
+        return -1;
+    }
+    char url[PEER_MAX + 40], curl_err[CURL_ERROR_SIZE];
+    snprintf(url, sizeof(url), "%s://%s/v1/ring/state", r->tls ? "https" : "http", r->peer[from]);
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)(wait_secs * 1000) + 60000);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_grow);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, r->auth);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, curl_err);
+    set_tls(r, h);
+    double deadline = clk_mono_secs() + wait_secs, said = clk_mono_secs();
+    int rc = -1;
+    for (;;) {
+        grow g = {0};
+        curl_err[0] = '\0';
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, &g);
+        CURLcode cc = curl_easy_perform(h);
+        long status = 0;
+        if (cc == CURLE_OK)
+            curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+        if (cc == CURLE_OK && status == 200) {
+            *body = g.p;
+            *len = g.len;
+            rc = 0;
+            break;
+        }
+        free(g.p);
+        if (cc == CURLE_OK && status == 401) {
+            errmsg(err, errlen, "the chief, worker %d (%s), %s", from, r->peer[from], token_refused(r));
+            break;
+        }
+        if (cc != CURLE_OK) {
+            char who[PEER_MAX + 64];
+            snprintf(who, sizeof(who), "the chief, worker %d (%s)", from, r->peer[from]);
+            if (tls_refused(r, from, cc, curl_err, who, err, errlen))
+                break;
+        }
+        if (r->abort && r->abort()) {
+            rc = -2;
+            break;
+        }
+        if (clk_mono_secs() > deadline) {
+            if (cc != CURLE_OK)
+                errmsg(err, errlen, "cannot reach the chief, worker %d (%s), for %.0f s: %s", from,
+                       r->peer[from], wait_secs, curl_err[0] ? curl_err : curl_easy_strerror(cc));
+            else
+                errmsg(err, errlen, "the chief, worker %d (%s), answers HTTP %ld to %s", from, r->peer[from],
+                       status, url);
+            break;
+        }
+        if (clk_mono_secs() - said > 5) {
+            printf("%s: waiting for the chief (%s) to publish the parameters\n", r->name, r->peer[from]);
+            fflush(stdout);
+            said = clk_mono_secs();
+        }
+        sleep_ms(200);
+    }
+    curl_easy_cleanup(h);
+    return rc;
+}
+
+void ring_set_info(ring *r, const ring_info *info)
+{
+    pthread_mutex_lock(&r->mu);
+    r->info = *info;
+    snprintf(r->optimizer, sizeof(r->optimizer), "%s", info->optimizer ? info->optimizer : "");
+    r->info.optimizer = info->optimizer ? r->optimizer : NULL;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void ring_set_progress(ring *r, int64_t global_step, double loss)
+{
+    pthread_mutex_lock(&r->mu);
+    r->global_step = global_step;
+    r->loss = loss;
+    r->has_loss = isfinite(loss); /* json_real refuses inf: /v1/status would fail */
+    pthread_mutex_unlock(&r->mu);
+}
+
+void ring_set_checkpoint(ring *r, int64_t step, const char *path)
+{
+    pthread_mutex_lock(&r->mu);
+    r->ckpt_step = step;
+    snprintf(r->ckpt_path, sizeof(r->ckpt_path), "%s", path);
+    pthread_mutex_unlock(&r->mu);
+}
+
+uint64_t ring_bytes_sent(const ring *r) { return atomic_load(&r->bytes_sent); }
+int64_t ring_allreduces(const ring *r) { return atomic_load(&r->allreduces); }
+const char *ring_peer(const ring *r, int i) { return r->peer[i]; }
+const char *ring_url(const ring *r) { return r->self_url; }
+const char *ring_tls(const ring *r) { return r->tls ? r->tls_desc : NULL; }
+
+/* ---- life ---- */
+
+int ring_tls_priorities_check(const char *prio, char *err, size_t errlen)
+{
+    int lo, hi;
+    if (tls_priorities_check(prio, err, errlen) != 0)
+        return -1;
+    if (tls_priorities_versions(prio, &lo, &hi) != 0) {
+        snprintf(err, errlen, "it enables no TLS version");
+        return -1;
+    }
+    if (hi < 2) {
+        const curl_version_info_data *v = curl_version_info(CURLVERSION_NOW);
+        snprintf(err, errlen,
+                 "it enables TLS 1.%d at most, and this task's requests to the others (libcurl on %s, at its "
+                 "default security level) take TLS 1.2 or later: enable +VERS-TLS1.2 or +VERS-TLS1.3",
+                 hi, v && v->ssl_version ? v->ssl_version : "its TLS library");
+        return -1;
+    }
+    return 0;
+}
+
+/* pem_read with the setting named: "--ring_tls_cert=PATH: why". */
+static char *read_pem(const char *flag, const char *path, char *err, size_t errlen)
+{
+    char why[512];
+    char *pem = pem_read(path, why, sizeof(why));
+    if (!pem)
+        errmsg(err, errlen, "%s=%s", flag, why);
+    return pem;
+}
+
+ring *ring_new(const ring_options *o, char *err, size_t errlen)
+{
+    if (o->n < 1 || o->rank < 0 || o->rank >= o->n || o->n_floats < (size_t)o->n) {
+        errmsg(err, errlen, "a ring of %d workers cannot all-reduce %zu floats", o->n, o->n_floats);
+        return NULL;
+    }
+    ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        errmsg(err, errlen, "out of memory");
+        return NULL;
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    clk_mono_cond_init(&r->cv);
+    r->started = clk_mono_ts();
+    r->n = o->n;
+    r->rank = o->rank;
+    r->cur_step = -1;
+    r->K = 2 * (o->n - 1);
+    r->n_floats = o->n_floats;
+    r->piece = o->piece_bytes / 4 ? o->piece_bytes / 4 : 1;
+    r->timeout = o->timeout_secs;
+    r->abort = o->abort;
+    if (o->token && !(r->token = strdup(o->token)))
+        goto oom;
+    const ring_tls_names *nm = &o->tls_names;
+    snprintf(r->names.cert, sizeof(r->names.cert), "%s", nm->cert ? nm->cert : "tls_cert");
+    snprintf(r->names.key, sizeof(r->names.key), "%s", nm->key ? nm->key : "tls_key");
+    snprintf(r->names.ca, sizeof(r->names.ca), "%s", nm->ca ? nm->ca : "tls_ca");
+    snprintf(r->names.prio, sizeof(r->names.prio), "%s", nm->priorities ? nm->priorities : "tls_priorities");
+    if (!o->tls_cert != !o->tls_key) {
+        errmsg(err, errlen, "a certificate and its key go together (%s, %s)", r->names.cert, r->names.key);
+        ring_free(r);
+        return NULL;
+    }
+    if (o->tls_priorities && !o->tls_cert) {
+        errmsg(err, errlen, "%s needs %s and %s", r->names.prio, r->names.cert, r->names.key);
+        ring_free(r);
+        return NULL;
+    }
+    if (o->tls_cert) {
+        r->tls = 1;
+        const char *prio = o->tls_priorities ? o->tls_priorities : TLS_PRIORITIES_DEFAULT;
+        char why[400];
+        int lo, hi;
+        if (ring_tls_priorities_check(prio, why, sizeof(why)) != 0 || tls_priorities_versions(prio, &lo, &hi) != 0) {
+            errmsg(err, errlen, "%s=%s: %s", r->names.prio, prio, why);
+            ring_free(r);
+            return NULL;
+        }
+        /* the pushes offer the versions the endpoint serves (libcurl is
+         * built on OpenSSL here: the cipher suites apply to the endpoint) */
+        static const long vmin[] = {CURL_SSLVERSION_TLSv1_0, CURL_SSLVERSION_TLSv1_1, CURL_SSLVERSION_TLSv1_2,
+                                    CURL_SSLVERSION_TLSv1_3};
+        static const long vmax[] = {CURL_SSLVERSION_MAX_TLSv1_0, CURL_SSLVERSION_MAX_TLSv1_1,
+                                    CURL_SSLVERSION_MAX_TLSv1_2, CURL_SSLVERSION_MAX_TLSv1_3};
+        r->sslversion = vmin[lo] | vmax[hi];
+        if (lo == hi)
+            snprintf(r->tls_desc, sizeof(r->tls_desc), "TLS 1.%d", lo);
+        else
+            snprintf(r->tls_desc, sizeof(r->tls_desc), "TLS 1.%d-1.%d", lo, hi);
+        if (!(r->priorities = strdup(prio)))
+            goto oom;
+        if (!(r->cert_pem = read_pem(r->names.cert, o->tls_cert, err, errlen)) ||
+            !(r->key_pem = read_pem(r->names.key, o->tls_key, err, errlen))) {
+            ring_free(r);
+            return NULL;
+        }
+        if (o->tls_ca && !(r->ca_file = strdup(o->tls_ca)))
+            goto oom;
+    }
+    snprintf(r->name, sizeof(r->name), "%s", o->name ? o->name : "ring");
+    r->peer = calloc((size_t)o->n, sizeof(*r->peer));
+    r->off = calloc((size_t)o->n + 1, sizeof(size_t));
+    if (!r->peer || !r->off)
+        goto oom;
+    for (int i = 0; i < o->n; i++)
+        snprintf(r->peer[i], PEER_MAX, strchr(o->peers[i].host, ':') ? "[%s]:%d" : "%s:%d",
+                 o->peers[i].host, o->peers[i].port);
+    snprintf(r->right_url, sizeof(r->right_url), "%s://%s", r->tls ? "https" : "http",
+             r->peer[mod(o->rank + 1, o->n)]);
+    snprintf(r->self_url, sizeof(r->self_url), "%s://%s", r->tls ? "https" : "http", r->peer[o->rank]);
+    for (int c = 0; c <= o->n; c++)
+        r->off[c] = (size_t)((unsigned __int128)o->n_floats * (unsigned)c / (unsigned)o->n);
+    for (int c = 0; c < o->n; c++)
+        if (chunk_len(r, c) > r->chunk_max)
+            r->chunk_max = chunk_len(r, c);
+    r->pieces_max = (r->chunk_max + r->piece - 1) / r->piece;
+    if (r->K) {
+        size_t slots = 2 * (size_t)r->K;
+        r->slots = malloc(slots * r->chunk_max * sizeof(float));
+        r->piece_step = malloc(slots * r->pieces_max * sizeof(int64_t));
+        if (!r->slots || !r->piece_step)
+            goto oom;
+        for (size_t i = 0; i < slots * r->pieces_max; i++)
+            r->piece_step[i] = -1;
+    }
+    if (!(r->curl = curl_easy_init()))
+        goto oom;
+    r->hdrs = curl_slist_append(NULL, "Content-Type: application/octet-stream");
+    r->hdrs = curl_slist_append(r->hdrs, "Expect:"); /* no 100-continue round trip */
+    if (r->token) {
+        size_t hl = strlen(r->token) + 32;
+        char *h = malloc(hl);
+        if (!h)
+            goto oom;
+        snprintf(h, hl, "Authorization: Bearer %s", r->token);
+        struct curl_slist *l = curl_slist_append(r->hdrs, h);
+        r->auth = curl_slist_append(NULL, h);
+        free(h);
+        if (!l || !r->auth)
+            goto oom;
+        r->hdrs = l;
+    }
+    curl_easy_setopt(r->curl, CURLOPT_HTTPHEADER, r->hdrs);
+    curl_easy_setopt(r->curl, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(r->curl, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(r->curl, CURLOPT_TCP_NODELAY, 1L);
+    /* a piece goes out in writes of this size (64 KiB by default): HTTPS
+     * encrypts each into records of 16 KiB, fewer calls for larger ones */
+    curl_easy_setopt(r->curl, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
+    curl_easy_setopt(r->curl, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+    /* (a timeout past ~30 years: no limit; converting it to long would overflow) */
+    curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS,
+                     o->timeout_secs < 1e9 ? (long)(o->timeout_secs * 1000) + 1000 : 0L);
+    curl_easy_setopt(r->curl, CURLOPT_WRITEFUNCTION, on_body);
+    curl_easy_setopt(r->curl, CURLOPT_WRITEDATA, r);
+    curl_easy_setopt(r->curl, CURLOPT_ERRORBUFFER, r->curl_err);
+    set_tls(r, r->curl);
+
+    const cluster_addr *self = &o->peers[o->rank];
+    /* a loopback host: that very address (a socket on 127.0.0.1 refuses
+     * connections to 127.0.0.2, and one on IPv4 those to [::1]); any other
+     * host: every address, both families when the host is an IPv6 one */
+    int v6 = strchr(self->host, ':') != NULL;
+    struct sockaddr_in sa = {0};
+    struct sockaddr_in6 sa6 = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)self->port);
+    sa.sin_addr.s_addr = htonl(endpoint_host_is_loopback(self->host) ? INADDR_LOOPBACK : INADDR_ANY);
+    if (strncmp(self->host, "127.", 4) == 0 && inet_pton(AF_INET, self->host, &sa.sin_addr) != 1)
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa6.sin6_family = AF_INET6;
+    sa6.sin6_port = htons((uint16_t)self->port);
+    sa6.sin6_addr = endpoint_host_is_loopback(self->host) ? in6addr_loopback : in6addr_any;
+    /* as psd: a connection that has not sent a whole head within
+     * RING_HEADER_SECS is cut, and near RING_MAX_CONNS each new one cuts the
+     * one that has waited longest for its head, so idle or half-sent
+     * connections cannot lock the neighbours out. HTTPS: psd's default
+     * priorities (TLS 1.3/1.2, AEAD suites, AES-GCM first, the server's
+     * order) unless the caller named others */
+    http_server_config hc = {
+        .name = "ring endpoint",
+        .listen_fd = -1,
+        .bind_addr = v6 ? (struct sockaddr *)&sa6 : (struct sockaddr *)&sa,
+        .dual_stack = v6 && !endpoint_host_is_loopback(self->host),
+        .threads = 0, /* a thread per connection */
+        .idle_timeout_secs = 120,
+        .header_timeout_secs = RING_HEADER_SECS,
+        .max_conns = RING_MAX_CONNS,
+        .conn_memory = 256 * 1024,
+        .token = r->token,
+        .tls_cert_pem = r->tls ? r->cert_pem : NULL,
+        .tls_key_pem = r->tls ? r->key_pem : NULL,
+        .tls_priorities = r->tls ? r->priorities : NULL,
+        .not_found = ring_not_found,
+    };
+    http_module hm = {
+        .name = "ring",
+        .routes = ring_routes,
+        .n_routes = N_RING_ROUTES,
+        .ctx = r,
+        /* a refused piece is read (the sender reads the 401), a bigger body not */
+        .swallow_refused_max = (uint64_t)r->piece * 4,
+        .ext_size = sizeof(chunk_req),
+        .wrong_method = ring_wrong_method,
+        .done = chunk_done,
+    };
+    char herr[256];
+    if (!(r->srv = http_server_new(&hc, herr, sizeof(herr))) || http_server_add(r->srv, &hm, herr, sizeof(herr)) != 0)
+        goto oom;
+    errno = 0;
+    if (http_server_start(r->srv, herr, sizeof(herr)) < 0) {
+        int e = errno;
+        char hint[160] = "";
+        if (r->tls && e != EADDRINUSE)
+            snprintf(hint, sizeof(hint), " over HTTPS (is %s the key of %s?)", r->names.key, r->names.cert);
+        errmsg(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
+               self->port, hint, herr);
+        ring_free(r);
+        return NULL;
+    }
+    return r;
+oom:
+    errmsg(err, errlen, "out of memory for a ring of %d workers and %zu floats", o->n, o->n_floats);
+    ring_free(r);
+    return NULL;
+}
+
+void ring_free(ring *r)
+{
+    if (!r)
+        return;
+    if (r->srv) {
+        /* the left neighbour's last piece was marked before its answer went
+         * out: let the answer go (else it sees an error and waits to retry) */
+        for (int i = 0; i < 200 && atomic_load(&r->uploads) > 0; i++)
+            sleep_ms(10);
+        /* a peer speaks the other protocol: keep serving a while, so that
+         * one sending to this task (in a ring of two, that same peer) finds
+         * out too, by its probe, rather than by waiting out its timeout */
+        if (atomic_load(&r->mismatch))
+            sleep_ms(RING_MISMATCH_LINGER_MS);
+    }
+    http_server_free(r->srv); /* every connection closed, the tracker stopped */
+    if (r->curl)
+        curl_easy_cleanup(r->curl);
+    curl_slist_free_all(r->hdrs);
+    curl_slist_free_all(r->auth);
+    free(r->slots);
+    free(r->piece_step);
+    free(r->peer);
+    free(r->off);
+    free(r->state);
+    free(r->token);
+    free(r->cert_pem);
+    free(r->key_pem);
+    free(r->ca_file);
+    free(r->priorities);
+    pthread_cond_destroy(&r->cv);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}

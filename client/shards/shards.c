@@ -1,0 +1,256 @@
+/* shards.c - the model over the ps tasks: bulk pull and push (see shards.h). */
+#include "shards/shards.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "safetensors.h"
+
+int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
+                uint64_t partition_bytes, char *err, size_t errlen)
+{
+    memset(sh, 0, sizeof(*sh));
+    sh->c = c;
+    sh->L = L;
+    sh->n = ps_shards(c);
+    if (placement_compute(&sh->pl, L, sh->n, policy, partition_bytes, err, errlen) != 0)
+        return -1;
+    sh->s = calloc((size_t)sh->n, sizeof(shard));
+    if (!sh->s)
+        goto oom;
+    for (int i = 0; i < sh->n; i++)
+        if (!(sh->s[i].p = malloc(sizeof(int) * (size_t)(sh->pl.n ? sh->pl.n : 1))))
+            goto oom;
+    for (int k = 0; k < sh->pl.n; k++) {
+        shard *s = &sh->s[sh->pl.pieces[k].ps];
+        s->p[s->n_p++] = k;
+        s->floats += sh->pl.pieces[k].numel;
+    }
+    for (int i = 0; i < sh->n; i++) {
+        shard *s = &sh->s[i];
+        s->contiguous = 1;
+        for (int k = 1; k < s->n_p; k++) {
+            const place_piece *a = &sh->pl.pieces[s->p[k - 1]], *b = &sh->pl.pieces[s->p[k]];
+            if (b->offset != a->offset + a->numel)
+                s->contiguous = 0;
+        }
+        s->first = s->n_p ? sh->pl.pieces[s->p[0]].offset : 0;
+        /* header room: names, shapes, offsets and metadata are small */
+        s->rx_cap = s->floats * 4 + 4096 + 256 * (size_t)s->n_p;
+        s->rx = malloc(s->rx_cap);
+        if (!s->rx)
+            goto oom;
+        memset(s->rx, 0, s->rx_cap); /* fault it in now, not on the first pull */
+        if (!s->contiguous) {
+            s->stage = calloc(s->floats ? s->floats : 1, sizeof(float));
+            if (!s->stage)
+                goto oom;
+        }
+    }
+    return 0;
+oom:
+    snprintf(err, errlen, "out of memory for the shard buffers");
+    shards_free(sh);
+    return -1;
+}
+
+void shards_free(shards *sh)
+{
+    for (int i = 0; sh->s && i < sh->n; i++) {
+        free(sh->s[i].rx);
+        free(sh->s[i].stage);
+        free(sh->s[i].p);
+    }
+    free(sh->s);
+    sh->s = NULL;
+    placement_free(&sh->pl);
+}
+
+int shards_create(shards *sh, const float *params, int *created, int *existing)
+{
+    *created = *existing = 0;
+    for (int k = 0; k < sh->pl.n; k++) {
+        const place_piece *pc = &sh->pl.pieces[k];
+        int was_created = 0;
+        int rc = ps_put(sh->c, pc->ps, pc->name, &pc->shape, params + pc->offset, 1, &was_created);
+        if (rc == PS_EHTTP && ps_http_status(sh->c) == 412) {
+            (*existing)++;
+            continue;
+        }
+        if (rc != PS_OK)
+            return rc;
+        (*created)++;
+    }
+    return PS_OK;
+}
+
+/* Copy the pieces of one pulled safetensors body into params. */
+static int unpack(shards *sh, int i, size_t len, float *params)
+{
+    st_file f;
+    char err[256];
+    shard *s = &sh->s[i];
+    if (st_parse(s->rx, len, &f, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: ps %d sent a bad /v1/params body: %s\n", i, err);
+        return PS_EPROTO;
+    }
+    int rc = PS_OK;
+    for (int k = 0; k < s->n_p; k++) {
+        const place_piece *pc = &sh->pl.pieces[s->p[k]];
+        int j = st_find(&f, pc->name);
+        if (j < 0 || strcmp(f.tensors[j].dtype, "F32") != 0 ||
+            f.tensors[j].end - f.tensors[j].begin != pc->numel * 4) {
+            fprintf(stderr, "workerd: ps %d has no variable '%s' of %zu floats\n", i, pc->name,
+                    pc->numel);
+            rc = PS_EPROTO;
+            break;
+        }
+        memcpy(params + pc->offset, s->rx + f.data_start + f.tensors[j].begin, pc->numel * 4);
+    }
+    st_file_free(&f);
+    return rc;
+}
+
+/* Pull shards [from, to) at once (shard 0 always, the others when they hold
+ * part of the model); want[i] < 0: no wait. min_clock/clock > 0: the
+ * stale-synchronous wait and announcement, on ps 0. *step: ps 0's, when
+ * it is in the range. */
+static int pull_range(shards *sh, float *params, const int64_t *want, long timeout_ms, int worker,
+                      int64_t min_clock, int64_t clock, int from, int to, int64_t *step)
+{
+    ps_pull_req r[sh->n];
+    int n = 0;
+    for (int i = from; i < to; i++)
+        if (i == 0 || sh->s[i].n_p > 0) /* a ps that holds nothing of the model is left alone */
+            r[n++] = (ps_pull_req){.shard = i, .min_step = want[i], .timeout_ms = timeout_ms,
+                                   .worker = worker, .min_clock = i == 0 ? min_clock : 0,
+                                   .clock = i == 0 ? clock : 0, .buf = sh->s[i].rx,
+                                   .cap = sh->s[i].rx_cap};
+    if (n == 0)
+        return PS_OK;
+    int rc = ps_pull_params_many(sh->c, r, n);
+    if (rc != PS_OK)
+        return rc;
+    for (int k = 0; k < n; k++) {
+        if ((rc = unpack(sh, r[k].shard, r[k].len, params)) != PS_OK)
+            return rc;
+        sh->s[r[k].shard].step = r[k].global_step;
+        if (r[k].shard == 0)
+            *step = r[k].global_step;
+    }
+    return PS_OK;
+}
+
+static int pull_all(shards *sh, float *params, const int64_t *want, long timeout_ms, int worker,
+                    int64_t *step)
+{
+    return pull_range(sh, params, want, timeout_ms, worker, 0, 0, 0, sh->n, step);
+}
+
+int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_t min_clock,
+                    long timeout_ms, int64_t *step)
+{
+    int64_t want[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        want[i] = i == 0 ? 0 : -1;
+    if (min_clock <= 0)
+        return pull_range(sh, params, want, timeout_ms, worker, min_clock, clock, 0, sh->n, step);
+    /* the bound is waited for on ps 0; the other shards are read once it
+     * holds, so that they too have the slow workers' updates it waited for
+     * (read at the same time, they were as they stood before the wait) */
+    int rc = pull_range(sh, params, want, timeout_ms, worker, min_clock, clock, 0, 1, step);
+    if (rc != PS_OK)
+        return rc;
+    int64_t ignored;
+    return pull_range(sh, params, want, timeout_ms, worker, 0, 0, 1, sh->n, &ignored);
+}
+
+int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, int64_t *step)
+{
+    int64_t want[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        want[i] = min_step;
+    return pull_all(sh, params, want, timeout_ms, -1, step);
+}
+
+int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
+                     int64_t *step, int *behind)
+{
+    *behind = 0;
+    int64_t want[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        want[i] = sh->s[i].want > 0 ? sh->s[i].want : 0;
+    /* training is over once ps 0 reached the last step: the others are read
+     * as they are (after a restart one may stand behind) */
+    if (want[0] >= last_step)
+        for (int i = 1; i < sh->n; i++)
+            want[i] = 0;
+    int rc = pull_all(sh, params, want, timeout_ms, worker, step);
+    if (rc != PS_OK)
+        return rc;
+    for (int i = 0; i < sh->n; i++)
+        if (sh->s[i].n_p > 0 && sh->s[i].step < want[i])
+            *behind = 1;
+    return PS_OK;
+}
+
+void shards_rewind(shards *sh)
+{
+    for (int i = 0; i < sh->n; i++)
+        sh->s[i].want = 0;
+}
+
+int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome)
+{
+    char worker[16], stp[sh->n][32], loss[40], batch[16], clk[32];
+    snprintf(clk, sizeof(clk), "%lld", (long long)m->clock);
+    snprintf(worker, sizeof(worker), "%d", m->worker);
+    snprintf(loss, sizeof(loss), "%.9g", m->loss);
+    snprintf(batch, sizeof(batch), "%d", m->batch_size);
+    ps_push_req r[sh->n];
+    char *heads[sh->n];
+    memset(heads, 0, sizeof(heads));
+    int rc = PS_OK, n = 0;
+    for (int i = 0; i < sh->n; i++) {
+        shard *s = &sh->s[i];
+        if (s->n_p == 0)
+            continue; /* nothing of the model there (ps 0 always holds something) */
+        st_desc d[s->n_p];
+        for (int k = 0; k < s->n_p; k++)
+            d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, "F32", &sh->pl.pieces[s->p[k]].shape};
+        snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
+        const char *meta[] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch,
+                              "clock", clk};
+        char err[256];
+        size_t hl;
+        if (st_header_build(d, s->n_p, meta, m->clock >= 0 ? 5 : 4, &heads[i], &hl, err,
+                            sizeof(err)) != 0) {
+            fprintf(stderr, "workerd: %s\n", err);
+            rc = PS_EINVAL;
+            goto out;
+        }
+        const float *data = grads + s->first;
+        if (!s->contiguous) {
+            size_t at = 0;
+            for (int k = 0; k < s->n_p; k++) {
+                const place_piece *pc = &sh->pl.pieces[s->p[k]];
+                memcpy(s->stage + at, grads + pc->offset, pc->numel * 4);
+                at += pc->numel;
+            }
+            data = s->stage;
+        }
+        r[n++] = (ps_push_req){.shard = i, .head = heads[i], .head_len = hl, .data = data,
+                               .data_len = s->floats * 4, .push_id = m->push_id};
+    }
+    if ((rc = ps_push_grads_many(sh->c, r, n)) != PS_OK)
+        goto out;
+    for (int i = 0; i < sh->n; i++)
+        sh->s[i].want = sh->s[i].step + 1;
+    *step = r[0].global_step;
+    *outcome = r[0].outcome;
+out:
+    for (int i = 0; i < sh->n; i++)
+        free(heads[i]);
+    return rc;
+}

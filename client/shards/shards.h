@@ -1,0 +1,84 @@
+/* shards.h - the model's variables on the ps tasks: the placement
+ * (placement.h: balanced by bytes or round-robin, large variables
+ * partitioned by rows), and moving the whole parameter and gradient buffers
+ * to and from every shard at once (libcurl multi): one bulk request per
+ * shard, one copy between the wire and the contiguous buffer. */
+#ifndef RESTPS_SHARDS_H
+#define RESTPS_SHARDS_H
+
+#include <stdint.h>
+
+#include "libps/libps.h"
+#include "model/model.h"
+#include "shards/placement.h"
+
+typedef struct shard {
+    int n_p;                    /* pieces on this shard, in buffer order */
+    int *p;                     /* their indices in the placement */
+    size_t floats;              /* their total size */
+    unsigned char *rx;          /* a pull lands here (pre-touched) */
+    size_t rx_cap;
+    float *stage;               /* gradients gathered when not contiguous in the buffer */
+    int contiguous;             /* the shard's pieces are one run of the buffer */
+    size_t first;               /* its offset then */
+    int64_t step;               /* the shard's global_step in the last pull */
+    int64_t want;               /* sync: the step to wait for in the next pull */
+} shard;
+
+typedef struct shards {
+    ps_client *c;
+    const model_layout *L;
+    placement pl;
+    int n;
+    shard *s;
+} shards;
+
+int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
+                uint64_t partition_bytes, char *err, size_t errlen);
+void shards_free(shards *sh);
+
+/* Create every variable (each part of a partitioned one) with a create-only
+ * PUT (If-None-Match: *); one that exists already (restored, or another
+ * chief's) is left as it is. *created / *existing count them. */
+int shards_create(shards *sh, const float *params, int *created, int *existing);
+
+/* Pull every shard into params; *step = ps 0's global_step. min_step >= 0
+ * long-polls each shard until it reaches min_step (or timeout_ms). */
+int shards_pull(shards *sh, float *params, int64_t min_step, long timeout_ms, int64_t *step);
+
+/* Sync: pull every shard, each long-polling (up to timeout_ms) for the step
+ * after the one this worker last pushed to it. *step = ps 0's step;
+ * *behind = some shard is still below the step it was waited for (the long
+ * poll timed out, or the shard no longer holds this worker's gradient, e.g.
+ * it restarted): the caller computes and pushes for the current steps again.
+ * last_step: once ps 0 is there, training is over: shards are read as they
+ * are (they may stand at other steps after one of them restarted). */
+int shards_pull_sync(shards *sh, float *params, int worker, long timeout_ms, int64_t last_step,
+                     int64_t *step, int *behind);
+
+/* Async with a staleness bound: pull, first waiting (ps 0) until the slowest
+ * live worker completed min_clock iterations, and announcing that this worker
+ * starts iteration `clock`; the other shards are read after ps 0 answered
+ * (one round trip more with several ps), so they hold what the wait waited
+ * for. */
+int shards_pull_ssp(shards *sh, float *params, int worker, int64_t clock, int64_t min_clock,
+                    long timeout_ms, int64_t *step);
+
+/* Sync: pull without waiting next time (after a shard refused a gradient
+ * from a step it has not reached: it restarted behind us). */
+void shards_rewind(shards *sh);
+
+typedef struct push_meta {
+    int worker;
+    int64_t step;
+    double loss;
+    int batch_size;
+    const char *push_id;
+    int64_t clock;      /* stale-synchronous: this worker's iteration; -1 = not sent */
+} push_meta;
+
+/* Push grads to every shard, each stamped with the step pulled from that
+ * shard (m->step is ignored); *step and *outcome are ps 0's answer. */
+int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome);
+
+#endif

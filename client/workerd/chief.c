@@ -1,0 +1,124 @@
+/* chief.c - what the chief does besides training: at the start, as
+ * tf.train.Supervisor.prepare_or_wait_for_session, wait for every ps, check
+ * a placement already there (a restarted chief with other flags), create the
+ * variables with create-only PUTs (leaving any that exist, e.g. restored),
+ * send the placement map and the training configuration (which marks each ps
+ * ready); at the end, wait (bounded) for the other tasks to finish. */
+#include "workerd/train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "shards/shards.h"
+
+int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
+{
+    train_wait_for_all(c, pc, "/healthz", "the ps tasks");
+    if (train_check_placement(c, pc, sh) != 0) /* a restarted chief with other flags */
+        return 2;
+    model_init_params(&c->layout, params, c->seed);
+    int created, existing;
+    if (shards_create(sh, params, &created, &existing) != PS_OK) {
+        fprintf(stderr, "workerd: creating the variables: %s\n", ps_error(pc));
+        return 1;
+    }
+    if (existing)
+        printf("%s: %d variables existed already (restored or created before): kept them; created %d\n",
+               c->name, existing, created);
+    else
+        printf("%s: created %d variables (%zu parameters) on %d ps\n", c->name, created,
+               c->layout.n_params, ps_shards(pc));
+    json_t *map = placement_json(&sh->pl, &c->layout);
+    for (int i = 0; i < ps_shards(pc); i++)
+        if (ps_json(pc, i, "PUT", "/v1/placement", map, 1, NULL) != PS_OK) {
+            fprintf(stderr, "workerd: sending the placement: %s\n", ps_error(pc));
+            json_decref(map);
+            return 1;
+        }
+    json_decref(map);
+    json_t *cfg = json_pack("{s:s,s:f,s:b,s:i,s:i}", "optimizer", optim_name(c->optim.kind),
+                            "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
+                            "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
+                            c->n_trainers);
+    const optim_config *o = &c->optim;
+    if (o->kind == OPTIM_MOMENTUM || o->kind == OPTIM_RMSPROP)
+        json_object_set_new(cfg, "momentum", json_real(o->momentum));
+    if (o->kind == OPTIM_MOMENTUM && o->nesterov)
+        json_object_set_new(cfg, "nesterov", json_true());
+    if (o->kind == OPTIM_RMSPROP)
+        json_object_set_new(cfg, "rmsprop_decay", json_real(o->rmsprop_decay));
+    if (o->kind == OPTIM_ADAGRAD)
+        json_object_set_new(cfg, "initial_accumulator_value", json_real(o->initial_accumulator_value));
+    if (o->clip_norm > 0)
+        json_object_set_new(cfg, "clip_norm", json_real(o->clip_norm));
+    if (o->weight_decay > 0)
+        json_object_set_new(cfg, "weight_decay", json_real(o->weight_decay));
+    if (o->lr_schedule != OPTIM_LR_CONSTANT) {
+        json_object_set_new(cfg, "lr_schedule", json_string(optim_schedule_name(o->lr_schedule)));
+        json_object_set_new(cfg, "decay_steps", json_integer(o->decay_steps));
+    }
+    if (o->lr_schedule == OPTIM_LR_EXPONENTIAL) {
+        json_object_set_new(cfg, "decay_rate", json_real(o->decay_rate));
+        json_object_set_new(cfg, "staircase", json_boolean(o->staircase));
+    }
+    if (o->lr_schedule == OPTIM_LR_COSINE)
+        json_object_set_new(cfg, "alpha", json_real(o->alpha));
+    if (c->max_staleness >= 0)
+        json_object_set_new(cfg, "max_staleness", json_integer(c->max_staleness));
+    if (c->staleness >= 0)
+        json_object_set_new(cfg, "staleness", json_integer(c->staleness));
+    if (c->moving_average_decay > 0)
+        json_object_set_new(cfg, "moving_average_decay", json_real(c->moving_average_decay));
+    for (int i = 0; i < ps_shards(pc); i++) {
+        if (c->ps_replicas) /* the pipeline: each ps counts the pushes it gets */
+            json_object_set_new(cfg, "replicas_to_aggregate", json_integer(c->ps_replicas[i]));
+        if (ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL) != PS_OK) {
+            fprintf(stderr, "workerd: sending the training configuration: %s\n", ps_error(pc));
+            json_decref(cfg);
+            return 1;
+        }
+    }
+    json_decref(cfg);
+    return 0;
+}
+
+/* After the chief's last step: wait (bounded) for the others to finish. */
+void train_chief_wait_others(const train_config *c, ps_client *pc)
+{
+    double start = clk_mono_secs(), said = start;
+    for (;;) {
+        json_t *st;
+        if (ps_status(pc, 0, &st) != PS_OK)
+            return;
+        int done = (int)json_integer_value(json_object_get(st, "workers_done"));
+        json_decref(st);
+        /* workers_done counts the chief too: it said so before waiting */
+        done = done > 0 ? done - 1 : 0;
+        if (done >= c->n_trainers - 1)
+            return;
+        if (clk_mono_secs() - start > 60 || train_stop_requested()) {
+            printf("%s: %d of %d other tasks said they finished; not waiting longer\n", c->name,
+                   done, c->n_trainers - 1);
+            return;
+        }
+        if (clk_mono_secs() - said > 5) {
+            printf("%s: waiting for %d other tasks to finish\n", c->name, c->n_trainers - 1 - done);
+            said = clk_mono_secs();
+        }
+        train_sleep(0.1);
+    }
+}
+
+void train_chief_stop_ps(const train_config *c, ps_client *pc)
+{
+    if (c->keep_ps)
+        return;
+    for (int i = 0; i < ps_shards(pc); i++)
+        if (ps_json(pc, i, "POST", "/v1/shutdown", NULL, 0, NULL) != PS_OK)
+            fprintf(stderr, "workerd: shutdown: %s\n", ps_error(pc));
+    printf("%s: asked the ps tasks to stop (--keep_ps keeps them)\n", c->name);
+}

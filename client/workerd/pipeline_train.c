@@ -1,0 +1,858 @@
+/* pipeline_train.c - workerd --pipeline_stages=K: model parallelism by
+ * layers. The training tasks form a grid of K stages x R replicas
+ * (pipeline_plan.h), with no ps: each stage holds only its layers'
+ * parameters, gradients and optimizer slots and applies the optimizer to
+ * them itself, exactly as --local applies it to the whole model. With R > 1
+ * each replica takes its block of the data order (as R sync workers do),
+ * and at the end of a step every stage sends its gradient sum to the same
+ * stage of the other replicas; each adds the R sums up in replica order (the
+ * same floats on every replica) and applies their mean, so R replicas with
+ * --batch_size B train what --local trains with R x B. With --allreduce=ring
+ * the same stages all-reduce their sums in a ring instead
+ * (pipeline_ring.h: the same floats on every replica too, 2 (R - 1) / R of
+ * the sum sent a step where the exchange sends R - 1 times it).
+ *
+ * A step: the batch (--batch_size) is cut into --micro_batches=M
+ * micro-batches of batch/M examples. Stage 0 reads the data; the last stage
+ * reads the same data order (same seed, same batcher) for the labels and
+ * computes the loss. Each stage runs its row of the schedule table
+ * (pipeline_schedule.h): a forward takes the micro-batch's activations from
+ * stage s-1 (stage 0: the images), runs layers first..last (dropout's mask
+ * follows the example, so micro-batches get the masks the whole batch
+ * would) and sends its output to stage s+1 (the last stage: the loss and
+ * its gradient); a backward takes the gradient of its output from stage s+1
+ * (the last stage: the loss's), runs the layers' backward, adds their
+ * parameter gradients to the step's sum and sends the input's gradient to
+ * stage s-1. The loss's gradient is the mean over the micro-batch; the
+ * update applies the sum over the M micro-batches scaled by 1/M, the mean
+ * over the whole batch, as --local with the same batch. Each forward keeps
+ * its model instance (the activations the backward needs) until its
+ * backward: gpipe needs M instances, 1f1b at most K - s.
+ *
+ * Memory: a stage's instances are of its range layout (model_layout_range:
+ * workspace for its layers only), and its parameters, gradients, step sum
+ * and optimizer slots are buffers of its own parameters (4 floats per
+ * parameter, 6 with replicas (the ring: 4 and a chunk of 1 / R), one more
+ * where the backend cannot add a micro-batch's gradients to the sum itself:
+ * model_state_bytes). --max_model_bytes=N
+ * refuses to start a stage whose buffers exceed N; stage 0 also counts the
+ * whole model's parameters it gathers at the end for the test accuracy and
+ * --export, after its training buffers are freed: the whole buffer (4 bytes
+ * per parameter) and the other stages' parameters twice while they arrive
+ * (the HTTP body and the mailbox's copy: 8 bytes per parameter). Its
+ * mailbox refuses them (503, the senders retry) until then, so the two
+ * never overlap.
+ *
+ * Every receive waits at most --pipeline_timeout_secs (the first step at
+ * least PIPE_START_SECS, while the others start): then the stage says which
+ * stage and which message it waited for and exits 1. At the end the other
+ * stages send their parameters to stage 0 (the chief), which reports the
+ * test accuracy and writes --export. */
+#include "workerd/train.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "crc32c.h"
+#include "shards/heartbeat.h"
+#include "pipeline/pipeline_link.h"
+#include "pipeline/pipeline_mailbox.h"
+#include "pipeline/pipeline_plan.h"
+#include "pipeline/pipeline_ps.h"
+#include "pipeline/pipeline_ring.h"
+#include "pipeline/pipeline_schedule.h"
+#include "workerd/progress.h"
+
+#define PIPE_START_SECS 30.0
+
+/* The stage's link, for the receives' abort test: a stop, or a queued send that failed. */
+static pipe_link *abort_link;
+
+static int stop_or_send_failed(void)
+{
+    return train_stop_requested() || (abort_link && pipe_link_failed(abort_link));
+}
+
+/* After a wait that stopped: 2 for a signal; 1 after the failed send's message. */
+static int stopped_why(const train_config *c, pipe_link *link, int s, int K)
+{
+    char err[1024];
+    if (train_stop_requested() || pipe_link_flush(link, err, sizeof(err)) != -1)
+        return 2;
+    fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+    return 1;
+}
+
+int pipe_plan_for(const train_config *c, pipe_plan *p, char *err, size_t errlen)
+{
+    if (c->stage_layers)
+        return pipe_split_parse(&c->layout, c->stage_layers, c->pipeline_stages, p, err, errlen);
+    return pipe_split_balanced(&c->layout, c->pipeline_stages, p, err, errlen);
+}
+
+/* The training buffers, freed once the last step is done (before the final
+ * parameters travel); what acc was the sum of with one replica is not freed twice. */
+typedef struct train_bufs {
+    float **grads, **acc, **sum, **s0, **s1, **theirs;
+} train_bufs;
+
+static void free_training_state(train_bufs b)
+{
+    if (*b.sum != *b.acc)
+        free(*b.sum);
+    free(*b.grads);
+    free(*b.acc);
+    free(*b.s0);
+    free(*b.s1);
+    free(*b.theirs);
+    *b.grads = *b.acc = *b.sum = *b.s0 = *b.s1 = *b.theirs = NULL;
+}
+
+/* What every stage must agree on, as text and its CRC-32C. */
+static uint32_t plan_text(const train_config *c, const pipe_plan *p, char *buf, size_t len)
+{
+    char split[128];
+    pipe_plan_format(p, split, sizeof(split));
+    snprintf(buf, len, "--model=%s --stage_layers=%s --pipeline_schedule=%s --micro_batches=%d --batch_size=%d "
+                       "--seed=%llu --train_steps=%lld",
+             c->layout.spec, split, pipe_schedule_name((pipe_schedule_kind)c->pipeline_schedule),
+             c->micro_batches, c->batch_size, (unsigned long long)c->seed, (long long)c->train_steps);
+    return crc32c(buf, strlen(buf));
+}
+
+typedef struct stage_run {
+    const train_config *c;
+    pipe_link *link;
+    pipe_mailbox *box;
+    pipe_link_state st;
+    int s, K;
+    double busy0, t_wait; /* the time spent waiting so far */
+} stage_run;
+
+/* Take k from stage `from` into dst, saying what we wait for meanwhile. 0,
+ * 1 after the timeout message, 2 on a stop. */
+static int receive(stage_run *r, const pipe_key *k, int from, float *dst, int64_t *tag, double wait)
+{
+    r->st.waiting = 1;
+    r->st.wait_key = *k;
+    r->st.wait_from = from;
+    pipe_link_set_state(r->link, &r->st);
+    double t0 = clk_mono_secs();
+    int rc = pipe_mailbox_take(r->box, k, dst, tag, t0 + wait, stop_or_send_failed);
+    double t1 = clk_mono_secs();
+    r->st.idle_secs += t1 - t0;
+    r->st.waiting = 0;
+    pipe_link_set_state(r->link, &r->st);
+    if (rc == -2)
+        return stopped_why(r->c, r->link, r->s, r->K);
+    if (rc != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): no %s of step %lld, %s %d from stage %d (%s) "
+                        "within %.0f s (--pipeline_timeout_secs): stage %d died or is stuck; stopping\n",
+                r->c->name, r->s, r->K, pipe_dir_name(k->dir), (long long)k->step,
+                k->dir == PIPE_PARAMS ? "stage" : "micro-batch", k->mb, from,
+                pipe_link_peer(r->link, from), wait, from);
+        return 1;
+    }
+    return 0;
+}
+
+/* Send; 0, 1 after a message, 2 on a stop. */
+static int send_to(stage_run *r, int to, const pipe_key *k, const float *data, size_t n, int64_t example0,
+                   double wait)
+{
+    char err[1024];
+    /* queued: the sender thread sends it while this stage computes on */
+    if (pipe_link_post(r->link, 0, to, k, data, n, example0, clk_mono_secs() + wait, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", r->c->name, r->s, r->K, err);
+        return 1;
+    }
+    return 0;
+}
+
+/* The gradient sum to / from this stage of replica k; as send_to, receive. */
+static int send_replica(stage_run *r, int k, const pipe_key *key, const float *data, size_t n, double wait)
+{
+    char err[1024];
+    if (pipe_link_post(r->link, 1, k, key, data, n, 0, clk_mono_secs() + wait, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", r->c->name, r->s, r->K, err);
+        return 1;
+    }
+    return 0;
+}
+
+static int receive_replica(stage_run *r, const pipe_key *key, int k, float *dst, double wait)
+{
+    double t0 = clk_mono_secs();
+    int rc = pipe_mailbox_take(r->box, key, dst, NULL, t0 + wait, stop_or_send_failed);
+    r->st.idle_secs += clk_mono_secs() - t0;
+    if (rc == -2)
+        return stopped_why(r->c, r->link, r->s, r->K);
+    if (rc != 0) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): no gradient sum of step %lld from replica %d (%s) within "
+                        "%.0f s (--pipeline_timeout_secs): that task died or is stuck; stopping\n",
+                r->c->name, r->s, r->K, (long long)key->step, k, pipe_link_replica_peer(r->link, k), wait);
+        return 1;
+    }
+    return 0;
+}
+
+/* pipeline_ring's send: queued on the link to this stage of replica `to`. */
+static int ring_send(void *ctx, int to, const pipe_key *k, const float *data, size_t n, double wait, char *err,
+                     size_t errlen)
+{
+    return pipe_link_post(((stage_run *)ctx)->link, 1, to, k, data, n, 0, clk_mono_secs() + wait, err, errlen);
+}
+
+/* --allreduce=ring: buf summed over the R replicas in place; as receive. */
+static int ring_reduce(stage_run *r, int R, int replica, int64_t step, float *buf, size_t n, float *tmp,
+                       double wait)
+{
+    char err[1024];
+    int t = 0;
+    int rc = pipe_ring_allreduce(ring_send, r, r->box, R, replica, step, buf, n, tmp, wait, stop_or_send_failed,
+                                 &r->st.idle_secs, &t, err, sizeof(err));
+    if (rc == -2)
+        return stopped_why(r->c, r->link, r->s, r->K);
+    if (rc == -3) {
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", r->c->name, r->s, r->K, err);
+        return 1;
+    }
+    if (rc != 0) {
+        int left = (replica + R - 1) % R;
+        fprintf(stderr, "workerd: %s (stage %d of %d): no ring chunk of step %lld, ring step %d, from replica %d "
+                        "(%s) within %.0f s (--pipeline_timeout_secs): that task died or is stuck; stopping\n",
+                r->c->name, r->s, r->K, (long long)step, t, left, pipe_link_replica_peer(r->link, left), wait);
+        return 1;
+    }
+    return 0;
+}
+
+static json_t *info_json(const train_config *c, const pipe_plan *p, const pipe_schedule *sch,
+                         const pipe_grid *g, const char *plan)
+{
+    char split[128];
+    pipe_plan_format(p, split, sizeof(split));
+    json_t *table = json_array(), *stages = json_array();
+    for (int k = 0; k < p->stages; k++) {
+        char row[PIPE_MAX_MICRO * 10];
+        pipe_schedule_format(sch, k, row, sizeof(row));
+        json_array_append_new(table, json_string(row));
+        json_array_append_new(stages, json_pack("{s:[i,i],s:I,s:i}", "layers", p->first[k], p->last[k],
+                                                "flops_per_example", (json_int_t)p->cost[k],
+                                                "max_inflight", sch->max_inflight[k]));
+    }
+    return json_pack("{s:i,s:i,s:i,s:i,s:s,s:s,s:s,s:i,s:i,s:o,s:o,s:s}", "stage", g->stage, "stages",
+                     p->stages, "replica", g->replica, "replicas", g->replicas, "model", c->layout.spec, "stage_layers", split, "schedule",
+                     pipe_schedule_name(sch->kind), "micro_batches", sch->micro, "batch_size",
+                     c->batch_size, "split", stages, "table", table, "plan", plan);
+}
+
+/* --pipeline_updates=ps, at the start: the ps client, this stage's pieces,
+ * the chief's set-up as a sync chief's (the whole model initialized once,
+ * each ps told how many pushes make its step) or the others' wait for it,
+ * and the step to start from (ps 0's: a restart goes on from the ps's
+ * checkpoint). 0, or the exit status after a message. */
+static int ps_start(const train_config *c, const size_t *poff, const size_t *pn, int K, int R, int s,
+                    ps_client **pcp, pipe_ps *pps, int64_t *step0)
+{
+    char err[512];
+    const model_layout *L = &c->layout;
+    ps_client *pc = *pcp = train_connect_ps(c, c->timeout_ms);
+    if (!pc)
+        return 1;
+    if (pipe_ps_init(pps, pc, L, c->placement, c->partition_bytes, poff[s], pn[s], err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 1;
+    }
+    if (c->is_chief) {
+        shards sh;
+        int reps[pps->pl.n_ps];
+        float *whole = NULL;
+        pipe_ps_pushers(&pps->pl, poff, pn, K, R, reps);
+        if (shards_init(&sh, pc, L, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
+            !(whole = calloc(L->n_params ? L->n_params : 1, sizeof(float)))) {
+            fprintf(stderr, "workerd: out of memory for the chief's initialization\n");
+            shards_free(&sh);
+            return 1;
+        }
+        train_config cc = *c;
+        cc.ps_replicas = reps;
+        cc.replicas_to_aggregate = K * R;
+        int rc = train_chief_setup(&cc, pc, &sh, whole); /* the whole init, freed at once */
+        free(whole);
+        shards_free(&sh);
+        if (rc != 0)
+            return rc;
+    } else {
+        train_wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+        shards mine = {.pl = pps->pl}; /* the check reads the placement alone */
+        if (train_check_placement(c, pc, &mine) != 0)
+            return 2;
+    }
+    ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
+    ps_set_abort(pc, train_stop_requested);
+    json_t *st = NULL;
+    if (ps_status(pc, 0, &st) != PS_OK || !json_is_integer(json_object_get(st, "global_step"))) {
+        fprintf(stderr, "workerd: reading ps 0's global_step: %s\n", ps_error(pc));
+        json_decref(st);
+        return 1;
+    }
+    *step0 = json_integer_value(json_object_get(st, "global_step"));
+    json_decref(st);
+    char where[256];
+    int at = 0;
+    for (int i = 0; i < pps->n_sh && at < (int)sizeof(where) - 16; i++)
+        at += snprintf(where + at, sizeof(where) - (size_t)at, "%s%d", i ? "," : "", pps->sh[i].ps);
+    printf("%s: stage %d's variables (%zu parameters) on ps %s; sync: the ps averages each over the %d replica%s; "
+           "from global step %lld\n",
+           c->name, s, pn[s], pps->n_sh ? where : "(none)", R, R > 1 ? "s" : "", (long long)*step0);
+    fflush(stdout);
+    return 0;
+}
+
+/* --pipeline_updates=ps, at the end: every ps told this task is done; the
+ * chief waits for the others, pulls the whole model (the moving averages
+ * when on), reports, exports and stops the ps tasks (unless --keep_ps).
+ * The exit status. */
+static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds, int mb)
+{
+    char err[512];
+    ps_set_abort(pc, NULL);
+    json_t *done = json_pack("{s:i}", "worker", c->trainer);
+    for (int i = 0; i < ps_shards(pc); i++)
+        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
+    json_decref(done);
+    if (!c->is_chief)
+        return 0;
+    train_chief_wait_others(c, pc);
+    const model_layout *L = &c->layout;
+    shards sh;
+    float *whole = NULL;
+    model *eval = NULL;
+    int64_t fs = -1;
+    int rc = 1;
+    if (shards_init(&sh, pc, L, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
+        !(whole = malloc(sizeof(float) * (L->n_params ? L->n_params : 1))) ||
+        !(eval = model_new(model_device_backend(), L, mb, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: %s\n", eval || !whole ? "out of memory for the whole model" : err);
+        goto out;
+    }
+    if (shards_pull(&sh, whole, c->train_steps, 30000, &fs) != PS_OK ||
+        (c->moving_average_decay > 0 &&
+         (ps_set_moving_average(pc, 1), shards_pull(&sh, whole, -1, 0, &fs)) != PS_OK)) {
+        fprintf(stderr, "workerd: final pull: %s\n", ps_error(pc));
+        goto out;
+    }
+    rc = 0;
+    if (final_report(c, eval, whole, ds, fs) != 0)
+        rc = 1;
+    if (c->export_path && export_model(c, whole, fs) != 0)
+        rc = 1;
+    train_chief_stop_ps(c, pc);
+out:
+    model_free(eval);
+    free(whole);
+    shards_free(&sh);
+    return rc;
+}
+
+int train_pipeline(const train_config *c)
+{
+    char err[1024];
+    const model_layout *L = &c->layout;
+    const int K = c->pipeline_stages, M = c->micro_batches, B = c->batch_size, mb = B / M;
+    pipe_grid g;
+    pipe_plan p;
+    pipe_schedule sch = {0};
+    if (pipe_grid_place(c->n_trainers, K, c->trainer, &g, err, sizeof(err)) != 0 ||
+        pipe_plan_for(c, &p, err, sizeof(err)) != 0 ||
+        pipe_schedule_build(&sch, (pipe_schedule_kind)c->pipeline_schedule, K, M, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return 2;
+    }
+    const int s = g.stage, first = p.first[s], last = p.last[s], is_last = s == K - 1, R = g.replicas;
+    const size_t in_n = L->layers[first].in_numel, out_n = L->layers[last].out_numel;
+    const size_t np = L->n_params;
+    size_t poff[PIPE_MAX_STAGES], pn[PIPE_MAX_STAGES];
+    for (int k = 0; k < K; k++)
+        pipe_stage_params(L, &p, k, &poff[k], &pn[k]);
+    model_layout RL; /* this stage's layers as a model: its instances and buffers are of them alone */
+    if (model_layout_range(L, first, last, &RL, err, sizeof(err)) != 0 || RL.n_params != pn[s]) {
+        fprintf(stderr, "workerd: %s\n", err);
+        pipe_schedule_free(&sch);
+        return 2;
+    }
+    const int rlast = last - first;
+    const int adds = model_adds_gradients(model_device_backend());
+    /* with the ps, the replicas' sums are the ps's; without, the ring sums in
+     * place with a chunk's buffer, the exchange into a buffer of its own with one for each sum received;
+     * a stage without parameters (a ReLU and a pool, say) has nothing to add up */
+    const int reduce = R > 1 && !c->pipeline_ps && pn[s] > 0;
+    const int xchg = reduce && !c->ring, ringx = reduce && c->ring;
+    const size_t chunk_n = ringx ? pn[s] / (size_t)R + 1 : 0;
+    const int floats = (xchg ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !adds;
+    {
+        uint64_t need = model_state_bytes(pn[s], floats) + chunk_n * sizeof(float);
+        /* the whole buffer, and the others' parameters twice while they arrive (the HTTP body, the mailbox's copy) */
+        uint64_t gather = s == 0 ? (uint64_t)(np + 2 * (np - pn[0])) * sizeof(float) : 0;
+        if (c->max_model_bytes && (need > c->max_model_bytes || gather > c->max_model_bytes)) {
+            if (need > c->max_model_bytes)
+                fprintf(stderr, "workerd: %s (stage %d of %d): layers %d-%d hold %zu parameters, %llu bytes with "
+                                "their gradients, step sum and optimizer slots (%d floats each%s): more than "
+                                "--max_model_bytes=%llu; split the model into more stages\n",
+                        c->name, s, K, first, last, pn[s], (unsigned long long)need, floats,
+                        ringx ? ", and the ring's chunk" : "", (unsigned long long)c->max_model_bytes);
+            else
+                fprintf(stderr, "workerd: %s (stage 0 of %d): the whole model's %zu parameters, which stage 0 gathers "
+                                "at the end (%llu bytes with the two copies of the messages they arrive in), are more than "
+                                "--max_model_bytes=%llu\n",
+                        c->name, K, np, (unsigned long long)gather, (unsigned long long)c->max_model_bytes);
+            pipe_schedule_free(&sch);
+            return 2;
+        }
+    }
+    char plan[1024];
+    uint32_t plan_id = plan_text(c, &p, plan, sizeof(plan));
+
+    idx_dataset ds = {0};
+    int have_data = s == 0 || is_last, rc;
+    if (have_data && (rc = train_load(c, &ds)) != 0) {
+        pipe_schedule_free(&sch);
+        return rc;
+    }
+    rc = 1;
+    const int P = sch.max_inflight[s];
+    model *inst[PIPE_MAX_MICRO] = {0};
+    float *inbuf[PIPE_MAX_MICRO] = {0}, *dlog[PIPE_MAX_MICRO] = {0};
+    int owner[PIPE_MAX_MICRO];
+    float *params = calloc(pn[s] ? pn[s] : 1, sizeof(float)); /* this stage's run of the whole buffer */
+    /* a micro-batch's gradients, before they are added to the step's sum: only
+     * for a backend that cannot add them itself (the CPU's sgemm does) */
+    float *grads = adds ? NULL : calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    /* with the ps, the optimizer slots are the ps's */
+    const size_t nslot = c->pipeline_ps || !pn[s] ? 1 : pn[s];
+    float *sum = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
+    /* the exchange: each replica's sum as it comes; the ring: a chunk */
+    float *theirs_g = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : ringx ? calloc(chunk_n, sizeof(float)) : NULL;
+    float *s0 = calloc(nslot, sizeof(float)), *s1 = calloc(nslot, sizeof(float));
+    float *whole = NULL; /* stage 0 at the end: every stage's parameters */
+    model *eval = NULL;
+    float *out = malloc(sizeof(float) * (size_t)mb * out_n), *dout = malloc(sizeof(float) * (size_t)mb * out_n);
+    float *din = malloc(sizeof(float) * (size_t)mb * in_n);
+    float *x = have_data ? malloc(sizeof(float) * (size_t)B * L->n_in) : NULL;
+    uint8_t *y = have_data ? malloc((size_t)B) : NULL;
+    batcher b = {0};
+    pipe_mailbox *box = NULL;
+    pipe_link *link = NULL;
+    cluster_addr *peers = NULL, *rpeers = NULL;
+    ps_client *pc = NULL;
+    pipe_ps pps = {0};
+    heartbeat *hb = NULL;
+    int64_t step0 = 0;
+    unsigned nonce = 0;
+    int ok = params && (adds || grads) && acc && sum && (!(xchg || ringx) || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
+    for (int i = 0; ok && i < P; i++) {
+        owner[i] = -1;
+        inst[i] = model_new(model_device_backend(), &RL, mb, err, sizeof(err));
+        if (!inst[i]) {
+            fprintf(stderr, "workerd: %s\n", err);
+            goto out;
+        }
+        if (s > 0 && !(inbuf[i] = malloc(sizeof(float) * (size_t)mb * in_n)))
+            ok = 0;
+        if (is_last && !(dlog[i] = malloc(sizeof(float) * (size_t)mb * out_n)))
+            ok = 0;
+    }
+    if (ok && have_data && batcher_init(&b, &ds.train, c->seed, g.replica, g.replicas) != 0)
+        ok = 0;
+    if (ok)
+        box = pipe_mailbox_new(M, s > 0 ? (size_t)mb * in_n : 0, is_last ? 0 : (size_t)mb * out_n, K,
+                               s == 0 ? pn : NULL, R, pn[s]);
+    if (!ok || !box) {
+        fprintf(stderr, "workerd: out of memory\n");
+        goto out;
+    }
+    if (ringx)
+        pipe_mailbox_set_ring(box, g.replica);
+    /* this replica's stages, by the grid rule: the chief task (when there is one), then the workers */
+    const cluster_spec *cs = c->cluster;
+    int has_chief = cs->jobs[JOB_CHIEF].n > 0;
+    if (!(peers = calloc((size_t)K, sizeof(*peers))) || !(rpeers = calloc((size_t)R, sizeof(*rpeers)))) {
+        fprintf(stderr, "workerd: out of memory\n");
+        goto out;
+    }
+#define TASK_ADDR(t) (has_chief ? ((t) == 0 ? cs->jobs[JOB_CHIEF].tasks[0] : cs->jobs[JOB_WORKER].tasks[(t) - 1]) \
+                                : cs->jobs[JOB_WORKER].tasks[(t)])
+    for (int k = 0; k < K; k++)
+        peers[k] = TASK_ADDR(pipe_grid_task(&g, k, g.replica));
+    for (int k = 0; k < R; k++)
+        rpeers[k] = TASK_ADDR(pipe_grid_task(&g, s, k));
+#undef TASK_ADDR
+    if (c->pipeline_ps) {
+        /* the variables are the ps's: each step pulls them. Before the
+         * endpoint opens: a neighbour's first message (of a restored step)
+         * finds the mailbox at that step, or retries until it listens */
+        if ((rc = ps_start(c, poff, pn, K, R, s, &pc, &pps, &step0)) != 0)
+            goto out;
+        rc = 1;
+        pipe_mailbox_set_step(box, step0);
+        hb = heartbeat_start(train_connect_ps(c, 5000), c->trainer, 1000); /* a long step is no dead stage */
+        if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
+            nonce = (unsigned)getpid();
+    } else {
+        /* the parameters: this stage's run of the whole initialization */
+        model_init_params(&RL, params, c->seed);
+    }
+    pipe_link_options lo = {.peers = peers, .stages = K, .stage = s, .mailbox = box,
+                            .replica_peers = rpeers, .replicas = R, .replica = g.replica,
+                            .plan_id = plan_id, .plan_text = plan, .token = c->token,
+                            .name = c->name, .abort = train_stop_requested,
+                            .info = info_json(c, &p, &sch, &g, plan)};
+    if (!(link = pipe_link_new(&lo, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: pipeline: %s\n", err);
+        goto out;
+    }
+    abort_link = link;
+    {
+        char split[128], row[PIPE_MAX_MICRO * 10];
+        pipe_plan_format(&p, split, sizeof(split));
+        pipe_schedule_format(&sch, s, row, sizeof(row));
+        printf("%s: pipeline stage %d of %d, replica %d of %d (layers %d-%d of %s, split %s), %s, %d micro-batches "
+               "of %d, %s, until step %lld; serving on %s; %s\n",
+               c->name, s, K, g.replica, R, first, last, L->spec, split, pipe_schedule_name(sch.kind), M, mb,
+               optim_name(c->optim.kind), (long long)c->train_steps, pipe_link_peer(link, s),
+               model_device_describe(c->threads));
+        printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
+        if (R > 1 && !c->pipeline_ps)
+            printf("%s: the %d replicas' gradient sums of stage %d (%zu floats): %s\n", c->name, R, s, pn[s],
+                   !reduce ? "none (the stage has no parameters)"
+                   : ringx ? "a ring all-reduce (--allreduce=ring: each sends 2(R-1)/R of its sum a step)"
+                           : "exchanged (each sends its sum to the R - 1 others)");
+        fflush(stdout);
+    }
+    stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
+    r.st.loss = NAN;
+    const double tmo = c->pipeline_timeout_secs;
+    double t_start = clk_mono_secs(), t_log = t_start;
+    int64_t step = step0, example0 = 0;
+    /* the steady state: from the end of step 0 (the start's waits left out) */
+    double t_steady = t_start, busy_steady = 0, idle_steady = 0;
+    uint64_t msgs = 0;
+    int stopped = 0, failed = 0;
+    progress bar;
+    progress_init(&bar, c->name, c->train_steps, is_last ? -1 : 0);
+    for (; step < c->train_steps && !failed && !stopped; step++) {
+        if (train_stop_requested()) {
+            stopped = 1;
+            break;
+        }
+        double wait = step == step0 && tmo < PIPE_START_SECS ? PIPE_START_SECS : tmo;
+        pipe_mailbox_set_step(box, step);
+        r.st.step = step;
+        if (have_data)
+            batcher_at(&b, step, B, ds.n_features, x, y, &example0);
+        if (c->pipeline_ps) { /* the step's parameters, once every stage pushed the last step's gradients */
+            double t0 = clk_mono_secs();
+            int64_t got;
+            int e = pipe_ps_pull(&pps, params, step, wait, stop_or_send_failed, &got, err, sizeof(err));
+            r.st.idle_secs += clk_mono_secs() - t0;
+            if (e == -2) {
+                stopped = 1;
+                break;
+            }
+            if (e) {
+                char who[512];
+                pipe_ps_missing(&pps, poff, pn, K, R, step, who, sizeof(who));
+                fprintf(stderr, "workerd: %s (stage %d of %d): %s%s; stopping\n", c->name, s, K, err, who);
+                failed = 1;
+                break;
+            }
+        }
+        memset(acc, 0, sizeof(float) * pn[s]);
+        double loss_sum = 0, mb_loss[PIPE_MAX_MICRO]; /* the micro-batches' losses, passed back with the gradients */
+        for (int i = 0; i < sch.n && !failed && !stopped; i++) {
+            const pipe_slot *t = pipe_schedule_at(&sch, s, i);
+            const int j = t->mb;
+            r.st.slot = i;
+            int q, e = 0;
+            if (t->op == PIPE_FWD) {
+                for (q = 0; q < P && owner[q] >= 0; q++) {
+                }
+                owner[q] = j;
+                const float *in = s == 0 ? x + (size_t)j * mb * L->n_in : inbuf[q];
+                /* the micro-batch's first example: from the data, or (a stage
+                 * without it) from the activations' sender */
+                int64_t ex0 = example0 + (int64_t)j * mb, theirs = ex0;
+                if (s > 0 && (e = receive(&r, &(pipe_key){step, j, PIPE_ACT}, s - 1, inbuf[q], &theirs, wait)) != 0) {
+                    stopped = e == 2;
+                    failed = e != 2;
+                    break;
+                }
+                if (!have_data) {
+                    ex0 = theirs;
+                } else if (theirs != ex0) {
+                    fprintf(stderr, "workerd: %s (stage %d): stage %d sent micro-batch %d of step %lld from example %lld "
+                                    "of its data order, this stage reads example %lld there: start every stage with "
+                                    "the same --data_dir and --seed\n",
+                            c->name, s, s - 1, j, (long long)step, (long long)theirs, (long long)ex0);
+                    failed = 1;
+                    break;
+                }
+                double t0 = clk_mono_secs();
+                const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = ex0};
+                double loss = 0;
+                if (model_forward_range(inst[q], 0, rlast, params, in, mb, &ctx, out) != 0 ||
+                    (is_last && model_loss_head(inst[q], out, y + (size_t)j * mb, mb, dlog[q], &loss) != 0)) {
+                    fprintf(stderr, "workerd: %s: the forward of step %lld, micro-batch %d failed\n", c->name,
+                            (long long)step, j);
+                    failed = 1;
+                    break;
+                }
+                loss_sum += loss;
+                mb_loss[j] = loss;
+                r.st.busy_secs += clk_mono_secs() - t0;
+                if (!is_last)
+                    e = send_to(&r, s + 1, &(pipe_key){step, j, PIPE_ACT}, out, (size_t)mb * out_n, ex0, wait);
+            } else {
+                for (q = 0; q < P && owner[q] != j; q++) {
+                }
+                const float *d = is_last ? dlog[q] : dout;
+                int64_t ltag;
+                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, &ltag, wait)) != 0) {
+                    stopped = e == 2;
+                    failed = e != 2;
+                    break;
+                }
+                if (!is_last) {
+                    mb_loss[j] = pipe_tag_loss(ltag); /* a NaN when the stage after did not name it */
+                    loss_sum += mb_loss[j];
+                }
+                double t0 = clk_mono_secs();
+                /* the micro-batch's parameter gradients are added to the step's sum (acc) */
+                if (model_backward_range_add(inst[q], 0, rlast, params, d, mb, s > 0 ? din : NULL, acc, grads) != 0) {
+                    fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,
+                            (long long)step, j);
+                    failed = 1;
+                    break;
+                }
+                owner[q] = -1;
+                r.st.busy_secs += clk_mono_secs() - t0;
+                if (s > 0)
+                    e = send_to(&r, s - 1, &(pipe_key){step, j, PIPE_GRAD}, din, (size_t)mb * in_n,
+                                pipe_loss_tag(mb_loss[j]), wait);
+            }
+            if (e == 2)
+                stopped = 1;
+            else if (e)
+                failed = 1;
+        }
+        if (failed || stopped)
+            break;
+        if (c->pipeline_ps) {
+            /* the mean over the micro-batches to the ps, which averages the R replicas' */
+            const float inv = 1.0f / (float)M;
+            for (size_t k = 0; k < pn[s]; k++)
+                acc[k] *= inv; /* in place: the next step starts its sum from 0 */
+            char id[64];
+            snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)step);
+            double t0 = clk_mono_secs();
+            if (pipe_ps_push(&pps, acc, c->trainer, step, B, loss_sum / M, id, err,
+                             sizeof(err)) != 0) {
+                if (train_stop_requested()) {
+                    stopped = 1;
+                    break;
+                }
+                fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+                failed = 1;
+                break;
+            }
+            r.st.idle_secs += clk_mono_secs() - t0;
+        }
+        /* the replicas' sums: every stage adds the R sums in replica order */
+        if (xchg) {
+            int e = 0;
+            const pipe_key rk = {step, g.replica, PIPE_REDUCE};
+            for (int k = 0; k < R && !e; k++)
+                if (k != g.replica)
+                    e = send_replica(&r, k, &rk, acc, pn[s], wait);
+            memset(sum, 0, sizeof(float) * pn[s]);
+            for (int k = 0; k < R && !e; k++) {
+                const float *src = acc;
+                if (k != g.replica) {
+                    e = receive_replica(&r, &(pipe_key){step, k, PIPE_REDUCE}, k, theirs_g, wait);
+                    src = theirs_g;
+                }
+                for (size_t u = 0; u < pn[s] && !e; u++)
+                    sum[u] += src[u];
+            }
+            if (e) {
+                stopped = e == 2;
+                failed = e != 2;
+                break;
+            }
+        } else if (ringx) {
+            int e = ring_reduce(&r, R, g.replica, step, acc, pn[s], theirs_g, wait);
+            if (e) {
+                stopped = e == 2;
+                failed = e != 2;
+                break;
+            }
+        }
+        /* the mean over the batch (all replicas'): the sum over the micro-batches / (M R) */
+        double t0 = clk_mono_secs();
+        const float scale = 1.0f / (float)(M * R);
+        for (int k = 0; k < RL.n_tensors && !c->pipeline_ps; k++) {
+            const model_tensor *t = &RL.tensors[k];
+            optim_apply(&c->optim, params + t->offset, params + t->offset, sum + t->offset, scale,
+                        s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
+        }
+        r.st.busy_secs += clk_mono_secs() - t0;
+        /* every stage has the micro-batches' losses (the last stage computed them, the
+         * gradients brought them back): its replica's step loss, for /v1/status and the page */
+        double loss = loss_sum / M;
+        r.st.loss = loss;
+        r.st.step = step + 1;
+        pipe_link_set_state(link, &r.st);
+        msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M +
+                (uint64_t)(xchg ? R - 1 : ringx ? pipe_ring_steps(R) : 0);
+        if (step == step0) {
+            t_steady = clk_mono_secs();
+            busy_steady = r.st.busy_secs;
+            idle_steady = r.st.idle_secs;
+        }
+        if (is_last) {
+            progress_update(&bar, step + 1, loss, (double)((step + 1) * B) / (clk_mono_secs() - t_start));
+            if (!bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
+                double tn = clk_mono_secs();
+                printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1), loss,
+                       (double)c->log_every * B / (tn - t_log));
+                fflush(stdout);
+                t_log = tn;
+            }
+        }
+    }
+    progress_clear(&bar);
+    r.st.done = 1;
+    pipe_link_set_state(link, &r.st);
+    if (stopped) {
+        printf("%s: stopped by a signal at step %lld (stage %d of %d); the pipeline stops\n", c->name,
+               (long long)step, s, K);
+        rc = 0;
+        goto out;
+    }
+    if (failed)
+        goto out;
+    double t_end = clk_mono_secs(), secs = t_end - t_start, steady = t_end - t_steady;
+    { /* what is queued delivered (the bytes below are all the steps') */
+        int f = pipe_link_flush(link, err, sizeof(err));
+        if (f == -1)
+            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+        if (f != 0) {
+            rc = f == -2 ? 0 : 1;
+            goto out;
+        }
+    }
+    double busy1 = r.st.busy_secs - busy_steady, idle1 = r.st.idle_secs - idle_steady;
+    printf("%s: stage %d finished %lld steps in %.2f s: %.2f steps/s, busy %.2f s, idle %.2f s (%.1f%% idle), "
+           "%llu bytes sent\n",
+           c->name, s, (long long)c->train_steps, secs, secs > 0 ? (double)c->train_steps / secs : 0.0,
+           r.st.busy_secs, r.st.idle_secs, secs > 0 ? 100.0 * r.st.idle_secs / secs : 0.0,
+           (unsigned long long)pipe_link_bytes_sent(link));
+    if (c->train_steps > 1 && steady > 0)
+        /* idle fraction: the part of the wall time not computing (the bubble, and the sends) */
+        printf("%s: stage %d steady state (steps 2-%lld): %.3f steps/s, %.3f s, busy %.3f s, waiting %.3f s, "
+               "idle fraction %.4f; received %llu messages; sends %.4f s in all\n",
+               c->name, s, (long long)c->train_steps, (double)(c->train_steps - 1) / steady, steady, busy1, idle1,
+               1.0 - busy1 / steady, (unsigned long long)msgs, pipe_link_send_secs(link));
+    fflush(stdout);
+    /* then every stage's parameters to stage 0 */
+    const int64_t fin = c->train_steps - 1;
+    free_training_state((train_bufs){&grads, &acc, &sum, &s0, &s1, &theirs_g});
+    if (c->pipeline_ps) {
+        heartbeat_stop(hb);
+        hb = NULL;
+        for (int i = 0; i < P; i++) { /* the chief's whole model comes next */
+            model_free(inst[i]);
+            inst[i] = NULL;
+        }
+        rc = ps_finish(c, pc, &ds, mb);
+        goto out;
+    }
+    if (g.replica > 0) { /* replica 0 holds the same parameters */
+        rc = 0;
+        goto out;
+    }
+    if (s > 0) {
+        if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params, pn[s], 0, tmo) != 0)
+            goto out;
+        int f = pipe_link_flush(link, err, sizeof(err));
+        if (f == -1)
+            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+        rc = f == 0 ? 0 : f == -2 ? 0 : 1;
+        goto out;
+    }
+    /* stage 0: its training buffers freed, then the whole model's parameters */
+    for (int i = 0; i < P; i++) {
+        model_free(inst[i]);
+        inst[i] = NULL;
+    }
+    if (!(whole = malloc(sizeof(float) * (np ? np : 1))) ||
+        !(eval = model_new(model_device_backend(), L, mb, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: %s\n", whole ? err : "out of memory for the whole model's parameters");
+        goto out;
+    }
+    memcpy(whole + poff[0], params, sizeof(float) * pn[0]);
+    free(params);
+    params = NULL;
+    pipe_mailbox_open_params(box); /* the others' parameters: refused (503, retried) until now */
+    for (int k = 1; k < K; k++)
+        if (receive(&r, &(pipe_key){fin, k, PIPE_PARAMS}, k, whole + poff[k], NULL, tmo) != 0)
+            goto out;
+    rc = 0;
+    if (final_report(c, eval, whole, &ds, c->train_steps) != 0)
+        rc = 1;
+    if (c->export_path && export_model(c, whole, c->train_steps) != 0)
+        rc = 1;
+out:
+    fflush(stdout);
+    heartbeat_stop(hb);
+    pipe_ps_free(&pps);
+    ps_client_free(pc);
+    abort_link = NULL;
+    pipe_link_free(link); /* before the mailbox it fills */
+    pipe_mailbox_free(box);
+    free(peers);
+    free(rpeers);
+    if (sum != acc)
+        free(sum);
+    model_free(eval);
+    free(whole);
+    free(theirs_g);
+    for (int i = 0; i < P; i++) {
+        model_free(inst[i]);
+        free(inbuf[i]);
+        free(dlog[i]);
+    }
+    free(b.order);
+    free(params);
+    free(grads);
+    free(acc);
+    free(s0);
+    free(s1);
+    free(out);
+    free(dout);
+    free(din);
+    free(x);
+    free(y);
+    pipe_schedule_free(&sch);
+    if (have_data)
+        idx_dataset_free(&ds);
+    return rc;
+}

@@ -1,0 +1,152 @@
+/* train.h - the roles workerd plays: a training worker (the chief among them
+ * initializes, configures, reports and exports), the evaluator, and --local
+ * training in one process with no ps. */
+#ifndef RESTPS_TRAIN_H
+#define RESTPS_TRAIN_H
+
+#include <stdint.h>
+
+#include "cluster.h"
+#include "data/idx.h"
+#include "model/model.h"
+#include "optim.h"
+#include "shards/placement.h"
+#include "shards/shards.h"
+
+typedef struct train_config {
+    const cluster_spec *cluster;
+    int trainer;        /* this task's index among the training tasks */
+    int n_trainers;     /* chief (when the cluster has one) + workers */
+    int is_chief;
+    const char *name;   /* "worker 1", "chief 0" for log lines */
+    const char *data_dir;
+    model_layout layout;    /* from --model (the canonical spec in layout.spec) */
+    int batch_size;
+    int64_t train_steps;
+    optim_config optim;
+    int sync;
+    int replicas_to_aggregate;
+    uint64_t seed;
+    int log_every;
+    double recovery_wait_secs;
+    double eval_secs;
+    const char *export_path;
+    int keep_ps;
+    const char *token;
+    int tls;                /* HTTPS to the ps tasks */
+    const char *tls_ca;     /* CA file to trust (NULL: the system's) */
+    long timeout_ms;
+    double retry_secs;      /* keep retrying a ps that does not answer this long */
+    long backoff_ms, backoff_max_ms;
+    int threads;
+    place_policy placement;
+    uint64_t partition_bytes;
+    int max_staleness;      /* async: drop gradients staler than this; -1 none */
+    int staleness;          /* stale-synchronous bound; -1 none */
+    float moving_average_decay; /* the ps keeps moving averages (0: off); the evaluator and the export read them */
+    double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
+    int step_delay_ms;      /* test hook: sleep this long in each step */
+    /* --allreduce=ring (ring_train.c): workers as peers, no ps */
+    int ring;
+    double ring_timeout_secs;   /* wait this long for a neighbour */
+    size_t ring_piece_bytes;    /* chunks travel in pieces of this size */
+    const char *ring_tls_cert;  /* PEM files: the ring over HTTPS (trusting tls_ca); NULL: HTTP */
+    const char *ring_tls_key;
+    const char *ring_tls_priorities; /* with ring_tls_cert: the GnuTLS priority string; NULL: the default */
+    const char *logdir;         /* the chief's checkpoints; "" = none */
+    int save_checkpoint_secs;   /* 0 = only at the end (and on a stop or a broken ring) */
+    int log_param_hash;         /* print a CRC-32C of the parameters after every step */
+    /* --pipeline_stages=K (pipeline_train.c): the model's layers split over K stages */
+    int pipeline_stages;        /* 0 = off */
+    const char *stage_layers;   /* --stage_layers, or NULL: the balanced split */
+    int pipeline_schedule;      /* pipe_schedule_kind: gpipe or 1f1b */
+    int micro_batches;          /* M; --batch_size is a multiple of it */
+    double pipeline_timeout_secs; /* wait this long for a neighbouring stage */
+    uint64_t max_model_bytes;   /* --local, a stage: refuse to train more model state than this (model_state_bytes); 0: no limit */
+    int pipeline_ps;            /* --pipeline_updates=ps: the stages pull and push their variables on the ps (sync) */
+    const int *ps_replicas;     /* the chief's configuration: replicas_to_aggregate per ps task; NULL: replicas_to_aggregate on every one */
+} train_config;
+
+/* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */
+void train_handle_signals(void);
+int train_stop_requested(void);
+
+/* Each returns the process exit status: 0 done, 1 failed, 2 bad input (data). */
+int train_worker(const train_config *c);
+int train_evaluator(const train_config *c);
+int train_local(const train_config *c);
+int train_ring(const train_config *c);
+int train_pipeline(const train_config *c);
+/* The split --pipeline_stages and --stage_layers give (pipeline_plan.h); 0,
+ * or -1 with err. (pipeline_train.c) */
+struct pipe_plan;
+int pipe_plan_for(const train_config *c, struct pipe_plan *p, char *err, size_t errlen);
+
+/* Shared by train.c and ring_train.c. */
+
+/* The data order (train.c): task `trainer` of n_trainers takes the k-th
+ * block of each epoch's permutation; see batcher_at. */
+typedef struct batcher {
+    const idx_split *split;
+    uint32_t *order;
+    int64_t count, k;
+    uint64_t epoch, seed;
+    int trainer, n_trainers;
+} batcher;
+int batcher_init(batcher *b, const idx_split *split, uint64_t seed, int trainer, int n_trainers);
+/* Batch k into x and y; *example0 gets the index of its first example in the
+ * epoch order (epoch * examples + position; row i is *example0 + i), what
+ * dropout's mask depends on: N tasks x batch b give the rows the indices one
+ * task x N*b gives them. */
+void batcher_at(batcher *b, int64_t k, int batch, int n_features, float *x, uint8_t *y,
+                int64_t *example0);
+/* Two batch buffers from model_host_alloc (pinned on a GPU): a step computes
+ * on one while the next batch is gathered into the other and staged
+ * (model_stage_batch). alloc: 0, or -1 when out of memory (free it still);
+ * free takes what alloc left, before model_free(m). */
+typedef struct batch_pair {
+    float *x[2];
+    uint8_t *y[2];
+    int64_t example0[2]; /* each buffer's batcher_at example0 */
+} batch_pair;
+int batch_pair_alloc(batch_pair *p, model *m, int batch, int n_features);
+void batch_pair_free(batch_pair *p, model *m);
+/* Load and check --data_dir; 0 or 2 after a message. */
+int train_load(const train_config *c, idx_dataset *ds);
+/* Write --export (a safetensors file of the model); 0 or -1 after a message. */
+int export_model(const train_config *c, const float *params, int64_t step);
+/* Print the validation and test figures of params; 0, or -1 after a message
+ * when the backend failed (a CUDA or cuBLAS call). */
+int final_report(const train_config *c, model *m, const float *params, const idx_dataset *ds,
+                 int64_t step);
+/* The metadata every model file carries (export, checkpoints): "model" (the
+ * canonical spec) and "input_shape" ("28,28,1"), and the old "layers" (the
+ * input and each dense or conv layer's output size: "784,100,10" for
+ * mlp:100). shape and layers are the caller's buffers. */
+void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char *layers,
+                     size_t layers_len);
+/* --evaluate_model=FILE: rebuild the model from the file's metadata alone and
+ * print its test loss and accuracy; 0, 1 failed, 2 bad file or data. */
+int train_evaluate_file(const train_config *c, const char *path);
+
+/* Shared by the role files (train.c, chief.c, evaluator.c, local.c). */
+/* Sleep secs, or less when a stop was requested. */
+void train_sleep(double secs);
+/* A libps client of the cluster's ps tasks; NULL after a message. */
+ps_client *train_connect_ps(const train_config *c, long timeout_ms);
+/* Poll path on every ps until each answers 200, saying what it waits for
+ * (exits on a wrong token or certificate, or on a stop). */
+void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, const char *what);
+/* The chief's placement (GET /v1/placement on ps 0) must be this task's: the
+ * same model, --placement and --partition_bytes. 0 when it is, else -1
+ * after a message (naming both models when they differ). */
+int train_check_placement(const train_config *c, ps_client *pc, const shards *sh);
+/* The chief (chief.c): create the variables, send the placement and the
+ * configuration (0, 1 failed, 2 other flags than the ps have); at the end,
+ * wait (bounded) for the other tasks to say they finished. */
+int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params);
+void train_chief_wait_others(const train_config *c, ps_client *pc);
+/* The chief at the very end: ask every ps task to stop, unless --keep_ps. */
+void train_chief_stop_ps(const train_config *c, ps_client *pc);
+
+#endif
