@@ -1,6 +1,6 @@
 /* batcher.c - the data order every training task follows (batcher_*) and the
- * two staged batch buffers of a training loop (batch_pair_*); see train.h. */
-#include "workerd/train.h"
+ * two staged batch buffers of a training loop (batch_pair_*); see batcher.h. */
+#include "data/batcher.h"
 
 #include <stdlib.h>
 #include <string.h>

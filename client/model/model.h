@@ -49,6 +49,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "model/blas_kernel.h"
 #include "tensor.h"
 
 #define MODEL_MAX_ITEMS 16                 /* items in a spec's layer list (or mlp hidden layers + 1) */

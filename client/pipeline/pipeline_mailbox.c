@@ -11,7 +11,7 @@
 #include <time.h>
 
 #include "clock.h"
-#include "pipeline/pipeline_ring.h"
+#include "ring_schedule.h"
 
 enum { SLOT_EMPTY, SLOT_FULL, SLOT_TAKEN };
 
@@ -141,10 +141,10 @@ void pipe_mailbox_set_ring(pipe_mailbox *m, int replica)
 {
     pthread_mutex_lock(&m->mu);
     m->ring = 1;
-    for (int t = 0; t < pipe_ring_steps(m->replicas); t++) {
+    for (int t = 0; t < ring_steps(m->replicas); t++) {
         size_t off;
         m->ring_floats[t] =
-            pipe_ring_chunk(m->reduce, m->replicas, pipe_ring_recv_chunk(m->replicas, replica, t), &off);
+            ring_chunk(m->reduce, m->replicas, ring_recv_chunk(m->replicas, replica, t), &off);
     }
     pthread_mutex_unlock(&m->mu);
 }
@@ -191,9 +191,9 @@ static unsigned locate(pipe_mailbox *m, const pipe_key *k, size_t floats, mslot 
             snprintf(msg, cap, "this stage takes no ring chunks (it was not started with --allreduce=ring)");
             return 400;
         }
-        if (k->mb < 0 || k->mb >= pipe_ring_steps(m->replicas)) {
+        if (k->mb < 0 || k->mb >= ring_steps(m->replicas)) {
             snprintf(msg, cap, "ring step %d: %d replicas' ring has steps 0 to %d", k->mb, m->replicas,
-                     pipe_ring_steps(m->replicas) - 1);
+                     ring_steps(m->replicas) - 1);
             return 400;
         }
     } else {

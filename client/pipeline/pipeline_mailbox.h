@@ -59,7 +59,7 @@ pipe_mailbox *pipe_mailbox_new(int micro, size_t act_floats, size_t grad_floats,
 void pipe_mailbox_free(pipe_mailbox *m);
 /* Take ring chunks (PIPE_RING) instead of whole sums (PIPE_REDUCE), this
  * stage being replica `replica`: ring step t brings chunk
- * pipe_ring_recv_chunk(replicas, replica, t) of the reduce_floats. */
+ * ring_recv_chunk(replicas, replica, t) of the reduce_floats. */
 void pipe_mailbox_set_ring(pipe_mailbox *m, int replica);
 
 /* Stage 0, its training buffers freed: take the other stages' parameters

@@ -20,7 +20,7 @@
 
 #include "libps/libps.h"
 #include "model/model.h"
-#include "shards/placement.h"
+#include "shards/shards.h"
 
 typedef struct pipe_ps_shard {
     int ps;              /* the ps task */

@@ -1,15 +1,11 @@
 /* pipeline_ring.h - workerd --pipeline_stages=K --allreduce=ring: the same
  * stage of the R replicas sums its step's gradient sum in a ring over the
  * stages' own endpoints (pipeline_link.h), where without it each sends its
- * whole sum to the R - 1 others. The buffer is cut into R chunks (chunk c:
- * floats [c n / R, (c + 1) n / R)); in a reduce-scatter (ring steps 0 to
- * R - 2) replica r sends chunk r - t to replica r + 1 and adds chunk
- * r - t - 1 from replica r - 1 into its own; then it holds chunk r + 1
- * summed over all replicas, and in an all-gather (ring steps R - 1 to
- * 2R - 3) the summed chunks go round and are copied (indices mod R). Each
- * chunk is summed along one path in one order and copied from there, so
- * every replica ends with the same floats; each sends 2 (R - 1) / R of the
- * buffer a step (all-to-all: R - 1 times it).
+ * whole sum to the R - 1 others. The schedule is ring_schedule.h's (the
+ * one the ring between workers follows): R chunks, a reduce-scatter and an
+ * all-gather of R - 1 ring steps each, so every replica ends with the same
+ * floats; each sends 2 (R - 1) / R of the buffer a step (all-to-all: R - 1
+ * times it).
  *
  * A ring message is the pipeline's POST /v1/pipeline/msg with dir=ring,
  * mb= the ring step and from= the sending replica (the receiver's left
@@ -22,15 +18,7 @@
 #include <stdint.h>
 
 #include "pipeline/pipeline_mailbox.h"
-
-/* The ring steps of one all-reduce: 2 (R - 1). */
-int pipe_ring_steps(int replicas);
-/* The chunk replica r sends at ring step t, and the one it receives (its
- * left neighbour's send). */
-int pipe_ring_send_chunk(int replicas, int r, int t);
-int pipe_ring_recv_chunk(int replicas, int r, int t);
-/* Chunk c of n floats: its first float in *off, its length returned. */
-size_t pipe_ring_chunk(size_t n, int replicas, int c, size_t *off);
+#include "ring_schedule.h"
 
 /* How a chunk leaves: to replica `to`, key k, n floats of data (copied or
  * sent before it returns), due by clk_mono_secs() + wait. 0, or -1 with

@@ -24,6 +24,7 @@
 #include "errmsg.h"
 #include "http_server.h"
 #include "pem.h"
+#include "ring_schedule.h"
 #include "tls_priorities.h"
 #include "web_assets.h"
 
@@ -98,14 +99,8 @@ static void sleep_ms(long ms)
     nanosleep(&t, NULL);
 }
 
-static int mod(int a, int n) { return ((a % n) + n) % n; }
-
-/* The chunk rank receives at ring step k: reduce-scatter (k < N-1) the one
- * its left neighbour just added to, all-gather the next finished sum. */
-static int recv_chunk(const ring *r, int k)
-{
-    return k < r->n - 1 ? mod(r->rank - k - 1, r->n) : mod(r->rank - (k - (r->n - 1)), r->n);
-}
+/* The chunk rank receives at ring step k (ring_schedule.h). */
+static int recv_chunk(const ring *r, int k) { return ring_recv_chunk(r->n, r->rank, k); }
 
 static size_t chunk_len(const ring *r, int c) { return r->off[c + 1] - r->off[c]; }
 
@@ -151,10 +146,10 @@ static enum MHD_Result chunk_begin(http_req *q)
                                       "the sender's ring has %lld workers and %lld floats, this worker's %d and %zu: "
                                       "start every worker with the same --worker_hosts and model",
                                       n, floats, r->n, r->n_floats);
-    if (from != mod(r->rank - 1, r->n))
+    if (from != ring_mod(r->rank - 1, r->n))
         return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
                                       "a piece from worker %lld, but this worker's left neighbour is worker %d", from,
-                                      mod(r->rank - 1, r->n));
+                                      ring_mod(r->rank - 1, r->n));
     /* the left neighbour sends pieces of this worker's step or the next (it
      * is never further ahead: that step needs this worker's gradient), or
      * resends one of the step before; anything else comes from a worker
@@ -226,7 +221,7 @@ static json_t *status_json(ring *r)
     json_object_set_new(o, "ring",
                         json_pack("{s:i,s:i,s:s,s:o,s:s,s:s,s:I,s:I}", "size", r->n, "rank", r->rank, "url",
                                   r->self_url, "tls", r->tls ? json_string(r->tls_desc) : json_null(), "left",
-                                  r->peer[mod(r->rank - 1, r->n)], "right", r->peer[mod(r->rank + 1, r->n)],
+                                  r->peer[ring_mod(r->rank - 1, r->n)], "right", r->peer[ring_mod(r->rank + 1, r->n)],
                                   "bytes_sent", (json_int_t)atomic_load(&r->bytes_sent), "allreduces",
                                   (json_int_t)atomic_load(&r->allreduces)));
     json_object_set_new(o, "checkpoint",
@@ -491,7 +486,7 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
     char url[PEER_MAX + 200];
     snprintf(url, sizeof(url), "%s/v1/ring/chunk?step=%lld&k=%d&offset=%zu&from=%d&n=%d&floats=%zu",
              r->right_url, (long long)step, k, offset, r->rank, r->n, r->n_floats);
-    int right = mod(r->rank + 1, r->n);
+    int right = ring_mod(r->rank + 1, r->n);
     long wait = 20;
     for (;;) {
         r->resp_len = 0;
@@ -554,7 +549,7 @@ static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, d
             break;
         }
         if (t >= deadline) {
-            int left = mod(r->rank - 1, r->n);
+            int left = ring_mod(r->rank - 1, r->n);
             errmsg(err, errlen,
                    "nothing from worker %d (%s), the left neighbour, for %.0f s (step %lld, ring step %d): "
                    "it died or is stuck",
@@ -868,10 +863,10 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         snprintf(r->peer[i], PEER_MAX, strchr(o->peers[i].host, ':') ? "[%s]:%d" : "%s:%d",
                  o->peers[i].host, o->peers[i].port);
     snprintf(r->right_url, sizeof(r->right_url), "%s://%s", r->tls ? "https" : "http",
-             r->peer[mod(o->rank + 1, o->n)]);
+             r->peer[ring_mod(o->rank + 1, o->n)]);
     snprintf(r->self_url, sizeof(r->self_url), "%s://%s", r->tls ? "https" : "http", r->peer[o->rank]);
     for (int c = 0; c <= o->n; c++)
-        r->off[c] = (size_t)((unsigned __int128)o->n_floats * (unsigned)c / (unsigned)o->n);
+        r->off[c] = ring_chunk_start(o->n_floats, o->n, c);
     for (int c = 0; c < o->n; c++)
         if (chunk_len(r, c) > r->chunk_max)
             r->chunk_max = chunk_len(r, c);

@@ -50,6 +50,7 @@
 #include <stdint.h>
 
 #include "cluster.h"
+#include "ring/ring_ckpt.h"
 
 typedef struct ring ring;
 

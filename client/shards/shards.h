@@ -10,6 +10,7 @@
 
 #include "libps/libps.h"
 #include "model/model.h"
+#include "shards/heartbeat.h"
 #include "shards/placement.h"
 
 typedef struct shard {

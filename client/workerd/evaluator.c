@@ -1,5 +1,4 @@
-/* evaluator.c - the evaluations: the chief's (and --local's) final report,
- * --evaluate_model=FILE (the model rebuilt from the file's metadata alone),
+/* evaluator.c - the evaluations: --evaluate_model=FILE (the model rebuilt from the file's metadata alone),
  * and the evaluator task, which evaluates what the ps hold every --eval_secs
  * and reports to ps 0. */
 #include "workerd/train.h"
@@ -12,25 +11,6 @@
 
 #include "safetensors.h"
 #include "shards/shards.h"
-
-int final_report(const train_config *c, model *m, const float *params, const idx_dataset *ds,
-                 int64_t step)
-{
-    double vloss = 0, vacc = 0, tloss = 0, tacc = 0;
-    if ((ds->validation.n > 0 &&
-         model_evaluate(m, params, ds->validation.images, ds->validation.labels, ds->validation.n,
-                      &vloss, &vacc) != 0) ||
-        model_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &tloss, &tacc) != 0) {
-        /* the backend printed the call that failed */
-        fprintf(stderr, "workerd: the final evaluation failed at global step %lld\n", (long long)step);
-        return -1;
-    }
-    printf("%s: training done at global step %lld: validation cross-entropy %.4f, test loss %.4f, "
-           "test accuracy %.4f\n",
-           c->name, (long long)step, vloss, tloss, tacc);
-    fflush(stdout);
-    return 0;
-}
 
 int train_evaluate_file(const train_config *c, const char *path)
 {

@@ -60,13 +60,8 @@
 
 #include "clock.h"
 #include "crc32c.h"
-#include "shards/heartbeat.h"
-#include "pipeline/pipeline_link.h"
-#include "pipeline/pipeline_mailbox.h"
-#include "pipeline/pipeline_plan.h"
-#include "pipeline/pipeline_ps.h"
-#include "pipeline/pipeline_ring.h"
-#include "pipeline/pipeline_schedule.h"
+#include "shards/shards.h"
+#include "pipeline/pipeline.h"
 #include "workerd/progress.h"
 
 #define PIPE_START_SECS 30.0
@@ -721,7 +716,7 @@ int train_pipeline(const train_config *c)
         r.st.step = step + 1;
         pipe_link_set_state(link, &r.st);
         msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M +
-                (uint64_t)(xchg ? R - 1 : ringx ? pipe_ring_steps(R) : 0);
+                (uint64_t)(xchg ? R - 1 : ringx ? ring_steps(R) : 0);
         if (step == step0) {
             t_steady = clk_mono_secs();
             busy_steady = r.st.busy_secs;

@@ -26,7 +26,6 @@
 #include "crc32c.h"
 #include "workerd/progress.h"
 #include "ring/ring.h"
-#include "ring/ring_ckpt.h"
 #include "tfevents.h"
 
 #define RING_START_SECS 120.0 /* the first exchange waits this long for everyone to start */

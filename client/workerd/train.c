@@ -1,8 +1,9 @@
-/* train.c - a training worker's loop, and what every role shares: stopping on
- * a signal, loading the data, the ps connection, waiting for the ps, and the
- * placement check. The other roles: chief.c (the chief's set-up and end),
- * evaluator.c, local.c (--local), ring_train.c (--allreduce=ring); the data
- * order: batcher.c; the model's files: model_file.c.
+/* train.c - a training worker's loop. What every role shares (stopping on a
+ * signal, loading the data, the ps connection, waiting for the ps, the
+ * placement check, the final report) is in role_common.c; the other roles:
+ * chief.c (the chief's set-up and end), evaluator.c, local.c (--local),
+ * ring_train.c (--allreduce=ring), pipeline_train.c (--pipeline_stages); the
+ * data order: data/batcher.c; the model's files: model_file.c.
  *
  * Start-up follows tf.train.Supervisor.prepare_or_wait_for_session: the chief
  * waits for every ps, creates the variables with create-only PUTs (leaving
@@ -27,153 +28,8 @@
 
 #include "clock.h"
 #include "log.h"
-#include "shards/heartbeat.h"
-#include "workerd/progress.h"
 #include "shards/shards.h"
-
-static volatile sig_atomic_t stop_flag;
-
-static void on_stop(int sig)
-{
-    (void)sig;
-    stop_flag = 1;
-}
-
-void train_handle_signals(void)
-{
-    struct sigaction sa = {0};
-    sa.sa_handler = on_stop;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-}
-
-int train_stop_requested(void) { return stop_flag != 0; }
-
-void train_sleep(double s)
-{
-    struct timespec t = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    while (nanosleep(&t, &t) != 0 && errno == EINTR && !stop_flag) {
-    }
-}
-
-int train_load(const train_config *c, idx_dataset *ds)
-{
-    char err[512];
-    if (idx_load_dataset(c->data_dir, ds, err, sizeof(err)) != 0) {
-        fprintf(stderr, "workerd: %s\n", err);
-        return 2;
-    }
-    if (ds->rows != c->layout.input.h || ds->cols != c->layout.input.w || c->layout.input.c != 1 ||
-        (size_t)ds->n_features != c->layout.n_in) {
-        fprintf(stderr, "workerd: %s: images are %dx%d, the model %s takes %dx%dx%d\n", c->data_dir,
-                ds->rows, ds->cols, c->layout.spec, c->layout.input.h, c->layout.input.w,
-                c->layout.input.c);
-        idx_dataset_free(ds);
-        return 2;
-    }
-    int min_train = c->batch_size * c->n_trainers;
-    if (ds->train.n < min_train) {
-        fprintf(stderr, "workerd: %s: %lld training examples are fewer than one batch of %d for each of %d tasks\n",
-                c->data_dir, (long long)ds->train.n, c->batch_size, c->n_trainers);
-        idx_dataset_free(ds);
-        return 2;
-    }
-    return 0;
-}
-
-/* ---- the cluster ---- */
-
-ps_client *train_connect_ps(const train_config *c, long timeout_ms)
-{
-    const cluster_job *ps = &c->cluster->jobs[JOB_PS];
-    char **hosts = calloc((size_t)ps->n, sizeof(char *));
-    char err[512];
-    ps_client *pc = NULL;
-    if (!hosts)
-        return NULL;
-    for (int i = 0; i < ps->n; i++) {
-        const char *fmt = strchr(ps->tasks[i].host, ':') ? "[%s]:%d" : "%s:%d";
-        if (asprintf(&hosts[i], fmt, ps->tasks[i].host, ps->tasks[i].port) < 0)
-            goto out;
-    }
-    ps_options o = {.timeout_ms = timeout_ms, .retries = 3, .backoff_ms = c->backoff_ms,
-                    .backoff_max_ms = c->backoff_max_ms, .token = c->token, .tls = c->tls,
-                    .ca_file = c->tls_ca};
-    pc = ps_client_new((const char *const *)hosts, ps->n, &o, err, sizeof(err));
-    if (!pc)
-        fprintf(stderr, "workerd: %s\n", err);
-out:
-    for (int i = 0; i < ps->n; i++)
-        free(hosts[i]);
-    free(hosts);
-    return pc;
-}
-
-/* Poll `path` on every ps until each answers 200, saying what it waits for. */
-void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, const char *what)
-{
-    double last_said = -1e9;
-    for (int i = 0; i < ps_shards(pc); i++) {
-        for (;;) {
-            int rc = ps_json(pc, i, "GET", path, NULL, 0, NULL);
-            if (rc == PS_OK)
-                break;
-            if ((rc == PS_EHTTP && ps_http_status(pc) == 401) || rc == PS_ETLS) {
-                fprintf(stderr, "workerd: %s\n", ps_error(pc));
-                exit(1); /* a wrong token or an untrusted certificate does not fix itself */
-            }
-            if (train_stop_requested()) {
-                printf("%s: stopped by a signal while waiting for %s\n", c->name, what);
-                exit(0);
-            }
-            if (clk_mono_secs() - last_said > 5) {
-                printf("%s: waiting for %s: %s\n", c->name, what, ps_error(pc));
-                fflush(stdout);
-                last_said = clk_mono_secs();
-            }
-            train_sleep(c->recovery_wait_secs);
-        }
-    }
-}
-
-/* The chief's placement (GET /v1/placement on ps 0) must be this task's:
- * the same model, --placement and --partition_bytes. 0 when it is. */
-int train_check_placement(const train_config *c, ps_client *pc, const shards *sh)
-{
-    json_t *theirs = NULL, *mine = placement_json(&sh->pl, &c->layout);
-    int rc = ps_json(pc, 0, "GET", "/v1/placement", NULL, 1, &theirs);
-    if (rc == PS_EHTTP && ps_http_status(pc) == 404) {
-        json_decref(mine);
-        return 0; /* a chief of an older kind: nothing to compare */
-    }
-    int bad = rc != PS_OK;
-    if (!bad) {
-        json_object_del(theirs, "this_ps");
-        bad = !json_equal(theirs, mine);
-    }
-    const char *their_model = theirs ? json_string_value(json_object_get(theirs, "model")) : NULL;
-    if (bad && their_model && strcmp(their_model, c->layout.spec) != 0) {
-        fprintf(stderr, "workerd: the chief trains --model=%s; this task was started with --model=%s: "
-                        "start every task with the same --model\n",
-                their_model, c->layout.spec);
-    } else if (bad) {
-        const char *pol = theirs ? json_string_value(json_object_get(theirs, "policy")) : NULL;
-        json_t *pb = theirs ? json_object_get(theirs, "partition_bytes") : NULL;
-        if (rc != PS_OK)
-            fprintf(stderr, "workerd: reading the placement: %s\n", ps_error(pc));
-        else
-            fprintf(stderr, "workerd: the chief placed the variables otherwise (--placement=%s --partition_bytes=%lld; "
-                            "this task: --placement=%s --partition_bytes=%llu, or another model): "
-                            "start every task with the same flags\n",
-                    pol ? pol : "?", (long long)json_integer_value(pb),
-                    place_policy_name(c->placement), (unsigned long long)c->partition_bytes);
-    }
-    json_decref(theirs);
-    json_decref(mine);
-    return bad ? -1 : 0;
-}
+#include "workerd/progress.h"
 
 /* The next batch, gathered into the other buffer and staged while a push's
  * answer is awaited (ps_set_while_waiting): the ps reads and applies the

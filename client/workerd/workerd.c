@@ -7,15 +7,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "model/blas_kernel.h"
+#include "model/model.h"
 #include "cluster.h"
 #include "flags.h"
-#include "data/idx.h"
+#include "data/data.h"
 #include "libps/libps.h"
-#include "model/model.h"
-#include "pipeline/pipeline_mailbox.h"
-#include "pipeline/pipeline_plan.h"
-#include "pipeline/pipeline_schedule.h"
+#include "pipeline/pipeline.h"
 #include "ring/ring.h"
 #include "tls_priorities.h"
 #include "token.h"

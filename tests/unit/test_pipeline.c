@@ -662,11 +662,11 @@ static void test_the_ring_sums_every_chunk_to_the_same_floats_on_every_replica(v
     (void)state;
     /* the chunks tile the buffer, each replica sends and receives each once a phase */
     for (int R = 2; R <= PIPE_MAX_REPLICAS; R++) {
-        assert_int_equal(pipe_ring_steps(R), 2 * (R - 1));
+        assert_int_equal(ring_steps(R), 2 * (R - 1));
         for (size_t n = 0; n < 40; n += 13) {
             size_t at = 0, off;
             for (int c = 0; c < R; c++) {
-                size_t len = pipe_ring_chunk(n, R, c, &off);
+                size_t len = ring_chunk(n, R, c, &off);
                 assert_int_equal(off, at);
                 assert_true(len + 1 >= n / (size_t)R && len <= n / (size_t)R + 1);
                 at += len;
@@ -676,8 +676,8 @@ static void test_the_ring_sums_every_chunk_to_the_same_floats_on_every_replica(v
         for (int r = 0; r < R; r++) {
             int sent[PIPE_MAX_REPLICAS] = {0}, got[PIPE_MAX_REPLICAS] = {0};
             for (int t = 0; t < R - 1; t++) {
-                sent[pipe_ring_send_chunk(R, r, t)]++;
-                got[pipe_ring_recv_chunk(R, r, t)]++;
+                sent[ring_send_chunk(R, r, t)]++;
+                got[ring_recv_chunk(R, r, t)]++;
             }
             /* the reduce-scatter: every chunk but one's own arrives, the last being r + 1 (summed
              * here); every chunk but that one leaves */
@@ -685,9 +685,9 @@ static void test_the_ring_sums_every_chunk_to_the_same_floats_on_every_replica(v
                 assert_int_equal(got[c], c != r);
                 assert_int_equal(sent[c], c != (r + 1) % R);
             }
-            assert_int_equal(pipe_ring_recv_chunk(R, r, R - 2), (r + 1) % R);
+            assert_int_equal(ring_recv_chunk(R, r, R - 2), (r + 1) % R);
             /* the all-gather starts with the chunk summed here */
-            assert_int_equal(pipe_ring_send_chunk(R, r, R - 1), (r + 1) % R);
+            assert_int_equal(ring_send_chunk(R, r, R - 1), (r + 1) % R);
         }
     }
     for (int R = 2; R <= PIPE_MAX_REPLICAS; R++)
