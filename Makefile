@@ -44,7 +44,7 @@ RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c
 PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
                client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c
 WORKERD_SRC  = client/workerd/role_common.c client/workerd/train.c client/workerd/chief.c client/workerd/evaluator.c client/workerd/local.c \
-               client/workerd/ring_train.c client/workerd/pipeline_train.c client/workerd/model_file.c client/workerd/progress.c
+               client/workerd/ring_train.c client/workerd/pipeline_train.c client/workerd/model_file.c client/workerd/progress.c client/workerd/workerd_flags.c
 CLIENT_SRC = $(LIBPS_SRC)
 WORKER_SRC = $(MODEL_SRC) $(DEVICE_SRC) $(DATA_SRC) $(SHARDS_SRC) $(RING_SRC) $(PIPELINE_SRC) $(WORKERD_SRC)
 

@@ -1,0 +1,46 @@
+/* workerd_flags.h - workerd's command line: the flags' values as its flag
+ * table (workerd_flags.c) fills them, for main's checks (workerd.c) and the
+ * pipeline's (pipeline_train.c). */
+#ifndef RESTPS_WORKERD_FLAGS_H
+#define RESTPS_WORKERD_FLAGS_H
+
+#include <stdint.h>
+
+typedef struct workerd_flags {
+    const char *job_name, *ps_hosts, *worker_hosts, *chief_hosts;
+    const char *ring_tls_cert, *ring_tls_key, *ring_tls_prio;
+    const char *token_file, *tls_ca, *data_dir;
+    const char *hidden_s, *model_s, *evaluate_path, *optimizer, *export_path, *placement_s;
+    uint64_t partition_bytes;
+    int task_index, timeout_ms, batch, sync, issync, replicas;
+    int log_every, keep_ps, local, threads, tls;
+    uint64_t train_steps, seed;
+    float lr, momentum, recovery_wait, eval_secs, retry_secs;
+    int backoff_ms, backoff_max_ms, step_delay_ms;
+    float num_epochs;
+    int max_staleness, staleness;
+    float moving_average_decay;
+    const char *lr_schedule;
+    int nesterov, staircase, decay_steps;
+    float clip_norm, weight_decay, decay_rate, alpha, rmsprop_decay, init_accum;
+    const char *allreduce, *logdir;
+    float ring_timeout;
+    uint64_t ring_piece;
+    uint64_t max_model_bytes; /* --max_model_bytes: 0 = no limit */
+    int save_ckpt_secs, log_param_hash;
+    const char *device;
+    int gpu, tf32;
+    int pipeline_stages, micro_batches;
+    const char *stage_layers, *pipeline_schedule, *pipeline_updates;
+    float pipeline_timeout;
+    /* which of the flags the checks ask about were on the command line */
+    int task_index_given, sync_given, momentum_given;
+    int micro_batches_given, pipeline_schedule_given, pipeline_timeout_given, pipeline_updates_given;
+    int ring_timeout_given, ring_piece_given, save_ckpt_given;
+} workerd_flags;
+
+/* The command line into o: -1 to go on, else the exit status (--help: 0,
+ * a bad flag: 2 after a line on stderr). */
+int workerd_parse_flags(workerd_flags *o, int argc, char **argv);
+
+#endif
