@@ -63,6 +63,7 @@
 #include "shards/shards.h"
 #include "pipeline/pipeline.h"
 #include "workerd/progress.h"
+#include "workerd/workerd_flags.h"
 
 #define PIPE_START_SECS 30.0
 
@@ -89,6 +90,105 @@ int pipe_plan_for(const train_config *c, pipe_plan *p, char *err, size_t errlen)
     if (c->stage_layers)
         return pipe_split_parse(&c->layout, c->stage_layers, c->pipeline_stages, p, err, errlen);
     return pipe_split_balanced(&c->layout, c->pipeline_stages, p, err, errlen);
+}
+
+int train_pipeline_flags(train_config *c, const workerd_flags *f)
+{
+    if (!(f->pipeline_stages || f->stage_layers || f->micro_batches_given || f->pipeline_schedule_given ||
+          f->pipeline_timeout_given || f->pipeline_updates_given))
+        return 0;
+    char err[512];
+    const char *bad = NULL;
+    pipe_schedule_kind sk = PIPE_1F1B;
+    if (!f->pipeline_stages)
+        bad = "--stage_layers, --micro_batches, --pipeline_schedule, --pipeline_timeout_secs and --pipeline_updates "
+              "need --pipeline_stages";
+    else if (f->pipeline_stages < PIPE_MIN_STAGES || f->pipeline_stages > PIPE_MAX_STAGES)
+        bad = "--pipeline_stages must be 2 to 8";
+    else if (f->local)
+        bad = "--pipeline_stages is not for --local (--local is the one-process reference it is compared with)";
+    else if (c->ring && (f->ring_tls_cert || f->ring_timeout_given || f->ring_piece_given || f->save_ckpt_given))
+        bad = "--pipeline_stages --allreduce=ring runs the ring over the stages' own endpoints (HTTP, "
+              "--pipeline_timeout_secs, whole chunks, no checkpoints): not with --ring_tls_cert, "
+              "--ring_timeout_secs, --ring_piece_bytes or --save_checkpoint_secs";
+    else if (c->ring && strcmp(f->pipeline_updates, "ps") == 0)
+        bad = "--allreduce=ring is for --pipeline_updates=local: with the ps, the ps averages the replicas";
+    else if (strcmp(f->pipeline_updates, "auto") != 0 && strcmp(f->pipeline_updates, "ps") != 0 &&
+             strcmp(f->pipeline_updates, "local") != 0)
+        bad = "--pipeline_updates must be ps, local or auto";
+    else if (f->micro_batches < 1 || f->micro_batches > PIPE_MAX_MICRO || f->batch % f->micro_batches != 0)
+        bad = "--micro_batches must be 1 to 256 and divide --batch_size";
+    else if (pipe_schedule_from_name(f->pipeline_schedule, &sk) != 0)
+        bad = "--pipeline_schedule must be gpipe or 1f1b";
+    else if (!(f->pipeline_timeout > 0) || f->pipeline_timeout > 86400)
+        bad = "--pipeline_timeout_secs must be > 0 (and at most a day)";
+    if (bad) {
+        fprintf(stderr, "workerd: %s\n", bad);
+        return 2;
+    }
+    c->pipeline_stages = f->pipeline_stages;
+    c->stage_layers = f->stage_layers;
+    c->pipeline_schedule = (int)sk;
+    c->micro_batches = f->micro_batches;
+    c->pipeline_timeout_secs = f->pipeline_timeout;
+    pipe_plan plan;
+    if (pipe_plan_for(c, &plan, err, sizeof(err)) != 0) {
+        if (f->stage_layers)
+            fprintf(stderr, "workerd: --stage_layers=%s: %s\n", f->stage_layers, err);
+        else
+            fprintf(stderr, "workerd: --pipeline_stages=%d: %s\n", f->pipeline_stages, err);
+        return 2;
+    }
+    return 0;
+}
+
+int train_pipeline_cluster_flags(train_config *c, const workerd_flags *f)
+{
+    const cluster_spec *cs = c->cluster;
+    if (c->pipeline_stages) {
+        const char *tf = getenv("TF_CONFIG");
+        /* the rule: the ps when asked for, or (auto) when ps tasks are named and there is no ring */
+        c->pipeline_ps = strcmp(f->pipeline_updates, "ps") == 0 ||
+                         (strcmp(f->pipeline_updates, "auto") == 0 && !c->ring &&
+                          (f->ps_hosts || (tf && *tf && cs->jobs[JOB_PS].n > 0)));
+        const char *bad = NULL;
+        if (!c->pipeline_ps && c->moving_average_decay > 0)
+            bad = "--moving_average_decay needs the ps tasks: not with --pipeline_updates=local (give --ps_hosts)";
+        else if (c->pipeline_ps && ((f->sync_given && !c->sync) || f->issync == 0))
+            bad = "--pipeline_stages with the ps is synchronous: not with --sync=0 (the stages' gradients of one "
+                  "step must meet one version of the parameters)";
+        else if (c->pipeline_ps && f->replicas)
+            bad = "--replicas_to_aggregate is not for --pipeline_stages (every stage of every replica counts; the "
+                  "chief sets each ps's count)";
+        else if (c->pipeline_ps && f->max_model_bytes)
+            bad = "--max_model_bytes is not for --pipeline_stages with the ps yet (a stage pulls whole ps shards, "
+                  "the chief initializes and pulls the whole model): use --pipeline_updates=local";
+        else if (c->pipeline_ps && c->num_epochs > 0)
+            bad = "--num_epochs is not for --pipeline_stages (one stage leaving stops the pipeline): use --train_steps";
+        if (bad) {
+            fprintf(stderr, "workerd: %s\n", bad);
+            return 2;
+        }
+        if (c->pipeline_ps)
+            c->sync = 1;
+    }
+    /* with the ps an evaluator task evaluates the ps's variables, as it does for sync workers */
+    if (c->pipeline_stages && ((cs->job == JOB_EVALUATOR && !c->pipeline_ps) || c->n_trainers % c->pipeline_stages != 0 ||
+                               c->n_trainers / c->pipeline_stages > PIPE_MAX_REPLICAS)) {
+        if (cs->job == JOB_EVALUATOR)
+            fprintf(stderr, "workerd: --pipeline_stages without the ps has no evaluator task (the variables are "
+                            "the stages' own): the chief prints the test accuracy at the end; with --ps_hosts an "
+                            "evaluator task evaluates the ps's\n");
+        else if (c->n_trainers % c->pipeline_stages != 0)
+            fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks (chief + workers) are not whole "
+                            "pipelines: they must number K x R (stages x replicas)\n",
+                    c->pipeline_stages, c->n_trainers);
+        else
+            fprintf(stderr, "workerd: --pipeline_stages=%d: %d training tasks would be %d replicas: at most %d\n",
+                    c->pipeline_stages, c->n_trainers, c->n_trainers / c->pipeline_stages, PIPE_MAX_REPLICAS);
+        return 2;
+    }
+    return 0;
 }
 
 /* The training buffers, freed once the last step is done (before the final

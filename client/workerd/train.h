@@ -80,6 +80,14 @@ int train_pipeline(const train_config *c);
  * or -1 with err. (pipeline_train.c) */
 struct pipe_plan;
 int pipe_plan_for(const train_config *c, struct pipe_plan *p, char *err, size_t errlen);
+/* workerd's checks of --pipeline_stages and the flags only about it
+ * (pipeline_train.c): train_pipeline_flags before the role is known (into
+ * c: the stages, schedule, micro-batches, timeout; the split checked),
+ * train_pipeline_cluster_flags once c->cluster is (where the updates
+ * happen, the tasks as K x R). 0, or 2 after a line on stderr. */
+struct workerd_flags;
+int train_pipeline_flags(train_config *c, const struct workerd_flags *f);
+int train_pipeline_cluster_flags(train_config *c, const struct workerd_flags *f);
 
 /* Shared by the roles (role_common.c, model_file.c). */
 
