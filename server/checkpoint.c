@@ -352,263 +352,367 @@ static int var_cmp(const void *a, const void *b)
     return strcmp(((const store_saved_var *)a)->name, ((const store_saved_var *)b)->name);
 }
 
-int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_saved *out, char *err,
-              size_t errlen)
-{
-    memset(out, 0, sizeof(*out));
-    char why[256];
+/* What ckpt_read holds while it reads one file: the file, its parsed
+ * header, the metadata's JSON objects, and where the variables go. */
+typedef struct ckpt_reader {
+    int fd;
+    uint64_t len; /* the file's size */
+    bufpool *pool;
     st_file f;
-    memset(&f, 0, sizeof(f));
-    json_t *config = NULL, *vars = NULL, *crcs = NULL, *state = NULL, *place = NULL;
-    unsigned char *head = NULL;
-    int rc = CKPT_EINVALID;
-    /* only the header is read whole; each tensor goes straight from the file
-     * into its blob, checked as it lands (peak memory: the model, once) */
+    json_t *config, *vars, *crcs, *state, *place;
+    store_saved *out;
+    int used; /* tensors read: the variables, their slots and moving averages */
+    char *err;
+    size_t errlen;
+} ckpt_reader;
+
+/* Open path, a regular file, into rd (fd, len). 0, or CKPT_EREAD (err). */
+static int reader_open(ckpt_reader *rd, const char *path)
+{
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-        snprintf(err, errlen, "%s", strerror(errno));
+        snprintf(rd->err, rd->errlen, "%s", strerror(errno));
         return CKPT_EREAD;
     }
     struct stat fst;
     if (fstat(fd, &fst) != 0 || !S_ISREG(fst.st_mode)) {
-        snprintf(err, errlen, "not a regular file");
+        snprintf(rd->err, rd->errlen, "not a regular file");
         close(fd);
         return CKPT_EREAD;
     }
-    uint64_t len = (uint64_t)fst.st_size, hl = 0;
+    rd->fd = fd;
+    rd->len = (uint64_t)fst.st_size;
+    return 0;
+}
+
+/* The safetensors header, read whole and parsed into rd->f. 0, CKPT_EREAD
+ * or CKPT_EINVALID (err). */
+static int read_header(ckpt_reader *rd)
+{
+    char why[256];
+    uint64_t len = rd->len, hl = 0;
     unsigned char prefix[8] = {0};
-    if (len >= 8 && read_at(fd, prefix, 8, 0, why, sizeof(why)) != 0) {
-        snprintf(err, errlen, "%s", why);
-        rc = CKPT_EREAD;
-        goto out;
+    if (len >= 8 && read_at(rd->fd, prefix, 8, 0, why, sizeof(why)) != 0) {
+        snprintf(rd->err, rd->errlen, "%s", why);
+        return CKPT_EREAD;
     }
     if (st_read_prefix(prefix, len, &hl, why, sizeof(why)) != 0) {
-        snprintf(err, errlen, "%s (file is %llu bytes)", why, (unsigned long long)len);
-        goto out;
+        snprintf(rd->err, rd->errlen, "%s (file is %llu bytes)", why, (unsigned long long)len);
+        return CKPT_EINVALID;
     }
-    if (!(head = malloc((size_t)hl))) {
-        snprintf(err, errlen, "out of memory for a header of %llu bytes", (unsigned long long)hl);
-        rc = CKPT_EREAD;
-        goto out;
+    unsigned char *head = malloc((size_t)hl);
+    if (!head) {
+        snprintf(rd->err, rd->errlen, "out of memory for a header of %llu bytes", (unsigned long long)hl);
+        return CKPT_EREAD;
     }
-    if (read_at(fd, head, (size_t)hl, 8, why, sizeof(why)) != 0) {
-        snprintf(err, errlen, "%s", why);
-        rc = CKPT_EREAD;
-        goto out;
+    if (read_at(rd->fd, head, (size_t)hl, 8, why, sizeof(why)) != 0) {
+        snprintf(rd->err, rd->errlen, "%s", why);
+        free(head);
+        return CKPT_EREAD;
     }
-    int pr = st_parse_header(head, hl, len - 8 - hl, &f, why, sizeof(why));
-    if (pr != 0) {
-        snprintf(err, errlen, "%s (file is %llu bytes)", why, (unsigned long long)len);
-        rc = pr == ST_ENOMEM ? CKPT_EREAD : CKPT_EINVALID;
-        goto out;
-    }
+    int pr = st_parse_header(head, hl, len - 8 - hl, &rd->f, why, sizeof(why));
     free(head);
-    head = NULL;
-    const char *fmt = st_meta_get(&f, "format"), *ver = st_meta_get(&f, "format_version");
+    if (pr != 0) {
+        snprintf(rd->err, rd->errlen, "%s (file is %llu bytes)", why, (unsigned long long)len);
+        return pr == ST_ENOMEM ? CKPT_EREAD : CKPT_EINVALID;
+    }
+    return 0;
+}
+
+/* The metadata's format, format_version and checksum (meta_crc32c). 0, or
+ * CKPT_EINVALID (err). */
+static int check_format(ckpt_reader *rd)
+{
+    const st_file *f = &rd->f;
+    char *err = rd->err;
+    size_t errlen = rd->errlen;
+    const char *fmt = st_meta_get(f, "format"), *ver = st_meta_get(f, "format_version");
     if (!fmt || strcmp(fmt, CKPT_FORMAT) != 0 || !ver) {
         snprintf(err, errlen, "not a restps checkpoint (metadata 'format' is %s%s%s)",
                  fmt ? "'" : "", fmt ? fmt : "missing", fmt ? "'" : "");
-        goto out;
+        return CKPT_EINVALID;
     }
     if (strcmp(ver, CKPT_FORMAT_VERSION) != 0) {
         snprintf(err, errlen, "format_version '%s' is not one this psd reads (%s)", ver,
                  CKPT_FORMAT_VERSION);
-        goto out;
+        return CKPT_EINVALID;
     }
-    const char **kv = malloc(sizeof(char *) * 2 * (size_t)(f.n_meta ? f.n_meta : 1));
+    const char **kv = malloc(sizeof(char *) * 2 * (size_t)(f->n_meta ? f->n_meta : 1));
     if (!kv) {
         snprintf(err, errlen, "out of memory");
-        goto out;
+        return CKPT_EINVALID;
     }
-    for (int i = 0; i < f.n_meta; i++) {
-        kv[2 * i] = f.meta[i].key;
-        kv[2 * i + 1] = f.meta[i].value;
+    for (int i = 0; i < f->n_meta; i++) {
+        kv[2 * i] = f->meta[i].key;
+        kv[2 * i + 1] = f->meta[i].value;
     }
-    uint32_t mc = meta_crc(kv, f.n_meta);
+    uint32_t mc = meta_crc(kv, f->n_meta);
     free(kv);
-    const char *mcs = st_meta_get(&f, "meta_crc32c");
+    const char *mcs = st_meta_get(f, "meta_crc32c");
     char mhex[9];
     snprintf(mhex, sizeof(mhex), "%08x", mc);
     if (!mcs || strcmp(mcs, mhex) != 0) {
         snprintf(err, errlen, "metadata checksum does not match (file says %s, metadata gives %s)",
                  mcs ? mcs : "nothing", mhex);
-        goto out;
+        return CKPT_EINVALID;
     }
-    const char *step_s = st_meta_get(&f, "global_step");
+    return 0;
+}
+
+/* The global step into out, and (self not NULL) that the file is this
+ * task's. 0, CKPT_EINVALID or CKPT_EOTHER (err). */
+static int check_owner(ckpt_reader *rd, const ckpt_info *self)
+{
+    const st_file *f = &rd->f;
+    char *err = rd->err;
+    size_t errlen = rd->errlen;
+    const char *step_s = st_meta_get(f, "global_step");
     char *end = NULL;
     long long step = step_s ? strtoll(step_s, &end, 10) : -1;
     if (!step_s || *end || step < 0) {
         snprintf(err, errlen, "metadata 'global_step' is not a step");
-        goto out;
+        return CKPT_EINVALID;
     }
-    out->global_step = step;
+    rd->out->global_step = step;
     if (self) {
-        const char *task = st_meta_get(&f, "task"), *nps = st_meta_get(&f, "ps_tasks");
+        const char *task = st_meta_get(f, "task"), *nps = st_meta_get(f, "ps_tasks");
         char want[32];
         snprintf(want, sizeof(want), "ps:%d", self->task_index);
         if (!task || !nps || strcmp(task, want) != 0 || atoi(nps) != self->ps_tasks) {
             snprintf(err, errlen, "it is %s of a cluster of %s ps tasks; this is %s of %d",
                      task ? task : "?", nps ? nps : "?", want, self->ps_tasks);
-            rc = CKPT_EOTHER;
-            goto out;
+            return CKPT_EOTHER;
         }
     }
-    if (!(config = meta_json(&f, "config", err, errlen)) || parse_config(config, out, err, errlen) ||
-        !(vars = meta_json(&f, "variables", err, errlen)) ||
-        !(crcs = meta_json(&f, "crc32c", err, errlen)) ||
-        !(state = meta_json(&f, "state", err, errlen)))
-        goto out;
-    if (!json_is_object(vars) || !json_is_object(crcs) || !json_is_object(state)) {
+    return 0;
+}
+
+/* The metadata's config (into out), variables, crc32c and state, and that
+ * every tensor has a checksum and is F32. 0, or CKPT_EINVALID (err). */
+static int read_meta_objects(ckpt_reader *rd)
+{
+    char *err = rd->err;
+    size_t errlen = rd->errlen;
+    if (!(rd->config = meta_json(&rd->f, "config", err, errlen)) ||
+        parse_config(rd->config, rd->out, err, errlen) ||
+        !(rd->vars = meta_json(&rd->f, "variables", err, errlen)) ||
+        !(rd->crcs = meta_json(&rd->f, "crc32c", err, errlen)) ||
+        !(rd->state = meta_json(&rd->f, "state", err, errlen)))
+        return CKPT_EINVALID;
+    if (!json_is_object(rd->vars) || !json_is_object(rd->crcs) || !json_is_object(rd->state)) {
         snprintf(err, errlen, "metadata 'variables', 'crc32c' and 'state' must be JSON objects");
-        goto out;
+        return CKPT_EINVALID;
     }
     /* every tensor has a checksum (each is checked as it is read below) */
-    for (int t = 0; t < f.n_tensors; t++) {
-        const st_tensor *ti = &f.tensors[t];
-        if (!json_is_string(json_object_get(crcs, ti->name))) {
+    for (int t = 0; t < rd->f.n_tensors; t++) {
+        const st_tensor *ti = &rd->f.tensors[t];
+        if (!json_is_string(json_object_get(rd->crcs, ti->name))) {
             snprintf(err, errlen, "tensor '%s': checksum does not match (file says nothing)",
                      ti->name);
-            goto out;
+            return CKPT_EINVALID;
         }
         if (strcmp(ti->dtype, "F32") != 0) {
             snprintf(err, errlen, "tensor '%s' has dtype %s, checkpoints hold F32", ti->name,
                      ti->dtype);
-            goto out;
+            return CKPT_EINVALID;
         }
     }
-    size_t nv = json_object_size(vars);
+    return 0;
+}
+
+/* Variable v's optimizer slots (the metadata's list, slots) read from the
+ * file. 0, CKPT_EREAD or CKPT_EINVALID (err). */
+static int read_slots(ckpt_reader *rd, store_saved_var *v, const char *name, json_t *slots)
+{
+    store_saved *out = rd->out;
+    const st_file *f = &rd->f;
+    char *err = rd->err;
+    size_t errlen = rd->errlen;
+    size_t nb = (size_t)v->numel * 4;
+    int ns = (int)json_array_size(slots);
+    int need = out->configured ? optim_slots(out->config.optim.kind) : 0;
+    if (ns != 0 && ns != need) {
+        snprintf(err, errlen, "variable '%s' has %d optimizer slots, %s needs %d", name, ns,
+                 out->configured ? optim_name(out->config.optim.kind) : "no optimizer", need);
+        return CKPT_EINVALID;
+    }
+    if (ns > 0 && !(v->slots = malloc((size_t)ns * nb))) {
+        snprintf(err, errlen, "out of memory");
+        return CKPT_EREAD;
+    }
+    v->n_slots = ns;
+    for (int j = 0; j < ns; j++) {
+        const char *want = slot_names[out->config.optim.kind][j];
+        const char *sn = json_string_value(json_array_get(slots, (size_t)j));
+        char tn[TENSOR_NAME_MAX + 32];
+        snprintf(tn, sizeof(tn), "%s:%s", name, want);
+        int st = sn && strcmp(sn, want) == 0 ? st_find(f, tn) : -1;
+        if (st < 0 || !tensor_shape_equal(&f->tensors[st].shape, &v->shape)) {
+            snprintf(err, errlen, "variable '%s': optimizer slot '%s' is missing or has another shape",
+                     name, want);
+            return CKPT_EINVALID;
+        }
+        int rc = read_tensor(rd->fd, f, &f->tensors[st], rd->crcs, v->slots + (size_t)j * (size_t)v->numel,
+                             err, errlen);
+        if (rc != 0)
+            return rc;
+        rd->used++;
+    }
+    return 0;
+}
+
+/* Variable v's moving average when the metadata says it has one (has_ma:
+ * true, false or absent). 0, CKPT_EREAD or CKPT_EINVALID (err). */
+static int read_moving_average(ckpt_reader *rd, store_saved_var *v, const char *name, json_t *has_ma)
+{
+    const st_file *f = &rd->f;
+    char *err = rd->err;
+    size_t errlen = rd->errlen;
+    if (json_is_true(has_ma)) {
+        char tn[TENSOR_NAME_MAX + 32];
+        snprintf(tn, sizeof(tn), "%s:%s", name, EMA_SLOT);
+        int st = st_find(f, tn);
+        if (st < 0 || !tensor_shape_equal(&f->tensors[st].shape, &v->shape)) {
+            snprintf(err, errlen, "variable '%s': its moving average is missing or has another shape",
+                     name);
+            return CKPT_EINVALID;
+        }
+        if (!(v->shadow = malloc((size_t)v->numel * 4))) {
+            snprintf(err, errlen, "out of memory");
+            return CKPT_EREAD;
+        }
+        int rc = read_tensor(rd->fd, f, &f->tensors[st], rd->crcs, v->shadow, err, errlen);
+        if (rc != 0)
+            return rc;
+        rd->used++;
+    } else if (has_ma && !json_is_false(has_ma)) {
+        snprintf(err, errlen, "variable '%s': moving_average must be true or false", name);
+        return CKPT_EINVALID;
+    }
+    return 0;
+}
+
+/* The variable name (info: its metadata) into the next of out->vars: its
+ * tensor, slots and moving average. 0, CKPT_EREAD or CKPT_EINVALID (err). */
+static int read_variable(ckpt_reader *rd, const char *name, json_t *info)
+{
+    store_saved *out = rd->out;
+    const st_file *f = &rd->f;
+    char *err = rd->err;
+    size_t errlen = rd->errlen;
+    store_saved_var *v = &out->vars[out->n];
+    int t = st_find(f, name);
+    json_t *ver_j = json_object_get(info, "version"), *upd = json_object_get(info, "updates"),
+           *slots = json_object_get(info, "slots");
+    char nerr[128];
+    if (t < 0 || tensor_name_check(name, nerr, sizeof(nerr)) != 0 || !json_is_integer(ver_j) ||
+        !json_is_integer(upd) || !json_is_array(slots)) {
+        snprintf(err, errlen, "variable '%.64s': %s", name,
+                 t < 0 ? "no tensor holds it" : "its metadata is not {version, updates, slots}");
+        return CKPT_EINVALID;
+    }
+    const st_tensor *ti = &f->tensors[t];
+    /* the header's shape is outside the checksums: it must be the one
+     * the metadata (under meta_crc32c) recorded */
+    json_t *shp = json_object_get(info, "shape");
+    int same = json_is_array(shp) && (int)json_array_size(shp) == ti->shape.ndim;
+    for (int d2 = 0; same && d2 < ti->shape.ndim; d2++)
+        same = json_is_integer(json_array_get(shp, (size_t)d2)) &&
+               json_integer_value(json_array_get(shp, (size_t)d2)) == ti->shape.dims[d2];
+    if (!same) {
+        snprintf(err, errlen, "variable '%.64s': its shape in the header is not the one in the metadata",
+                 name);
+        return CKPT_EINVALID;
+    }
+    snprintf(v->name, sizeof(v->name), "%s", name);
+    v->shape = ti->shape;
+    v->numel = tensor_shape_numel(&ti->shape);
+    v->version = (uint64_t)json_integer_value(ver_j);
+    v->updates = json_integer_value(upd);
+    size_t nb = (size_t)v->numel * 4;
+    if (!(v->data = blob_new(rd->pool, nb))) {
+        snprintf(err, errlen, "out of memory");
+        return CKPT_EREAD;
+    }
+    out->n++;
+    int rc = read_tensor(rd->fd, f, ti, rd->crcs, v->data->data, err, errlen);
+    if (rc != 0)
+        return rc;
+    rd->used++;
+    if ((rc = read_slots(rd, v, name, slots)) != 0)
+        return rc;
+    return read_moving_average(rd, v, name, json_object_get(info, "moving_average"));
+}
+
+/* Every variable of the metadata into out->vars (sorted by name), and no
+ * tensor left over. 0, CKPT_EREAD or CKPT_EINVALID (err). */
+static int read_variables(ckpt_reader *rd)
+{
+    store_saved *out = rd->out;
+    size_t nv = json_object_size(rd->vars);
     out->vars = calloc(nv ? nv : 1, sizeof(store_saved_var));
     if (!out->vars) {
-        snprintf(err, errlen, "out of memory");
-        goto out;
+        snprintf(rd->err, rd->errlen, "out of memory");
+        return CKPT_EINVALID;
     }
-    int used = 0;
     const char *name;
     json_t *info;
-    json_object_foreach(vars, name, info) {
-        store_saved_var *v = &out->vars[out->n];
-        int t = st_find(&f, name);
-        json_t *ver_j = json_object_get(info, "version"), *upd = json_object_get(info, "updates"),
-               *slots = json_object_get(info, "slots");
-        char nerr[128];
-        if (t < 0 || tensor_name_check(name, nerr, sizeof(nerr)) != 0 || !json_is_integer(ver_j) ||
-            !json_is_integer(upd) || !json_is_array(slots)) {
-            snprintf(err, errlen, "variable '%.64s': %s", name,
-                     t < 0 ? "no tensor holds it" : "its metadata is not {version, updates, slots}");
-            goto out;
-        }
-        const st_tensor *ti = &f.tensors[t];
-        /* the header's shape is outside the checksums: it must be the one
-         * the metadata (under meta_crc32c) recorded */
-        json_t *shp = json_object_get(info, "shape");
-        int same = json_is_array(shp) && (int)json_array_size(shp) == ti->shape.ndim;
-        for (int d2 = 0; same && d2 < ti->shape.ndim; d2++)
-            same = json_is_integer(json_array_get(shp, (size_t)d2)) &&
-                   json_integer_value(json_array_get(shp, (size_t)d2)) == ti->shape.dims[d2];
-        if (!same) {
-            snprintf(err, errlen, "variable '%.64s': its shape in the header is not the one in the metadata",
-                     name);
-            goto out;
-        }
-        snprintf(v->name, sizeof(v->name), "%s", name);
-        v->shape = ti->shape;
-        v->numel = tensor_shape_numel(&ti->shape);
-        v->version = (uint64_t)json_integer_value(ver_j);
-        v->updates = json_integer_value(upd);
-        size_t nb = (size_t)v->numel * 4;
-        if (!(v->data = blob_new(pool, nb))) {
-            snprintf(err, errlen, "out of memory");
-            rc = CKPT_EREAD;
-            goto out;
-        }
-        out->n++;
-        if ((rc = read_tensor(fd, &f, ti, crcs, v->data->data, err, errlen)) != 0)
-            goto out;
-        rc = CKPT_EINVALID;
-        used++;
-        int ns = (int)json_array_size(slots);
-        int need = out->configured ? optim_slots(out->config.optim.kind) : 0;
-        if (ns != 0 && ns != need) {
-            snprintf(err, errlen, "variable '%s' has %d optimizer slots, %s needs %d", name, ns,
-                     out->configured ? optim_name(out->config.optim.kind) : "no optimizer", need);
-            goto out;
-        }
-        if (ns > 0 && !(v->slots = malloc((size_t)ns * nb))) {
-            snprintf(err, errlen, "out of memory");
-            rc = CKPT_EREAD;
-            goto out;
-        }
-        v->n_slots = ns;
-        for (int j = 0; j < ns; j++) {
-            const char *want = slot_names[out->config.optim.kind][j];
-            const char *sn = json_string_value(json_array_get(slots, (size_t)j));
-            char tn[TENSOR_NAME_MAX + 32];
-            snprintf(tn, sizeof(tn), "%s:%s", name, want);
-            int st = sn && strcmp(sn, want) == 0 ? st_find(&f, tn) : -1;
-            if (st < 0 || !tensor_shape_equal(&f.tensors[st].shape, &v->shape)) {
-                snprintf(err, errlen, "variable '%s': optimizer slot '%s' is missing or has another shape",
-                         name, want);
-                goto out;
-            }
-            if ((rc = read_tensor(fd, &f, &f.tensors[st], crcs, v->slots + (size_t)j * (size_t)v->numel,
-                                  err, errlen)) != 0)
-                goto out;
-            rc = CKPT_EINVALID;
-            used++;
-        }
-        json_t *has_ma = json_object_get(info, "moving_average");
-        if (json_is_true(has_ma)) {
-            char tn[TENSOR_NAME_MAX + 32];
-            snprintf(tn, sizeof(tn), "%s:%s", name, EMA_SLOT);
-            int st = st_find(&f, tn);
-            if (st < 0 || !tensor_shape_equal(&f.tensors[st].shape, &v->shape)) {
-                snprintf(err, errlen, "variable '%s': its moving average is missing or has another shape",
-                         name);
-                goto out;
-            }
-            if (!(v->shadow = malloc(nb))) {
-                snprintf(err, errlen, "out of memory");
-                rc = CKPT_EREAD;
-                goto out;
-            }
-            if ((rc = read_tensor(fd, &f, &f.tensors[st], crcs, v->shadow, err, errlen)) != 0)
-                goto out;
-            rc = CKPT_EINVALID;
-            used++;
-        } else if (has_ma && !json_is_false(has_ma)) {
-            snprintf(err, errlen, "variable '%s': moving_average must be true or false", name);
-            goto out;
-        }
+    json_object_foreach(rd->vars, name, info) {
+        int rc = read_variable(rd, name, info);
+        if (rc != 0)
+            return rc;
     }
-    if (used != f.n_tensors) {
-        snprintf(err, errlen, "%d tensors are neither a variable nor a slot of one",
-                 f.n_tensors - used);
-        goto out;
+    if (rd->used != rd->f.n_tensors) {
+        snprintf(rd->err, rd->errlen, "%d tensors are neither a variable nor a slot of one",
+                 rd->f.n_tensors - rd->used);
+        return CKPT_EINVALID;
     }
     qsort(out->vars, (size_t)out->n, sizeof(store_saved_var), var_cmp);
+    return 0;
+}
+
+/* The placement map (when there is one) and the metadata's state into out.
+ * 0, or CKPT_EINVALID (err). */
+static int read_state(ckpt_reader *rd)
+{
+    store_saved *out = rd->out;
     /* the chief's placement map, when it sent one (older files may lack it) */
-    place = meta_json(&f, "placement", err, errlen);
-    json_t *map = place ? json_object_get(place, "map") : NULL;
+    rd->place = meta_json(&rd->f, "placement", rd->err, rd->errlen);
+    json_t *map = rd->place ? json_object_get(rd->place, "map") : NULL;
     if (json_is_object(map) && !(out->placement = json_dumps_checked(map, JSON_COMPACT | JSON_PRESERVE_ORDER))) {
-        snprintf(err, errlen, "out of memory");
-        goto out;
+        snprintf(rd->err, rd->errlen, "out of memory");
+        return CKPT_EINVALID;
     }
-    json_t *ll = json_object_get(state, "last_loss");
+    json_t *ll = json_object_get(rd->state, "last_loss");
     out->has_loss = json_is_number(ll);
     out->last_loss = out->has_loss ? json_number_value(ll) : 0;
-    out->stale_dropped = json_integer_value(json_object_get(state, "stale_dropped"));
-    out->pushes_applied = json_integer_value(json_object_get(state, "pushes_applied"));
-    rc = 0;
-out:
+    out->stale_dropped = json_integer_value(json_object_get(rd->state, "stale_dropped"));
+    out->pushes_applied = json_integer_value(json_object_get(rd->state, "pushes_applied"));
+    return 0;
+}
+
+int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_saved *out, char *err,
+              size_t errlen)
+{
+    memset(out, 0, sizeof(*out));
+    ckpt_reader rd = {.fd = -1, .pool = pool, .out = out, .err = err, .errlen = errlen};
+    memset(&rd.f, 0, sizeof(rd.f));
+    /* only the header is read whole; each tensor goes straight from the file
+     * into its blob, checked as it lands (peak memory: the model, once) */
+    int rc = reader_open(&rd, path);
+    if (rc != 0)
+        return rc;
+    if ((rc = read_header(&rd)) == 0 && (rc = check_format(&rd)) == 0 && (rc = check_owner(&rd, self)) == 0 &&
+        (rc = read_meta_objects(&rd)) == 0 && (rc = read_variables(&rd)) == 0)
+        rc = read_state(&rd);
     if (rc != 0)
         store_saved_free(out);
-    json_decref(config);
-    json_decref(vars);
-    json_decref(crcs);
-    json_decref(state);
-    json_decref(place);
-    st_file_free(&f);
-    free(head);
-    close(fd);
+    json_decref(rd.config);
+    json_decref(rd.vars);
+    json_decref(rd.crcs);
+    json_decref(rd.state);
+    json_decref(rd.place);
+    st_file_free(&rd.f);
+    close(rd.fd);
     return rc;
 }

@@ -282,14 +282,10 @@ static void put_secs(out *o, uint64_t ns)
 
 static const char *route_label(const slot *s) { return s->rt ? s->rt->path : "unmatched"; }
 
-char *metrics_text(struct metrics *m, server *srv, size_t *len)
+/* The shard's state: step, loss, evaluation, sizes, waits, workers and
+ * checkpoints. */
+static void put_shard(out *o, server *srv)
 {
-    out o = {.cap = 16384};
-    o.p = malloc(o.cap);
-    if (!o.p)
-        return NULL;
-
-    /* the shard */
     int n_vars, has_loss;
     uint64_t bytes;
     int64_t step;
@@ -301,81 +297,86 @@ char *metrics_text(struct metrics *m, server *srv, size_t *len)
     int pending = sc.pending, ready = sc.configured;
     double up = clk_mono_since(&srv->started);
 
-    gauge(&o, "restps_global_step", "The shard's global step.", (double)step);
+    gauge(o, "restps_global_step", "The shard's global step.", (double)step);
     if (has_loss)
-        gauge(&o, "restps_loss", "The training loss of the last push that carried one.", loss);
+        gauge(o, "restps_loss", "The training loss of the last push that carried one.", loss);
     pthread_mutex_lock(&srv->info_mu);
     int has_eval = srv->eval.has;
     double eval_loss = srv->eval.loss, eval_acc = srv->eval.accuracy;
     pthread_mutex_unlock(&srv->info_mu);
     if (has_eval) {
-        gauge(&o, "restps_eval_loss", "The evaluator's last test loss.", eval_loss);
-        gauge(&o, "restps_eval_accuracy", "The evaluator's last test accuracy (0 to 1).",
+        gauge(o, "restps_eval_loss", "The evaluator's last test loss.", eval_loss);
+        gauge(o, "restps_eval_accuracy", "The evaluator's last test accuracy (0 to 1).",
               eval_acc);
     }
-    gauge(&o, "restps_ready", "1 once the chief sent the training configuration.", ready);
-    gauge(&o, "restps_variables", "Variables held by this shard.", n_vars);
-    gauge(&o, "restps_stored_bytes", "Bytes of variable values held by this shard.",
+    gauge(o, "restps_ready", "1 once the chief sent the training configuration.", ready);
+    gauge(o, "restps_variables", "Variables held by this shard.", n_vars);
+    gauge(o, "restps_stored_bytes", "Bytes of variable values held by this shard.",
           (double)bytes);
-    gauge(&o, "restps_uptime_seconds", "Seconds since psd started.", up);
-    gauge(&o, "restps_waiting_pulls", "Long polls on /v1/params waiting now.",
+    gauge(o, "restps_uptime_seconds", "Seconds since psd started.", up);
+    gauge(o, "restps_waiting_pulls", "Long polls on /v1/params waiting now.",
           waiters_count(srv->waiters, WAIT_STEP) + waiters_count(srv->waiters, WAIT_CLOCK));
-    gauge(&o, "restps_pending_gradients", "Sync pushes kept for the current step.", pending);
-    gauge(&o, "restps_live_workers", "Workers whose last push came in the last 10 seconds.",
+    gauge(o, "restps_pending_gradients", "Sync pushes kept for the current step.", pending);
+    gauge(o, "restps_live_workers", "Workers whose last push came in the last 10 seconds.",
           workers_live(srv->workers, WORKERS_LIVE_SECS));
-    gauge(&o, "restps_examples_per_second",
+    gauge(o, "restps_examples_per_second",
           "Examples of applied and pending pushes per second over the last 5 seconds.",
           workers_examples_per_sec(srv->workers));
     if (srv->saver) {
         saver_stats cs;
         saver_get_stats(srv->saver, &cs);
         if (cs.has_last) {
-            gauge(&o, "restps_checkpoint_age_seconds",
+            gauge(o, "restps_checkpoint_age_seconds",
                   "Seconds since the newest checkpoint was written (or, restored, since its file was).",
                   cs.age_secs);
-            gauge(&o, "restps_checkpoint_global_step", "The global step the newest checkpoint holds.",
+            gauge(o, "restps_checkpoint_global_step", "The global step the newest checkpoint holds.",
                   (double)cs.last_step);
-            gauge(&o, "restps_checkpoint_duration_seconds",
+            gauge(o, "restps_checkpoint_duration_seconds",
                   "How long the last checkpoint written by this process took.", cs.last_duration_secs);
         }
-        family(&o, "restps_checkpoints_saved_total", "counter", "Checkpoints written by this process.");
-        put(&o, "restps_checkpoints_saved_total %llu\n", (unsigned long long)cs.saves);
-        family(&o, "restps_checkpoint_failures_total", "counter",
+        family(o, "restps_checkpoints_saved_total", "counter", "Checkpoints written by this process.");
+        put(o, "restps_checkpoints_saved_total %llu\n", (unsigned long long)cs.saves);
+        family(o, "restps_checkpoint_failures_total", "counter",
                "Checkpoint saves that failed (disk full, folder unwritable, ...).");
-        put(&o, "restps_checkpoint_failures_total %llu\n", (unsigned long long)cs.failures);
+        put(o, "restps_checkpoint_failures_total %llu\n", (unsigned long long)cs.failures);
     }
-    family(&o, "restps_stale_gradients_dropped_total", "counter",
+    family(o, "restps_stale_gradients_dropped_total", "counter",
            "Sync pushes dropped because they were computed from an older step.");
-    put(&o, "restps_stale_gradients_dropped_total %lld\n", (long long)stale);
+    put(o, "restps_stale_gradients_dropped_total %lld\n", (long long)stale);
+}
 
-    /* pulls and pushes */
-    family(&o, "restps_pulls_total", "counter",
+/* Pulls and pushes, by result. */
+static void put_pulls_pushes(out *o, struct metrics *m, server *srv)
+{
+    family(o, "restps_pulls_total", "counter",
            "GET /v1/params and GET /v1/vars/{name} by result: ok, not_modified (304), refused "
            "(4xx/5xx), aborted (the client left).");
     for (int i = 0; i < N_PULL; i++)
-        put(&o, "restps_pulls_total{result=\"%s\"} %llu\n", pull_results[i],
+        put(o, "restps_pulls_total{result=\"%s\"} %llu\n", pull_results[i],
             (unsigned long long)atomic_load(&m->pulls[i]));
     uint64_t oc[4];
     workers_outcomes(srv->workers, oc);
-    family(&o, "restps_pushes_total", "counter",
+    family(o, "restps_pushes_total", "counter",
            "POST /v1/grads and POST /v1/vars/{name}/grad by result: applied, pending (sync), "
            "stale (sync, dropped), duplicate, refused (4xx/5xx), aborted (the client left).");
-    put(&o, "restps_pushes_total{result=\"applied\"} %llu\n",
+    put(o, "restps_pushes_total{result=\"applied\"} %llu\n",
         (unsigned long long)(oc[STORE_PUSH_APPLIED] + atomic_load(&m->push_one_applied)));
-    put(&o, "restps_pushes_total{result=\"pending\"} %llu\n",
+    put(o, "restps_pushes_total{result=\"pending\"} %llu\n",
         (unsigned long long)oc[STORE_PUSH_PENDING]);
-    put(&o, "restps_pushes_total{result=\"stale\"} %llu\n",
+    put(o, "restps_pushes_total{result=\"stale\"} %llu\n",
         (unsigned long long)oc[STORE_PUSH_STALE]);
-    put(&o, "restps_pushes_total{result=\"duplicate\"} %llu\n",
+    put(o, "restps_pushes_total{result=\"duplicate\"} %llu\n",
         (unsigned long long)oc[STORE_PUSH_DUPLICATE]);
-    put(&o, "restps_pushes_total{result=\"refused\"} %llu\n",
+    put(o, "restps_pushes_total{result=\"refused\"} %llu\n",
         (unsigned long long)atomic_load(&m->push_refused));
-    put(&o, "restps_pushes_total{result=\"aborted\"} %llu\n",
+    put(o, "restps_pushes_total{result=\"aborted\"} %llu\n",
         (unsigned long long)atomic_load(&m->push_aborted));
+}
 
-    /* requests, by the slots seen so far */
-    int n = atomic_load_explicit(&m->n, memory_order_acquire);
-    family(&o, "restps_requests_total", "counter",
+/* Requests by route, method and status, of the first n slots. */
+static void put_requests(out *o, struct metrics *m, int n)
+{
+    family(o, "restps_requests_total", "counter",
            "Requests ended, by route (the path pattern, or unmatched), method and status code "
            "(none: no answer was sent).");
     for (int i = 0; i < n; i++) {
@@ -384,39 +385,49 @@ char *metrics_text(struct metrics *m, server *srv, size_t *len)
             unsigned c = atomic_load(&s->codes[j].code);
             if (!c)
                 continue;
-            put(&o, "restps_requests_total{route=\"");
-            put_label_value(&o, route_label(s));
+            put(o, "restps_requests_total{route=\"");
+            put_label_value(o, route_label(s));
             if (c == 1)
-                put(&o, "\",method=\"%s\",code=\"none\"} ", methods[s->method]);
+                put(o, "\",method=\"%s\",code=\"none\"} ", methods[s->method]);
             else
-                put(&o, "\",method=\"%s\",code=\"%u\"} ", methods[s->method], c - 1);
-            put(&o, "%llu\n", (unsigned long long)atomic_load(&s->codes[j].n));
+                put(o, "\",method=\"%s\",code=\"%u\"} ", methods[s->method], c - 1);
+            put(o, "%llu\n", (unsigned long long)atomic_load(&s->codes[j].n));
         }
     }
-    family(&o, "restps_request_duration_seconds", "histogram",
+}
+
+/* The latency histogram by route and method, of the first n slots. */
+static void put_durations(out *o, struct metrics *m, int n)
+{
+    family(o, "restps_request_duration_seconds", "histogram",
            "Time from a request's headers to the end of its answer, by route and method.");
     for (int i = 0; i < n; i++) {
         slot *s = &m->slots[i];
         uint64_t cum = 0;
         for (int b = 0; b <= N_BUCKETS; b++) {
             cum += atomic_load_explicit(&s->buckets[b], memory_order_relaxed);
-            put(&o, "restps_request_duration_seconds_bucket{route=\"");
-            put_label_value(&o, route_label(s));
-            put(&o, "\",method=\"%s\",le=\"%s\"} %llu\n", methods[s->method],
+            put(o, "restps_request_duration_seconds_bucket{route=\"");
+            put_label_value(o, route_label(s));
+            put(o, "\",method=\"%s\",le=\"%s\"} %llu\n", methods[s->method],
                 b < N_BUCKETS ? bucket_le[b] : "+Inf", (unsigned long long)cum);
         }
-        put(&o, "restps_request_duration_seconds_sum{route=\"");
-        put_label_value(&o, route_label(s));
-        put(&o, "\",method=\"%s\"} ", methods[s->method]);
-        put_secs(&o, atomic_load_explicit(&s->sum_ns, memory_order_relaxed));
-        put(&o, "\nrestps_request_duration_seconds_count{route=\"");
-        put_label_value(&o, route_label(s));
-        put(&o, "\",method=\"%s\"} %llu\n", methods[s->method], (unsigned long long)cum);
+        put(o, "restps_request_duration_seconds_sum{route=\"");
+        put_label_value(o, route_label(s));
+        put(o, "\",method=\"%s\"} ", methods[s->method]);
+        put_secs(o, atomic_load_explicit(&s->sum_ns, memory_order_relaxed));
+        put(o, "\nrestps_request_duration_seconds_count{route=\"");
+        put_label_value(o, route_label(s));
+        put(o, "\",method=\"%s\"} %llu\n", methods[s->method], (unsigned long long)cum);
     }
+}
+
+/* Body bytes received and sent by route, of the first n slots. */
+static void put_bytes(out *o, struct metrics *m, int n)
+{
     /* bytes by route: the methods of a path (several table rows) summed */
     for (int which = 0; which < 2; which++) {
         const char *name = which ? "restps_sent_bytes_total" : "restps_received_bytes_total";
-        family(&o, name, "counter",
+        family(o, name, "counter",
                which ? "Response body bytes of answers that went out whole (HEAD: none), by route."
                      : "Request body bytes received, by route.");
         for (int i = 0; i < n; i++) {
@@ -430,18 +441,25 @@ char *metrics_text(struct metrics *m, server *srv, size_t *len)
             for (int k = i; k < n; k++)
                 if (strcmp(route_label(&m->slots[k]), route_label(&m->slots[i])) == 0)
                     sum += atomic_load(which ? &m->slots[k].bytes_out : &m->slots[k].bytes_in);
-            put(&o, "%s{route=\"", name);
-            put_label_value(&o, route_label(&m->slots[i]));
-            put(&o, "\"} %llu\n", (unsigned long long)sum);
+            put(o, "%s{route=\"", name);
+            put_label_value(o, route_label(&m->slots[i]));
+            put(o, "\"} %llu\n", (unsigned long long)sum);
         }
     }
+}
 
-    family(&o, "restps_metrics_unrecorded_total", "counter",
+/* The requests these metrics could not record. */
+static void put_unrecorded(out *o, struct metrics *m)
+{
+    family(o, "restps_metrics_unrecorded_total", "counter",
            "Requests these metrics could not record (no room for another route or status).");
-    put(&o, "restps_metrics_unrecorded_total %llu\n",
+    put(o, "restps_metrics_unrecorded_total %llu\n",
         (unsigned long long)atomic_load(&m->unrecorded));
+}
 
-    /* each worker */
+/* Each worker's step, last push, pushes and stale pushes. */
+static void put_workers(out *o, server *srv)
+{
     workers_rec *wl;
     int nw = workers_list(srv->workers, &wl);
     static const struct {
@@ -456,25 +474,44 @@ char *metrics_text(struct metrics *m, server *srv, size_t *len)
          "Stale pushes dropped, by worker."},
     };
     for (int f = 0; f < 4 && nw > 0; f++) {
-        family(&o, wf[f].name, wf[f].type, wf[f].help);
+        family(o, wf[f].name, wf[f].type, wf[f].help);
         for (int i = 0; i < nw; i++) {
             if (f == 0 && wl[i].last_step < 0)
                 continue;
-            put(&o, "%s{worker=\"%lld\"} ", wf[f].name, wl[i].worker);
+            put(o, "%s{worker=\"%lld\"} ", wf[f].name, wl[i].worker);
             if (f == 0)
-                put(&o, "%lld\n", wl[i].last_step);
+                put(o, "%lld\n", wl[i].last_step);
             else if (f == 1) {
-                put_double(&o, wl[i].last_seen_secs_ago);
-                put(&o, "\n");
+                put_double(o, wl[i].last_seen_secs_ago);
+                put(o, "\n");
             } else
-                put(&o, "%llu\n", (unsigned long long)(f == 2 ? wl[i].pushes
-                                                              : wl[i].stale_dropped));
+                put(o, "%llu\n", (unsigned long long)(f == 2 ? wl[i].pushes
+                                                             : wl[i].stale_dropped));
         }
     }
     free(wl);
     if (nw < 0)
-        o.oom = 1;
+        o->oom = 1;
+}
 
+char *metrics_text(struct metrics *m, server *srv, size_t *len)
+{
+    out o = {.cap = 16384};
+    o.p = malloc(o.cap);
+    if (!o.p)
+        return NULL;
+    /* the shard */
+    put_shard(&o, srv);
+    /* pulls and pushes */
+    put_pulls_pushes(&o, m, srv);
+    /* requests, by the slots seen so far */
+    int n = atomic_load_explicit(&m->n, memory_order_acquire);
+    put_requests(&o, m, n);
+    put_durations(&o, m, n);
+    put_bytes(&o, m, n);
+    put_unrecorded(&o, m);
+    /* each worker */
+    put_workers(&o, srv);
     if (o.oom) {
         free(o.p);
         return NULL;
