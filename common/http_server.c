@@ -645,9 +645,8 @@ const char *http_query(http_req *r, const char *name)
     return MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, name);
 }
 
-int http_query_int(http_req *r, const char *name, long long max, long long *out)
+int http_parse_uint(const char *s, long long max, long long *out)
 {
-    const char *s = http_query(r, name);
     if (!s)
         return 0;
     if (*s < '0' || *s > '9')
@@ -655,10 +654,18 @@ int http_query_int(http_req *r, const char *name, long long max, long long *out)
     errno = 0;
     char *end;
     long long v = strtoll(s, &end, 10);
-    if (*end || errno || v > max)
+    if (*end || errno)
         return -1;
+    if (v > max)
+        return -2;
     *out = v;
     return 1;
+}
+
+int http_query_int(http_req *r, const char *name, long long max, long long *out)
+{
+    int rc = http_parse_uint(http_query(r, name), max, out);
+    return rc < 0 ? -1 : rc;
 }
 
 enum MHD_Result http_reply_response(http_req *r, unsigned status, struct MHD_Response *resp, uint64_t len)

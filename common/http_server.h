@@ -237,6 +237,10 @@ const char *http_query(http_req *r, const char *name);
  * of at most max: 1 and *out, 0 absent (*out untouched), -1 malformed or
  * over max. */
 int http_query_int(http_req *r, const char *name, long long max, long long *out);
+/* The same for any string s (a query argument, a metadata value): 1 and
+ * *out; 0 when s is NULL; -1 malformed (not digits only, or past long
+ * long); -2 over max. *out is set only on 1. */
+int http_parse_uint(const char *s, long long max, long long *out);
 
 /* Answers. Each records status and bytes, sets answered, and returns what
  * MHD_queue_response did (MHD_NO when nothing could be built). */

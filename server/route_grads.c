@@ -12,20 +12,6 @@
 #include "routes.h"
 #include "workers.h"
 
-/* A metadata value that must be an integer >= 0; 0 absent, 1 ok, -1 bad. */
-static int meta_int(const st_file *f, const char *key, long long *out)
-{
-    const char *s = st_meta_get(f, key);
-    if (!s)
-        return 0;
-    if (*s < '0' || *s > '9')
-        return -1;
-    errno = 0;
-    char *end;
-    *out = strtoll(s, &end, 10);
-    return (*end || errno) ? -1 : 1;
-}
-
 static int push_id_ok(const char *s)
 {
     size_t n = strlen(s);
@@ -72,12 +58,14 @@ enum MHD_Result h_grads_post(request *r)
                 {"clock", META_INT_MAX}};
     long long *outs[] = {&worker, &step, &batch, &clock};
     for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
-        if (meta_int(&f, ints[i].key, outs[i]) < 0) {
+        /* a metadata value that must be an integer >= 0 (absent: -1) */
+        int got = http_parse_uint(st_meta_get(&f, ints[i].key), ints[i].max, outs[i]);
+        if (got == -1) {
             rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                   "metadata worker, step, batch_size and clock must be non-negative integers");
             goto out;
         }
-        if (*outs[i] > ints[i].max) {
+        if (got == -2) {
             rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                   "metadata %s '%.32s' must be an integer from 0 to %lld", ints[i].key,
                                   st_meta_get(&f, ints[i].key), ints[i].max);
