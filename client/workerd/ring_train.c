@@ -62,281 +62,328 @@ static int save(const train_config *c, ring *r, const ring_state *st)
     return 0;
 }
 
-int train_ring(const train_config *c)
-{
-    idx_dataset ds;
-    int rc = train_load(c, &ds);
-    if (rc)
-        return rc;
-    char err[512];
-    const model_layout *L = &c->layout;
-    size_t np = L->n_params;
-    model *m = model_new(model_device_backend(), L, c->batch_size, err, sizeof(err));
-    /* the gradient buffer carries the loss after the gradients: the ring sums both;
-     * the step's buffers come from the backend (pinned on a GPU) */
-    float *params = model_host_alloc(m, np * sizeof(float));
-    float *grads = model_host_alloc(m, (np + 1) * sizeof(float));
-    float *s0 = calloc(np, sizeof(float)), *s1 = calloc(np, sizeof(float));
-    /* two batch buffers: after the all-reduce the next batch goes into the
-     * other one and is staged (model_stage_batch), its copy to the device
-     * overlapping the optimizer's update */
-    batch_pair bp;
-    const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
-    int cur = 0, ready = 0; /* ready: bp.x[cur], bp.y[cur] hold this step's batch */
-    batcher b = {0};
-    ring *r = NULL;
-    tfevents *tb = NULL; /* the chief's TensorBoard events, or NULL */
-    rc = 1;
-    if (!m || !params || !grads || !s0 || !s1 || !bp_ok ||
-        batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
-        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
-        goto out;
-    }
+/* One run of --allreduce=ring: the role buffers, the ring, the chief's
+ * state and events, and the step loop's counters. */
+typedef struct ring_run {
+    const train_config *c;
+    role_bufs rb;
+    ring *r;
+    tfevents *tb;  /* the chief's TensorBoard events, or NULL */
+    ring_state st; /* the parameters and slots, as checkpointed and published */
+    int n, chief;
+    int ready; /* ready: batch buffer rb.cur holds this step's batch */
+    int64_t step, local, saved_step, rates_step;
+    double t_saved, t_rates, t_comm;
+    int stopped, broken;
+    int rc; /* the exit status when a step says leave */
+} ring_run;
 
-    /* the ring: the chief task (when there is one), then the workers */
+/* The chief checkpoints (into --logdir). */
+static int ckpt_on(const ring_run *rr) { return rr->chief && rr->c->logdir && *rr->c->logdir; }
+
+/* The ring: the chief task (when there is one), then the workers; 0, or -1
+ * after a message. */
+static int join_ring(ring_run *rr)
+{
+    const train_config *c = rr->c;
     const cluster_spec *cs = c->cluster;
-    int has_chief = cs->jobs[JOB_CHIEF].n > 0, n = c->n_trainers;
+    int has_chief = cs->jobs[JOB_CHIEF].n > 0, n = rr->n;
+    char err[512];
     cluster_addr *peers = calloc((size_t)n, sizeof(*peers));
     if (!peers) {
         fprintf(stderr, "workerd: out of memory\n");
-        goto out;
+        return -1;
     }
     if (has_chief)
         peers[0] = cs->jobs[JOB_CHIEF].tasks[0];
     for (int i = 0; i < cs->jobs[JOB_WORKER].n; i++)
         peers[i + has_chief] = cs->jobs[JOB_WORKER].tasks[i];
-    ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = np + 1,
+    ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = c->layout.n_params + 1,
                        .piece_bytes = c->ring_piece_bytes, .timeout_secs = c->ring_timeout_secs,
                        .name = c->name, .abort = train_stop_requested, .token = c->token,
                        .tls_cert = c->ring_tls_cert, .tls_key = c->ring_tls_key, .tls_ca = c->tls_ca,
                        .tls_priorities = c->ring_tls_priorities,
                        .tls_names = {.cert = "--ring_tls_cert", .key = "--ring_tls_key", .ca = "--tls_ca",
                                      .priorities = "--ring_tls_priorities"}};
-    r = ring_new(&ro, err, sizeof(err));
+    rr->r = ring_new(&ro, err, sizeof(err));
     free(peers);
-    if (!r) {
+    if (!rr->r) {
         fprintf(stderr, "workerd: ring: %s\n", err);
-        goto out;
+        return -1;
     }
+    ring *r = rr->r;
     if (ring_tls(r))
         printf("%s: serving the ring on %s (%s, neighbours' certificates checked against %s)\n", c->name,
                ring_url(r), ring_tls(r), c->tls_ca ? c->tls_ca : "the system's CAs");
     else
         printf("%s: serving the ring on %s (plain HTTP: --ring_tls_cert for HTTPS)\n", c->name, ring_url(r));
     fflush(stdout);
-    int chief = c->trainer == 0;
     ring_info info = {.task_type = cluster_job_name(cs->job), .task_index = cs->task_index,
                       .optimizer = optim_name(c->optim.kind),
                       .learning_rate = c->optim.learning_rate, .train_steps = c->train_steps};
     ring_set_info(r, &info);
+    return 0;
+}
 
-    /* the start: the chief's parameters and slots on every task */
-    ring_state st = {.layout = L, .optimizer = c->optim.kind, .params = params, .slot0 = s0,
-                     .slot1 = s1, .step = 0, .workers = n};
-    if (chief) {
-        char path[4200];
-        int got = c->logdir && *c->logdir
-                      ? ring_ckpt_restore(c->logdir, &st, path, sizeof(path), err, sizeof(err))
-                      : 0;
-        if (got < 0) {
-            fprintf(stderr, "workerd: %s\n", err);
-            rc = 2;
-            goto out;
-        }
-        if (got) {
-            printf("%s: restored global step %lld from %s (written by a ring of %d)\n", c->name,
-                   (long long)st.step, path, st.workers);
-            ring_set_checkpoint(r, st.step, path);
-        } else {
-            model_init_params(L, params, c->seed);
-        }
-        st.workers = n;
-        void *body;
-        size_t len;
-        if (ring_state_encode(&st, &body, &len, err, sizeof(err)) != 0) {
-            fprintf(stderr, "workerd: %s\n", err);
-            goto out;
-        }
-        ring_publish(r, body, len);
+/* The chief's start: restore the newest checkpoint in --logdir, else
+ * initialize, and publish it; 0, or -1 with rr->rc after a message. */
+static int chief_start(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    ring_state *st = &rr->st;
+    char path[4200], err[512];
+    int got = c->logdir && *c->logdir
+                  ? ring_ckpt_restore(c->logdir, st, path, sizeof(path), err, sizeof(err))
+                  : 0;
+    if (got < 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        rr->rc = 2;
+        return -1;
+    }
+    if (got) {
+        printf("%s: restored global step %lld from %s (written by a ring of %d)\n", c->name,
+               (long long)st->step, path, st->workers);
+        ring_set_checkpoint(rr->r, st->step, path);
     } else {
-        void *body = NULL;
-        size_t len = 0;
-        int frc = ring_fetch_state(r, 0, RING_START_SECS, &body, &len, err, sizeof(err));
-        if (frc == -2) {
-            printf("%s: stopped by a signal while waiting for the chief\n", c->name);
-            rc = 0;
-            goto out;
-        }
-        if (frc != 0) {
-            fprintf(stderr, "workerd: ring: %s\n", err);
-            goto out;
-        }
-        int drc = ring_state_decode(body, len, &st, err, sizeof(err));
-        free(body);
-        if (drc != 0) {
-            fprintf(stderr, "workerd: the chief's parameters: %s%s\n", err,
-                    drc == -3 ? ": start every task with the same --hidden_units and --optimizer" : "");
-            rc = 2;
-            goto out;
-        }
-        st.workers = n;
+        model_init_params(&c->layout, rr->rb.params, c->seed);
     }
-    int64_t step = st.step;
-    ring_set_progress(r, step, NAN);
-    if (chief && c->logdir && *c->logdir) {
-        char tbdir[4200];
-        snprintf(tbdir, sizeof(tbdir), "%s/train", c->logdir);
-        if (tfevents_open(&tb, "workerd", tbdir, RING_EVENTS_FLUSH_MS, NULL, NULL) == 0)
-            printf("%s: tensorboard event files go in %s\n", c->name, tbdir);
-        else
-            fprintf(stderr, "workerd: cannot start the tensorboard event writer: none written\n");
+    st->workers = rr->n;
+    void *body;
+    size_t len;
+    if (ring_state_encode(st, &body, &len, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: %s\n", err);
+        return -1;
     }
-    printf("%s: training ring all-reduce, %s, %d tasks, batch %d, from global step %lld until %lld; "
-           "left %s, right %s; %s\n",
-           c->name, optim_name(c->optim.kind), n, c->batch_size, (long long)step,
-           (long long)c->train_steps, ring_peer(r, (c->trainer + n - 1) % n),
-           ring_peer(r, (c->trainer + 1) % n), model_device_describe(c->threads));
-    fflush(stdout);
+    ring_publish(rr->r, body, len);
+    return 0;
+}
 
-    double t_start = clk_mono_secs(), t_log = t_start, t_saved = t_start, t_comm = 0;
-    int64_t local = 0, ex_since = 0, saved_step = chief && st.step > 0 ? st.step : -1;
-    int stopped = 0, broken = 0;
-    double t_rates = t_start;
-    int64_t rates_step = step;
-    progress bar;
-    progress_init(&bar, c->name, c->train_steps, -1);
-    while (step < c->train_steps) {
-        if (train_stop_requested()) {
-            stopped = 1;
-            break;
-        }
-        if (!ready)
-            batcher_at(&b, step, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur], &bp.example0[cur]);
-        ready = 0;
-        double loss;
-        const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = bp.example0[cur]};
-        if (model_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, &ctx, grads, &loss) != 0) {
-            /* the parameters are intact: the chief still writes its checkpoint */
-            progress_clear(&bar);
-            fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
-                    c->name, (long long)step);
-            broken = 1;
-            break;
-        }
-        grads[np] = (float)loss;
-        if (c->step_delay_ms > 0) /* test hook: a slow worker */
-            sleep_ms(c->step_delay_ms);
-        double t0 = clk_mono_secs();
-        int arc = ring_allreduce(r, step, grads, local == 0 ? RING_START_SECS : 0, err, sizeof(err));
-        t_comm += clk_mono_secs() - t0;
-        if (arc == -2) {
-            stopped = 1;
-            break;
-        }
-        if (arc != 0) {
-            progress_clear(&bar);
-            fprintf(stderr, "workerd: %s: ring broken at global step %lld: %s; stopping%s\n", c->name,
-                    (long long)step, err,
-                    chief && c->logdir && *c->logdir ? " (the last checkpoint is written now)" : "");
-            broken = 1;
-            break;
-        }
-        /* the next batch now, on its way to the device during the update;
-         * after the all-reduce, not before, so as not to delay the ring */
-        if (step + 1 < c->train_steps) {
-            cur ^= 1;
-            batcher_at(&b, step + 1, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur],
-                       &bp.example0[cur]);
-            (void)model_stage_batch(m, bp.x[cur], bp.y[cur], c->batch_size); /* -1: copied then */
-            ready = 1;
-        }
-        /* every variable, as the ps applies them: the average of the N gradients */
-        float scale = 1.0f / (float)n;
-        for (int k = 0; k < L->n_tensors; k++) {
-            const model_tensor *t = &L->tensors[k];
-            optim_apply(&c->optim, params + t->offset, params + t->offset, grads + t->offset, scale,
-                        s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
-        }
-        double mean_loss = (double)grads[np] / n;
-        step++;
-        local++;
-        ex_since += c->batch_size;
-        ring_set_progress(r, step, mean_loss);
-        if (tb) {
-            double t = clk_mono_secs(), wall = clk_unix_secs();
-            tfevents_scalar(tb, "loss", step, wall, mean_loss);
-            if (t - t_rates >= 1.0) {
-                write_rates(tb, c, n, step, step - rates_step, t - t_rates);
-                t_rates = t;
-                rates_step = step;
-            }
-        }
-        if (c->log_param_hash) {
-            printf("%s: global step %lld params crc32c %08x\n", c->name, (long long)step,
-                   crc32c(params, np * 4));
-            fflush(stdout);
-        }
-        progress_update(&bar, step, mean_loss,
-                        (double)(local * c->batch_size) / (clk_mono_secs() - t_start));
-        if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
-            double t = clk_mono_secs();
-            printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
-                   (long long)local, (long long)step, mean_loss, (double)ex_since / (t - t_log));
-            fflush(stdout);
-            t_log = t;
-            ex_since = 0;
-        }
-        if (chief && c->logdir && *c->logdir && c->save_checkpoint_secs > 0 &&
-            clk_mono_secs() - t_saved >= c->save_checkpoint_secs) {
-            st.step = step;
-            if (save(c, r, &st) == 0)
-                saved_step = step;
-            t_saved = clk_mono_secs();
+/* The others' start: fetch the chief's state; 0, or -1 with rr->rc (0 on a
+ * stop) after a message. */
+static int fetch_start(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    char err[512];
+    void *body = NULL;
+    size_t len = 0;
+    int frc = ring_fetch_state(rr->r, 0, RING_START_SECS, &body, &len, err, sizeof(err));
+    if (frc == -2) {
+        printf("%s: stopped by a signal while waiting for the chief\n", c->name);
+        rr->rc = 0;
+        return -1;
+    }
+    if (frc != 0) {
+        fprintf(stderr, "workerd: ring: %s\n", err);
+        return -1;
+    }
+    int drc = ring_state_decode(body, len, &rr->st, err, sizeof(err));
+    free(body);
+    if (drc != 0) {
+        fprintf(stderr, "workerd: the chief's parameters: %s%s\n", err,
+                drc == -3 ? ": start every task with the same --hidden_units and --optimizer" : "");
+        rr->rc = 2;
+        return -1;
+    }
+    rr->st.workers = rr->n;
+    return 0;
+}
+
+/* The chief's TensorBoard event writer in <logdir>/train (none without a
+ * --logdir, or when it cannot start). */
+static void open_events(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    if (!ckpt_on(rr))
+        return;
+    char tbdir[4200];
+    snprintf(tbdir, sizeof(tbdir), "%s/train", c->logdir);
+    if (tfevents_open(&rr->tb, "workerd", tbdir, RING_EVENTS_FLUSH_MS, NULL, NULL) == 0)
+        printf("%s: tensorboard event files go in %s\n", c->name, tbdir);
+    else
+        fprintf(stderr, "workerd: cannot start the tensorboard event writer: none written\n");
+}
+
+/* A step's gradient of this task's batch, the loss appended; 0, or -1
+ * (broken) after a message. */
+static int compute(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    role_bufs *rb = &rr->rb;
+    if (!rr->ready)
+        role_bufs_gather(rb, rr->step, rb->cur);
+    rr->ready = 0;
+    double loss;
+    if (role_bufs_forward_backward(rb, rr->step, &loss) != 0) {
+        /* the parameters are intact: the chief still writes its checkpoint */
+        progress_clear(&rb->bar);
+        fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
+                c->name, (long long)rr->step);
+        rr->broken = 1;
+        return -1;
+    }
+    rb->grads[c->layout.n_params] = (float)loss;
+    if (c->step_delay_ms > 0) /* test hook: a slow worker */
+        sleep_ms(c->step_delay_ms);
+    return 0;
+}
+
+/* The ring sums the gradients and the losses; 0, or -1 on a stop or (after
+ * a message) a broken ring. */
+static int reduce(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    char err[512];
+    double t0 = clk_mono_secs();
+    int arc = ring_allreduce(rr->r, rr->step, rr->rb.grads, rr->local == 0 ? RING_START_SECS : 0, err,
+                             sizeof(err));
+    rr->t_comm += clk_mono_secs() - t0;
+    if (arc == -2) {
+        rr->stopped = 1;
+        return -1;
+    }
+    if (arc != 0) {
+        progress_clear(&rr->rb.bar);
+        fprintf(stderr, "workerd: %s: ring broken at global step %lld: %s; stopping%s\n", c->name,
+                (long long)rr->step, err, ckpt_on(rr) ? " (the last checkpoint is written now)" : "");
+        rr->broken = 1;
+        return -1;
+    }
+    return 0;
+}
+
+/* After the update: the counters, the status, the events, the log and the
+ * chief's checkpoint every --save_checkpoint_secs. */
+static void account(ring_run *rr, double mean_loss)
+{
+    const train_config *c = rr->c;
+    int64_t step = ++rr->step;
+    rr->local++;
+    ring_set_progress(rr->r, step, mean_loss);
+    if (rr->tb) {
+        double t = clk_mono_secs(), wall = clk_unix_secs();
+        tfevents_scalar(rr->tb, "loss", step, wall, mean_loss);
+        if (t - rr->t_rates >= 1.0) {
+            write_rates(rr->tb, c, rr->n, step, step - rr->rates_step, t - rr->t_rates);
+            rr->t_rates = t;
+            rr->rates_step = step;
         }
     }
-    progress_clear(&bar);
-    if (tb && step > rates_step) /* the rates since the last point, at the last step */
-        write_rates(tb, c, n, step, step - rates_step, clk_mono_secs() - t_rates);
-    st.step = step;
-    if (chief && c->logdir && *c->logdir && step != saved_step && step > 0)
-        save(c, r, &st);
-    double secs = clk_mono_secs() - t_start;
-    uint64_t sent = ring_bytes_sent(r);
-    int64_t ars = ring_allreduces(r);
+    if (c->log_param_hash) {
+        printf("%s: global step %lld params crc32c %08x\n", c->name, (long long)step,
+               crc32c(rr->rb.params, c->layout.n_params * 4));
+        fflush(stdout);
+    }
+    role_bufs_step_done(&rr->rb, rr->local, step, 1, step, mean_loss);
+    if (ckpt_on(rr) && c->save_checkpoint_secs > 0 &&
+        clk_mono_secs() - rr->t_saved >= c->save_checkpoint_secs) {
+        rr->st.step = step;
+        if (save(c, rr->r, &rr->st) == 0)
+            rr->saved_step = step;
+        rr->t_saved = clk_mono_secs();
+    }
+}
+
+/* One step: the gradient, the all-reduce, the next batch staged, the update
+ * with the average, the accounting; 0, or -1 when the loop ends (a stop, or
+ * broken). */
+static int ring_step(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    role_bufs *rb = &rr->rb;
+    if (train_stop_requested()) {
+        rr->stopped = 1;
+        return -1;
+    }
+    if (compute(rr) != 0 || reduce(rr) != 0)
+        return -1;
+    /* the next batch now, on its way to the device during the update;
+     * after the all-reduce, not before, so as not to delay the ring */
+    if (rr->step + 1 < c->train_steps) {
+        rb->cur ^= 1;
+        role_bufs_stage(rb, rr->step + 1, rb->cur);
+        rr->ready = 1;
+    }
+    /* every variable, as the ps applies them: the average of the N gradients */
+    float scale = 1.0f / (float)rr->n;
+    role_bufs_apply(rb, scale, rr->step);
+    account(rr, (double)rb->grads[c->layout.n_params] / rr->n);
+    return 0;
+}
+
+/* The end: the last rates and checkpoint, the ring's figures, what ended it
+ * and (the chief, done) the report and the export; the exit status. */
+static int ring_end(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    int64_t step = rr->step;
+    int n = rr->n;
+    size_t np = c->layout.n_params;
+    progress_clear(&rr->rb.bar);
+    if (rr->tb && step > rr->rates_step) /* the rates since the last point, at the last step */
+        write_rates(rr->tb, c, rr->n, step, step - rr->rates_step, clk_mono_secs() - rr->t_rates);
+    rr->st.step = step;
+    if (ckpt_on(rr) && step != rr->saved_step && step > 0)
+        save(c, rr->r, &rr->st);
+    double secs = clk_mono_secs() - rr->rb.t_start;
+    uint64_t sent = ring_bytes_sent(rr->r);
+    int64_t ars = ring_allreduces(rr->r);
     printf("%s: ring: %lld all-reduces, %llu bytes sent (%.0f per step; 2(N-1)/N x %zu bytes = %.0f), "
            "%.4f s per step in the all-reduce\n",
            c->name, (long long)ars, (unsigned long long)sent, ars ? (double)sent / (double)ars : 0.0,
-           (np + 1) * 4, 2.0 * (n - 1) / n * (double)((np + 1) * 4), ars ? t_comm / (double)ars : 0.0);
-    if (broken)
-        goto out;
-    if (stopped) {
+           (np + 1) * 4, 2.0 * (n - 1) / n * (double)((np + 1) * 4), ars ? rr->t_comm / (double)ars : 0.0);
+    if (rr->broken)
+        return 1;
+    if (rr->stopped) {
         printf("%s: stopped by a signal after %lld local steps (global step %lld)%s\n", c->name,
-               (long long)local, (long long)step,
-               chief && c->logdir && *c->logdir ? "; a restart resumes from the checkpoint" : "");
-        rc = 0;
-        goto out;
+               (long long)rr->local, (long long)step,
+               ckpt_on(rr) ? "; a restart resumes from the checkpoint" : "");
+        return 0;
     }
-    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name, (long long)local,
-           secs, secs > 0 ? (double)local / secs : 0.0);
+    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name, (long long)rr->local,
+           secs, secs > 0 ? (double)rr->local / secs : 0.0);
     fflush(stdout);
-    rc = 0;
-    if (chief) {
-        if (final_report(c, m, params, &ds, step) != 0)
+    int rc = 0;
+    if (rr->chief) {
+        if (final_report(c, rr->rb.m, rr->rb.params, &rr->rb.ds, step) != 0)
             rc = 1;
-        if (c->export_path && export_model(c, params, step) != 0)
+        if (c->export_path && export_model(c, rr->rb.params, step) != 0)
             rc = 1;
     }
+    return rc;
+}
+
+int train_ring(const train_config *c)
+{
+    ring_run rr = {.c = c, .n = c->n_trainers, .chief = c->trainer == 0, .rc = 1};
+    /* the gradient buffer carries the loss after the gradients: the ring sums both */
+    int rc = role_bufs_init(&rr.rb, c, 1, 1);
+    if (rc)
+        return rc;
+    /* the start: the chief's parameters and slots on every task */
+    rr.st = (ring_state){.layout = &c->layout, .optimizer = c->optim.kind, .params = rr.rb.params,
+                         .slot0 = rr.rb.s0, .slot1 = rr.rb.s1, .step = 0, .workers = rr.n};
+    if (join_ring(&rr) != 0 || (rr.chief ? chief_start(&rr) : fetch_start(&rr)) != 0)
+        goto out;
+    rr.step = rr.st.step;
+    ring_set_progress(rr.r, rr.step, NAN);
+    open_events(&rr);
+    printf("%s: training ring all-reduce, %s, %d tasks, batch %d, from global step %lld until %lld; "
+           "left %s, right %s; %s\n",
+           c->name, optim_name(c->optim.kind), rr.n, c->batch_size, (long long)rr.step,
+           (long long)c->train_steps, ring_peer(rr.r, (c->trainer + rr.n - 1) % rr.n),
+           ring_peer(rr.r, (c->trainer + 1) % rr.n), model_device_describe(c->threads));
+    fflush(stdout);
+    role_bufs_start(&rr.rb);
+    rr.t_saved = rr.t_rates = rr.rb.t_start;
+    rr.saved_step = rr.chief && rr.st.step > 0 ? rr.st.step : -1;
+    rr.rates_step = rr.step;
+    while (rr.step < c->train_steps && ring_step(&rr) == 0) {
+    }
+    rr.rc = ring_end(&rr);
 out:
     fflush(stdout);
-    tfevents_close(tb); /* writes what is queued */
-    ring_free(r);
-    free(b.order);
-    model_host_free(m, params); /* before model_free */
-    model_host_free(m, grads);
-    batch_pair_free(&bp, m);
-    model_free(m);
-    free(s0);
-    free(s1);
-    idx_dataset_free(&ds);
-    return rc;
+    tfevents_close(rr.tb); /* writes what is queued */
+    ring_free(rr.r);
+    role_bufs_free(&rr.rb);
+    return rr.rc;
 }

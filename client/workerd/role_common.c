@@ -1,7 +1,9 @@
 /* role_common.c - what every role of workerd shares (train.h): stopping on a
  * signal, loading the data, the ps connection, waiting for the ps, the
- * placement check, and the final report of the validation and test figures.
- * It calls no role: the roles (train.c, chief.c, evaluator.c, local.c,
+ * placement check, the final report of the validation and test figures, and
+ * the role buffers (the data, the model, its step buffers, the data order and
+ * the step loop's log) of the roles that step on their own batches. It calls
+ * no role: the roles (train.c, chief.c, evaluator.c, local.c,
  * ring_train.c, pipeline_train.c) call it. */
 #include "workerd/train.h"
 
@@ -176,4 +178,109 @@ int final_report(const train_config *c, model *m, const float *params, const idx
            c->name, (long long)step, vloss, tloss, tacc);
     fflush(stdout);
     return 0;
+}
+
+/* ---- the role buffers ---- */
+
+int role_bufs_init(role_bufs *rb, const train_config *c, size_t grad_extra, int slots)
+{
+    memset(rb, 0, sizeof(*rb));
+    rb->c = c;
+    int rc = train_load(c, &rb->ds);
+    if (rc)
+        return rc;
+    char err[512];
+    size_t np = c->layout.n_params;
+    rb->m = model_new(model_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
+    /* the step's buffers from the backend (pinned on a GPU), so the step's
+     * copies skip a memcpy; the slots are the CPU's */
+    rb->params = model_host_alloc(rb->m, np * sizeof(float));
+    rb->grads = model_host_alloc(rb->m, (np + grad_extra) * sizeof(float));
+    if (slots) {
+        rb->s0 = calloc(np, sizeof(float));
+        rb->s1 = calloc(np, sizeof(float));
+    }
+    const int bp_ok = batch_pair_alloc(&rb->bp, rb->m, c->batch_size, rb->ds.n_features) == 0;
+    if (!rb->m || !rb->params || !rb->grads || (slots && (!rb->s0 || !rb->s1)) || !bp_ok ||
+        batcher_init(&rb->b, &rb->ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
+        fprintf(stderr, "workerd: %s\n", rb->m ? "out of memory" : err);
+        role_bufs_free(rb);
+        return 1;
+    }
+    return 0;
+}
+
+void role_bufs_free(role_bufs *rb)
+{
+    free(rb->b.order);
+    model_host_free(rb->m, rb->params); /* before model_free: the memory is m's device's */
+    model_host_free(rb->m, rb->grads);
+    batch_pair_free(&rb->bp, rb->m);
+    model_free(rb->m);
+    free(rb->s0);
+    free(rb->s1);
+    idx_dataset_free(&rb->ds);
+    memset(rb, 0, sizeof(*rb));
+}
+
+void role_bufs_gather(role_bufs *rb, int64_t k, int i)
+{
+    batcher_at(&rb->b, k, rb->c->batch_size, rb->ds.n_features, rb->bp.x[i], rb->bp.y[i],
+               &rb->bp.example0[i]);
+}
+
+void role_bufs_stage(role_bufs *rb, int64_t k, int i)
+{
+    role_bufs_gather(rb, k, i);
+    (void)model_stage_batch(rb->m, rb->bp.x[i], rb->bp.y[i], rb->c->batch_size); /* -1: copied then */
+}
+
+int role_bufs_forward_backward(role_bufs *rb, int64_t step, double *loss)
+{
+    const train_config *c = rb->c;
+    int i = rb->cur;
+    /* dropout's mask: this step, the seed, the rows' places in the epoch */
+    const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = rb->bp.example0[i]};
+    return model_forward_backward(rb->m, rb->params, rb->bp.x[i], rb->bp.y[i], c->batch_size, &ctx,
+                                  rb->grads, loss);
+}
+
+void role_bufs_apply(role_bufs *rb, float scale, int64_t step)
+{
+    const train_config *c = rb->c;
+    float *params = rb->params, *grads = rb->grads, *s0 = rb->s0, *s1 = rb->s1;
+    /* clipping is per variable */
+    for (int k = 0; k < c->layout.n_tensors; k++) {
+        const model_tensor *t = &c->layout.tensors[k];
+        optim_apply(&c->optim, params + t->offset, params + t->offset, grads + t->offset, scale,
+                    s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
+    }
+}
+
+void role_bufs_start(role_bufs *rb)
+{
+    rb->t_start = rb->t_log = clk_mono_secs();
+    rb->ex_since = 0;
+    progress_init(&rb->bar, rb->c->name, rb->c->train_steps, -1);
+}
+
+void role_bufs_step_done(role_bufs *rb, int64_t local, int64_t bar_step, int global,
+                         int64_t log_step, double loss)
+{
+    const train_config *c = rb->c;
+    rb->ex_since += c->batch_size;
+    progress_update(&rb->bar, bar_step, loss,
+                    (double)(local * c->batch_size) / (clk_mono_secs() - rb->t_start));
+    if (!rb->bar.on && c->log_every > 0 && local % c->log_every == 0) {
+        double t = clk_mono_secs();
+        if (global)
+            printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
+                   (long long)local, (long long)log_step, loss, (double)rb->ex_since / (t - rb->t_log));
+        else
+            printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)local, loss,
+                   (double)rb->ex_since / (t - rb->t_log));
+        fflush(stdout);
+        rb->t_log = t;
+        rb->ex_since = 0;
+    }
 }

@@ -31,310 +31,381 @@
 #include "shards/shards.h"
 #include "workerd/progress.h"
 
+/* One training worker: the role buffers, the ps, the mode the chief chose
+ * and the step loop's state. */
+typedef struct worker {
+    const train_config *c;
+    role_bufs rb;
+    ps_client *pc;
+    shards sh;
+    json_t *cfg; /* the chief's configuration, as a worker reads it */
+    heartbeat *hb;
+    int sync;
+    const char *opt_name;
+    int64_t ssp;       /* stale-synchronous: the staleness bound, or -1 */
+    int64_t max_local; /* --num_epochs: leave after this many local steps, or -1 */
+    unsigned nonce;
+    int64_t step, local, last_step, k, pushes;
+    int64_t next_k; /* the batch number bp.x[cur ^ 1] holds (staged), or -1 */
+    int stopped, near_end, ran_out;
+    double loss;   /* this step's */
+    int64_t after; /* the global step ps 0 answered this push with */
+    int rc;        /* the exit status when a step says leave */
+} worker;
+
+/* What a step's phase says: go on, pull again (a shard restarted), the
+ * loop ends (a stop, the end), leave at once with w->rc. */
+enum { GO_ON, PULL_AGAIN, END_LOOP, LEAVE };
+
 /* The next batch, gathered into the other buffer and staged while a push's
  * answer is awaited (ps_set_while_waiting): the ps reads and applies the
  * gradient meanwhile. */
 typedef struct next_batch {
-    batcher *b;
-    batch_pair *bp;
-    model *m;
-    int idx, batch, n_features;
+    role_bufs *rb;
+    int idx;
     int64_t k, *next_k;
 } next_batch;
 
 static void stage_next_batch(void *arg)
 {
     next_batch *n = arg;
-    batcher_at(n->b, n->k, n->batch, n->n_features, n->bp->x[n->idx], n->bp->y[n->idx],
-               &n->bp->example0[n->idx]);
-    (void)model_stage_batch(n->m, n->bp->x[n->idx], n->bp->y[n->idx], n->batch); /* -1: copied then */
+    role_bufs_stage(n->rb, n->k, n->idx);
     *n->next_k = n->k;
+}
+
+/* The ps connection and the shards; 0, or -1 after a message. */
+static int connect_ps(worker *w)
+{
+    const train_config *c = w->c;
+    char err[512];
+    w->pc = train_connect_ps(c, c->timeout_ms);
+    if (!w->pc ||
+        shards_init(&w->sh, w->pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: out of memory\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* The chief sets the job up; the others wait for it, check its placement and
+ * follow its mode and optimizer; 0, or -1 with w->rc. */
+static int join(worker *w)
+{
+    const train_config *c = w->c;
+    if (c->is_chief) {
+        int rc = train_chief_setup(c, w->pc, &w->sh, w->rb.params);
+        if (rc != 0)
+            w->rc = rc;
+        return rc != 0 ? -1 : 0;
+    }
+    train_wait_for_all(c, w->pc, "/readyz", "the chief to initialize the variables");
+    if (train_check_placement(c, w->pc, &w->sh) != 0) {
+        w->rc = 2;
+        return -1;
+    }
+    /* the chief's configuration decides the mode and the optimizer */
+    if (ps_json(w->pc, 0, "GET", "/v1/config", NULL, 1, &w->cfg) == PS_OK) {
+        json_t *js = json_object_get(w->cfg, "sync");
+        if (json_is_boolean(js) && json_is_true(js) != w->sync) {
+            printf("%s: the chief chose %s training: following it\n", c->name,
+                   json_is_true(js) ? "sync" : "async");
+            w->sync = json_is_true(js);
+        }
+        const char *o = json_string_value(json_object_get(w->cfg, "optimizer"));
+        if (o)
+            w->opt_name = o;
+    }
+    return 0;
+}
+
+/* Before the steps: the retries, the staleness bound, the lease, the end of
+ * this task's data, the start line, the push ids' nonce and the clocks. */
+static void prepare(worker *w)
+{
+    const train_config *c = w->c;
+    /* from here on a ps that stops answering is retried for --ps_retry_secs
+     * (it may be restarting from its checkpoint) */
+    ps_set_retry_ms(w->pc, (long)(c->retry_secs * 1000));
+    ps_set_abort(w->pc, train_stop_requested);
+    /* async with a staleness bound (the chief's --staleness): stale-synchronous */
+    {
+        json_t *cf = NULL;
+        if (!w->sync && ps_json(w->pc, 0, "GET", "/v1/config", NULL, 1, &cf) == PS_OK) {
+            json_t *st = json_object_get(cf, "staleness");
+            if (json_is_integer(st) && json_integer_value(st) >= 0)
+                w->ssp = json_integer_value(st);
+        }
+        json_decref(cf);
+    }
+    if (w->ssp >= 0)
+        printf("%s: stale-synchronous: at most %lld iterations ahead of the slowest live worker\n",
+               c->name, (long long)w->ssp);
+    if (w->sync || w->ssp >= 0) {
+        /* the lease on every ps: a long step is not a dead worker */
+        ps_client *hpc = train_connect_ps(c, 5000);
+        w->hb = hpc ? heartbeat_start(hpc, c->trainer, 1000) : NULL;
+    }
+    w->max_local = c->num_epochs > 0
+                       ? (int64_t)(c->num_epochs * (double)(w->rb.b.count / ((int64_t)c->n_trainers * c->batch_size)))
+                       : -1;
+    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; %s\n",
+           c->name, w->sync ? "sync" : "async", w->opt_name, c->n_trainers,
+           c->batch_size, (long long)c->train_steps, model_device_describe(c->threads));
+    fflush(stdout);
+
+    if (getrandom(&w->nonce, sizeof(w->nonce), 0) != sizeof(w->nonce))
+        w->nonce = (unsigned)getpid();
+    role_bufs_start(&w->rb);
+}
+
+/* Before a step: a stop, the end of this task's data, the end near. */
+static int step_begin(worker *w)
+{
+    const train_config *c = w->c;
+    if (train_stop_requested()) {
+        w->stopped = 1;
+        return END_LOOP;
+    }
+    if (w->max_local >= 0 && w->local >= w->max_local) {
+        w->ran_out = 1;
+        return END_LOOP;
+    }
+    /* near the end a ps that went away was most likely stopped by the
+     * chief: do not wait the whole retry budget for it */
+    if (!w->near_end && w->last_step + c->n_trainers >= c->train_steps) {
+        w->near_end = 1;
+        ps_set_retry_ms(w->pc, 2000);
+    }
+    return GO_ON;
+}
+
+/* A pull or a push (what) that failed: the loop ends on a stop; else leave,
+ * with status 0 when the ps stopped at the end, after a message. */
+static int ps_failed(worker *w, int prc, const char *what)
+{
+    if (train_stop_requested()) {
+        w->stopped = 1;
+        return END_LOOP;
+    }
+    if (prc == PS_ENET && w->near_end) {
+        printf("%s: the ps stopped at the end of training\n", w->c->name);
+        w->rc = 0;
+    } else {
+        fprintf(stderr, "workerd: %s: %s\n", what, ps_error(w->pc));
+    }
+    return LEAVE;
+}
+
+/* Pull every shard (sync: long-poll for the step we need). */
+static int step_pull(worker *w)
+{
+    const train_config *c = w->c;
+    int behind = 0, prc;
+    if (w->sync)
+        prc = shards_pull_sync(&w->sh, w->rb.params, c->trainer, 30000, c->train_steps, &w->step, &behind);
+    else if (w->ssp >= 0 && w->k >= 0)
+        /* stale-synchronous: iteration k starts once the slowest live
+         * worker completed k - S (a long poll on ps 0) */
+        prc = shards_pull_ssp(&w->sh, w->rb.params, c->trainer, w->k, w->k - w->ssp, 30000, &w->step);
+    else
+        prc = shards_pull(&w->sh, w->rb.params, -1, 0, &w->step);
+    (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
+                     shard that holds ours already answers "duplicate" */
+    if (prc != PS_OK)
+        return ps_failed(w, prc, "pull");
+    if (w->step < w->last_step - c->n_trainers && !w->near_end)
+        printf("%s: global step went back from %lld to %lld: a ps restarted from its checkpoint; going on from there\n",
+               c->name, (long long)w->last_step, (long long)w->step);
+    w->last_step = w->step;
+    if (w->step >= c->train_steps)
+        return END_LOOP;
+    return GO_ON;
+}
+
+/* Forward and backward on this task's next batch. */
+static int step_compute(worker *w)
+{
+    const train_config *c = w->c;
+    role_bufs *rb = &w->rb;
+    /* the data: sync, batch number = the global step, so a task that
+     * restarts, or recomputes a step a ps lost, takes the same batch;
+     * async, this task's own count, started where the others are */
+    if (w->k < 0)
+        w->k = w->step / c->n_trainers;
+    /* the batch staged after the last push (in the other buffer) when it
+     * is this one, else gathered now into the last step's buffer (a
+     * staged one must stay as it is until the step below) */
+    if (w->next_k == (w->sync ? w->step : w->k))
+        rb->cur ^= 1;
+    else
+        role_bufs_gather(rb, w->sync ? w->step : w->k, rb->cur);
+    w->next_k = -1; /* the forward_backward below ends the staging either way */
+    w->k++;
+    if (role_bufs_forward_backward(rb, w->step, &w->loss) != 0) {
+        fprintf(stderr, "workerd: forward/backward failed\n");
+        return LEAVE;
+    }
+    if (c->step_delay_ms > 0) /* test hook: a slow worker */
+        train_sleep((double)c->step_delay_ms / 1000.0);
+    return GO_ON;
+}
+
+/* Push the gradients with an id that makes a retry harmless. */
+static int step_push(worker *w)
+{
+    const train_config *c = w->c;
+    int sync = w->sync;
+    char id[64];
+    snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, w->nonce, (long long)w->pushes++);
+    push_meta pm = {c->trainer, w->step, w->loss, c->batch_size, id, w->ssp >= 0 ? w->k - 1 : -1};
+    int outcome;
+    /* the next batch (as predicted below) while the ps applies this push */
+    next_batch nb = {&w->rb, w->rb.cur ^ 1, sync ? w->step + 1 : w->k, &w->next_k};
+    if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!sync || nb.k < c->train_steps))
+        ps_set_while_waiting(w->pc, stage_next_batch, &nb);
+    int prc = shards_push(&w->sh, w->rb.grads, &pm, &w->after, &outcome);
+    ps_set_while_waiting(w->pc, NULL, NULL); /* nb goes out of scope */
+    if (prc == PS_EHTTP && ps_http_status(w->pc) == 409 && sync) {
+        /* a shard is behind the step we computed from: it restarted
+         * from a checkpoint; pull again and compute for its step */
+        printf("%s: %s: pulling again\n", c->name, ps_error(w->pc));
+        shards_rewind(&w->sh);
+        return PULL_AGAIN;
+    }
+    if (prc != PS_OK)
+        return ps_failed(w, prc, "push");
+    return GO_ON;
+}
+
+/* After a push: the counters, the log, and the next batch on its way. */
+static int step_account(worker *w)
+{
+    const train_config *c = w->c;
+    int sync = w->sync;
+    w->local++;
+    if (!sync)
+        w->last_step = w->after;
+    role_bufs_step_done(&w->rb, w->local, sync ? w->step + 1 : w->after, 1, sync ? w->step : w->after,
+                        w->loss);
+    if (!sync && w->after >= c->train_steps)
+        return END_LOOP;
+    /* the next batch, as predicted (sync: the next global step, async:
+     * this task's next), into the other buffer and on its way to the
+     * device while the pull waits; gathered here, not before the push,
+     * so as not to delay the push the other workers may be waiting for */
+    int64_t nk = sync ? w->step + 1 : w->k;
+    if (w->next_k != nk && (w->max_local < 0 || w->local < w->max_local) && (!sync || nk < c->train_steps)) {
+        role_bufs_stage(&w->rb, nk, w->rb.cur ^ 1);
+        w->next_k = nk;
+    }
+    return GO_ON;
+}
+
+/* The steps until the last one, a stop or the end of this task's data; 0,
+ * or -1 to leave at once with w->rc. */
+static int run_steps(worker *w)
+{
+    for (;;) {
+        int r = step_begin(w);
+        if (r == GO_ON)
+            r = step_pull(w);
+        if (r == GO_ON)
+            r = step_compute(w);
+        if (r == GO_ON)
+            r = step_push(w);
+        if (r == GO_ON)
+            r = step_account(w);
+        if (r == END_LOOP)
+            return 0;
+        if (r == LEAVE)
+            return -1;
+    }
+}
+
+/* Say to every ps this worker is done: a sync step no longer waits for it. */
+static void post_done(worker *w)
+{
+    json_t *done = json_pack("{s:i}", "worker", w->c->trainer);
+    for (int i = 0; i < ps_shards(w->pc); i++)
+        ps_json(w->pc, i, "POST", "/v1/done", done, 1, NULL);
+    json_decref(done);
+}
+
+/* The chief's end: wait for the others, pull the result (the moving
+ * averages when on), report, export and stop the ps; the exit status. */
+static int chief_end(worker *w)
+{
+    const train_config *c = w->c;
+    int rc = 0;
+    train_chief_wait_others(c, w->pc);
+    int64_t final_step;
+    /* the report and the export read the moving averages when on */
+    ps_set_moving_average(w->pc, c->moving_average_decay > 0);
+    if (shards_pull(&w->sh, w->rb.params, -1, 0, &final_step) != PS_OK) {
+        fprintf(stderr, "workerd: final pull: %s\n", ps_error(w->pc));
+        return 1;
+    }
+    if (final_report(c, w->rb.m, w->rb.params, &w->rb.ds, final_step) != 0)
+        rc = 1;
+    if (c->export_path && export_model(c, w->rb.params, final_step) != 0)
+        rc = 1;
+    train_chief_stop_ps(c, w->pc);
+    return rc;
+}
+
+/* After the loop: why it ended, leaving the job, and (the chief) the end;
+ * the exit status. */
+static int finish(worker *w)
+{
+    const train_config *c = w->c;
+    heartbeat_stop(w->hb);
+    w->hb = NULL;
+    if (w->ran_out)
+        printf("%s: its data ended after %g epochs (%lld local steps, global step %lld): leaving the job\n",
+               c->name, c->num_epochs, (long long)w->local, (long long)w->last_step);
+    if (w->stopped) {
+        progress_clear(&w->rb.bar);
+        printf("%s: stopped by a signal after %lld local steps (global step %lld); a restart goes on from the ps\n",
+               c->name, (long long)w->local, (long long)w->last_step);
+        /* leave the job, so sync steps do not wait for the lease to run out
+         * (a restart rejoins); the ps may be gone: a few quick tries only */
+        ps_set_abort(w->pc, NULL);
+        ps_set_retry_ms(w->pc, 0);
+        post_done(w);
+        return 0;
+    }
+    progress_clear(&w->rb.bar);
+    post_done(w);
+    double secs = clk_mono_secs() - w->rb.t_start;
+    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
+           (long long)w->local, secs, (double)w->local / secs);
+    fflush(stdout);
+    return c->is_chief ? chief_end(w) : 0;
+}
+
+/* Free what the worker holds; its exit status. */
+static int leave(worker *w)
+{
+    heartbeat_stop(w->hb);
+    json_decref(w->cfg);
+    shards_free(&w->sh);
+    ps_client_free(w->pc);
+    role_bufs_free(&w->rb);
+    return w->rc;
 }
 
 int train_worker(const train_config *c)
 {
-    idx_dataset ds;
-    int rc = train_load(c, &ds);
+    worker w = {.c = c, .sync = c->sync, .opt_name = optim_name(c->optim.kind), .ssp = -1, .k = -1,
+                .next_k = -1, .rc = 1};
+    int rc = role_bufs_init(&w.rb, c, 0, 0);
     if (rc)
         return rc;
-    char err[512];
-    model *m = model_new(model_device_backend(), &c->layout, c->batch_size, err, sizeof(err));
-    /* from the backend: pinned on a GPU, so the step's copies skip a memcpy */
-    float *params = model_host_alloc(m, c->layout.n_params * sizeof(float));
-    float *grads = model_host_alloc(m, c->layout.n_params * sizeof(float));
-    /* two batch buffers: after a push the predicted next batch goes into the
-     * other one and is staged (model_stage_batch), its copy to the device
-     * overlapping the pull */
-    batch_pair bp;
-    const int bp_ok = batch_pair_alloc(&bp, m, c->batch_size, ds.n_features) == 0;
-    int cur = 0;
-    int64_t next_k = -1; /* the batch number bp.x[cur ^ 1] holds (staged), or -1 */
-    ps_client *pc = train_connect_ps(c, c->timeout_ms);
-    shards sh = {0};
-    batcher b = {0};
-    json_t *cfg = NULL; /* the chief's configuration, as a worker reads it */
-    heartbeat *hb = NULL;
-    rc = 1;
-    if (!m || !params || !grads || !bp_ok || !pc) {
-        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
-        goto out;
-    }
-    if (shards_init(&sh, pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
-        batcher_init(&b, &ds.train, c->seed, c->trainer, c->n_trainers) != 0) {
-        fprintf(stderr, "workerd: out of memory\n");
-        goto out;
-    }
-    int sync = c->sync;
-    const char *opt_name = optim_name(c->optim.kind);
-    if (c->is_chief) {
-        if ((rc = train_chief_setup(c, pc, &sh, params)) != 0)
-            goto out;
-        rc = 1;
-    } else {
-        train_wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
-        if (train_check_placement(c, pc, &sh) != 0) {
-            rc = 2;
-            goto out;
-        }
-        /* the chief's configuration decides the mode and the optimizer */
-        if (ps_json(pc, 0, "GET", "/v1/config", NULL, 1, &cfg) == PS_OK) {
-            json_t *js = json_object_get(cfg, "sync");
-            if (json_is_boolean(js) && json_is_true(js) != sync) {
-                printf("%s: the chief chose %s training: following it\n", c->name,
-                       json_is_true(js) ? "sync" : "async");
-                sync = json_is_true(js);
-            }
-            const char *o = json_string_value(json_object_get(cfg, "optimizer"));
-            if (o)
-                opt_name = o;
-        }
-    }
-    /* from here on a ps that stops answering is retried for --ps_retry_secs
-     * (it may be restarting from its checkpoint) */
-    ps_set_retry_ms(pc, (long)(c->retry_secs * 1000));
-    ps_set_abort(pc, train_stop_requested);
-    /* async with a staleness bound (the chief's --staleness): stale-synchronous */
-    int64_t ssp = -1;
-    {
-        json_t *cf = NULL;
-        if (!sync && ps_json(pc, 0, "GET", "/v1/config", NULL, 1, &cf) == PS_OK) {
-            json_t *st = json_object_get(cf, "staleness");
-            if (json_is_integer(st) && json_integer_value(st) >= 0)
-                ssp = json_integer_value(st);
-        }
-        json_decref(cf);
-    }
-    if (ssp >= 0)
-        printf("%s: stale-synchronous: at most %lld iterations ahead of the slowest live worker\n",
-               c->name, (long long)ssp);
-    if (sync || ssp >= 0) {
-        /* the lease on every ps: a long step is not a dead worker */
-        ps_client *hpc = train_connect_ps(c, 5000);
-        hb = hpc ? heartbeat_start(hpc, c->trainer, 1000) : NULL;
-    }
-    int64_t max_local = c->num_epochs > 0
-                            ? (int64_t)(c->num_epochs * (double)(b.count / ((int64_t)c->n_trainers * c->batch_size)))
-                            : -1;
-    printf("%s: training %s, %s, %d tasks, batch %d, until global step %lld; %s\n",
-           c->name, sync ? "sync" : "async", opt_name, c->n_trainers,
-           c->batch_size, (long long)c->train_steps, model_device_describe(c->threads));
-    fflush(stdout);
-
-    unsigned nonce = 0;
-    if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
-        nonce = (unsigned)getpid();
-    int64_t step = 0, local = 0, last_step = 0, ex_since = 0, k = -1, pushes = 0;
-    double t_log = clk_mono_secs(), t_start = t_log;
-    int stopped = 0, near_end = 0, ran_out = 0;
-    progress bar;
-    progress_init(&bar, c->name, c->train_steps, -1);
-    for (;;) {
-        if (train_stop_requested()) {
-            stopped = 1;
-            break;
-        }
-        if (max_local >= 0 && local >= max_local) {
-            ran_out = 1;
-            break;
-        }
-        /* near the end a ps that went away was most likely stopped by the
-         * chief: do not wait the whole retry budget for it */
-        if (!near_end && last_step + c->n_trainers >= c->train_steps) {
-            near_end = 1;
-            ps_set_retry_ms(pc, 2000);
-        }
-        int behind = 0, prc;
-        if (sync)
-            prc = shards_pull_sync(&sh, params, c->trainer, 30000, c->train_steps, &step, &behind);
-        else if (ssp >= 0 && k >= 0)
-            /* stale-synchronous: iteration k starts once the slowest live
-             * worker completed k - S (a long poll on ps 0) */
-            prc = shards_pull_ssp(&sh, params, c->trainer, k, k - ssp, 30000, &step);
-        else
-            prc = shards_pull(&sh, params, -1, 0, &step);
-        if (prc != PS_OK && train_stop_requested()) {
-            stopped = 1;
-            break;
-        }
-        if (prc != PS_OK) {
-            if (prc == PS_ENET && near_end) {
-                printf("%s: the ps stopped at the end of training\n", c->name);
-                rc = 0;
-            } else {
-                fprintf(stderr, "workerd: pull: %s\n", ps_error(pc));
-            }
-            goto out;
-        }
-        if (step < last_step - c->n_trainers && !near_end)
-            printf("%s: global step went back from %lld to %lld: a ps restarted from its checkpoint; going on from there\n",
-                   c->name, (long long)last_step, (long long)step);
-        last_step = step;
-        if (step >= c->train_steps)
-            break;
-        /* the data: sync, batch number = the global step, so a task that
-         * restarts, or recomputes a step a ps lost, takes the same batch;
-         * async, this task's own count, started where the others are */
-        if (k < 0)
-            k = step / c->n_trainers;
-        /* the batch staged after the last push (in the other buffer) when it
-         * is this one, else gathered now into the last step's buffer (a
-         * staged one must stay as it is until the step below) */
-        if (next_k == (sync ? step : k))
-            cur ^= 1;
-        else
-            batcher_at(&b, sync ? step : k, c->batch_size, ds.n_features, bp.x[cur], bp.y[cur],
-                       &bp.example0[cur]);
-        next_k = -1; /* the forward_backward below ends the staging either way */
-        k++;
-        (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
-                         shard that holds ours already answers "duplicate" */
-        double loss;
-        /* dropout's mask: this step, the seed, the rows' places in the epoch */
-        const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = bp.example0[cur]};
-        if (model_forward_backward(m, params, bp.x[cur], bp.y[cur], c->batch_size, &ctx, grads, &loss) != 0) {
-            fprintf(stderr, "workerd: forward/backward failed\n");
-            goto out;
-        }
-        if (c->step_delay_ms > 0) /* test hook: a slow worker */
-            train_sleep((double)c->step_delay_ms / 1000.0);
-        char id[64];
-        snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)pushes++);
-        push_meta pm = {c->trainer, step, loss, c->batch_size, id, ssp >= 0 ? k - 1 : -1};
-        int64_t after;
-        int outcome;
-        /* the next batch (as predicted below) while the ps applies this push */
-        next_batch nb = {&b, &bp, m, cur ^ 1, c->batch_size, ds.n_features, sync ? step + 1 : k, &next_k};
-        if ((max_local < 0 || local + 1 < max_local) && (!sync || nb.k < c->train_steps))
-            ps_set_while_waiting(pc, stage_next_batch, &nb);
-        prc = shards_push(&sh, grads, &pm, &after, &outcome);
-        ps_set_while_waiting(pc, NULL, NULL); /* nb goes out of scope */
-        if (prc == PS_EHTTP && ps_http_status(pc) == 409 && sync) {
-            /* a shard is behind the step we computed from: it restarted
-             * from a checkpoint; pull again and compute for its step */
-            printf("%s: %s: pulling again\n", c->name, ps_error(pc));
-            shards_rewind(&sh);
-            continue;
-        }
-        if (prc != PS_OK && train_stop_requested()) {
-            stopped = 1;
-            break;
-        }
-        if (prc != PS_OK) {
-            if (prc == PS_ENET && near_end) {
-                printf("%s: the ps stopped at the end of training\n", c->name);
-                rc = 0;
-            } else {
-                fprintf(stderr, "workerd: push: %s\n", ps_error(pc));
-            }
-            goto out;
-        }
-        local++;
-        ex_since += c->batch_size;
-        if (!sync)
-            last_step = after;
-        progress_update(&bar, sync ? step + 1 : after, loss,
-                        (double)(local * c->batch_size) / (clk_mono_secs() - t_start));
-        if (!bar.on && c->log_every > 0 && local % c->log_every == 0) {
-            double t = clk_mono_secs();
-            printf("%s: step %lld (global step %lld) loss %.4f examples/s %.0f\n", c->name,
-                   (long long)local, (long long)(sync ? step : after), loss,
-                   (double)ex_since / (t - t_log));
-            fflush(stdout);
-            t_log = t;
-            ex_since = 0;
-        }
-        if (!sync && after >= c->train_steps)
-            break;
-        /* the next batch, as predicted (sync: the next global step, async:
-         * this task's next), into the other buffer and on its way to the
-         * device while the pull waits; gathered here, not before the push,
-         * so as not to delay the push the other workers may be waiting for */
-        int64_t nk = sync ? step + 1 : k;
-        if (next_k != nk && (max_local < 0 || local < max_local) && (!sync || nk < c->train_steps)) {
-            batcher_at(&b, nk, c->batch_size, ds.n_features, bp.x[cur ^ 1], bp.y[cur ^ 1],
-                       &bp.example0[cur ^ 1]);
-            (void)model_stage_batch(m, bp.x[cur ^ 1], bp.y[cur ^ 1], c->batch_size); /* -1: copied then */
-            next_k = nk;
-        }
-    }
-    heartbeat_stop(hb);
-    hb = NULL;
-    if (ran_out)
-        printf("%s: its data ended after %g epochs (%lld local steps, global step %lld): leaving the job\n",
-               c->name, c->num_epochs, (long long)local, (long long)last_step);
-    if (stopped) {
-        progress_clear(&bar);
-        printf("%s: stopped by a signal after %lld local steps (global step %lld); a restart goes on from the ps\n",
-               c->name, (long long)local, (long long)last_step);
-        /* leave the job, so sync steps do not wait for the lease to run out
-         * (a restart rejoins); the ps may be gone: a few quick tries only */
-        ps_set_abort(pc, NULL);
-        ps_set_retry_ms(pc, 0);
-        json_t *bye = json_pack("{s:i}", "worker", c->trainer);
-        for (int i = 0; i < ps_shards(pc); i++)
-            ps_json(pc, i, "POST", "/v1/done", bye, 1, NULL);
-        json_decref(bye);
-        rc = 0;
-        goto out;
-    }
-    progress_clear(&bar);
-    /* every ps: a sync step no longer waits for this worker */
-    json_t *done = json_pack("{s:i}", "worker", c->trainer);
-    for (int i = 0; i < ps_shards(pc); i++)
-        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
-    json_decref(done);
-    double secs = clk_mono_secs() - t_start;
-    printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
-           (long long)local, secs, (double)local / secs);
-    fflush(stdout);
-    rc = 0;
-    if (c->is_chief) {
-        train_chief_wait_others(c, pc);
-        int64_t final_step;
-        /* the report and the export read the moving averages when on */
-        ps_set_moving_average(pc, c->moving_average_decay > 0);
-        if (shards_pull(&sh, params, -1, 0, &final_step) != PS_OK) {
-            fprintf(stderr, "workerd: final pull: %s\n", ps_error(pc));
-            rc = 1;
-            goto out;
-        }
-        if (final_report(c, m, params, &ds, final_step) != 0)
-            rc = 1;
-        if (c->export_path && export_model(c, params, final_step) != 0)
-            rc = 1;
-        train_chief_stop_ps(c, pc);
-    }
-out:
-    heartbeat_stop(hb);
-    json_decref(cfg);
-    free(b.order);
-    shards_free(&sh);
-    ps_client_free(pc);
-    model_host_free(m, params); /* before model_free: the memory is m's device's */
-    model_host_free(m, grads);
-    batch_pair_free(&bp, m);
-    model_free(m);
-    idx_dataset_free(&ds);
-    return rc;
+    if (connect_ps(&w) != 0 || join(&w) != 0)
+        return leave(&w);
+    prepare(&w);
+    if (run_steps(&w) != 0)
+        return leave(&w);
+    w.rc = finish(&w);
+    return leave(&w);
 }
-

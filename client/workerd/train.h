@@ -11,6 +11,7 @@
 #include "model/model.h"
 #include "optim.h"
 #include "shards/shards.h"
+#include "workerd/progress.h"
 
 typedef struct train_config {
     const cluster_spec *cluster;
@@ -128,5 +129,53 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
 void train_chief_wait_others(const train_config *c, ps_client *pc);
 /* The chief at the very end: ask every ps task to stop, unless --keep_ps. */
 void train_chief_stop_ps(const train_config *c, ps_client *pc);
+
+/* The role buffers (role_common.c): what a training role that steps on this
+ * task's batches holds (train.c, ring_train.c, local.c): the data, the model,
+ * the parameters and gradients (from the backend: pinned on a GPU), the
+ * optimizer's slots (the CPU's), two batch buffers, the data order (task
+ * c->trainer of c->n_trainers; --local is task 0 of 1), and the step loop's
+ * clocks and progress bar. */
+typedef struct role_bufs {
+    const train_config *c;
+    idx_dataset ds;
+    model *m;
+    float *params, *grads; /* grads: n_params + grad_extra floats */
+    float *s0, *s1;        /* with slots; else NULL */
+    /* two batch buffers: a step computes on bp.x[cur], bp.y[cur] while the
+     * next batch goes into the other one and is staged (model_stage_batch),
+     * its copy to the device overlapping what the role does in between */
+    batch_pair bp;
+    int cur;
+    batcher b;
+    progress bar;
+    double t_start, t_log; /* the loop's start, the last log line */
+    int64_t ex_since;      /* examples since the last log line */
+} role_bufs;
+/* Load --data_dir and allocate them: grad_extra more floats after the
+ * gradients, the slots when slots. 0; 2 bad data (after train_load's
+ * message); 1 after a message (out of memory, or the model's error), what
+ * was allocated freed. */
+int role_bufs_init(role_bufs *rb, const train_config *c, size_t grad_extra, int slots);
+/* Free them, the backend's memory before the model. */
+void role_bufs_free(role_bufs *rb);
+/* This task's batch number k into batch buffer i. */
+void role_bufs_gather(role_bufs *rb, int64_t k, int i);
+/* The same, then on its way to the device (model_stage_batch; a failure
+ * leaves the copy to the step). */
+void role_bufs_stage(role_bufs *rb, int64_t k, int i);
+/* Forward and backward on batch buffer cur for global step `step` into
+ * grads; model_forward_backward's status. */
+int role_bufs_forward_backward(role_bufs *rb, int64_t step, double *loss);
+/* One update per variable, as the ps applies them, with gradient scale
+ * `scale` (the slots share the parameters' offsets), for global step `step`. */
+void role_bufs_apply(role_bufs *rb, float scale, int64_t step);
+/* Start the step loop's clocks and its progress bar. */
+void role_bufs_start(role_bufs *rb);
+/* After a step: `local` steps done by this task, the bar at global step
+ * bar_step; every --log_every local steps (the bar off) the log line, naming
+ * global step log_step when global (not --local). */
+void role_bufs_step_done(role_bufs *rb, int64_t local, int64_t bar_step, int global,
+                         int64_t log_step, double loss);
 
 #endif
