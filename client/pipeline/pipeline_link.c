@@ -321,13 +321,7 @@ static enum MHD_Result web_handle(http_req *r)
     const struct web_asset *a = web_asset_find(r->url);
     if (!a)
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a pipeline stage", r->url);
-    struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
-    if (resp) {
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-    }
-    return http_reply_response(r, MHD_HTTP_OK, resp, a->len);
+    return web_asset_reply(r, a);
 }
 
 static enum MHD_Result health_handle(http_req *r)

@@ -266,13 +266,7 @@ static enum MHD_Result h_web(http_req *q)
     const struct web_asset *a = web_asset_find(q->url);
     if (!a)
         return http_reply_error(q, MHD_HTTP_NOT_FOUND, "no route GET '%.200s' on a ring worker", q->url);
-    struct MHD_Response *resp = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
-    if (resp) {
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, a->content_type);
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_ETAG, a->etag);
-        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
-    }
-    return http_reply_response(q, MHD_HTTP_OK, resp, a->len);
+    return web_asset_reply(q, a);
 }
 
 /* The endpoint's routes: the token guards the chunks and the state (the
@@ -784,17 +778,13 @@ static char *read_pem(const char *flag, const char *path, char *err, size_t errl
     return pem;
 }
 
-ring *ring_new(const ring_options *o, char *err, size_t errlen)
+/* What a step of ring_new returns: 0, or a failure whose message is in err
+ * (NEW_FAILED) or is the out of memory one (NEW_OOM, written by ring_new). */
+enum { NEW_FAILED = -1, NEW_OOM = -2 };
+
+/* r's lock, clocks and settings from o (the token copied). 0 or NEW_OOM. */
+static int new_basics(ring *r, const ring_options *o)
 {
-    if (o->n < 1 || o->rank < 0 || o->rank >= o->n || o->n_floats < (size_t)o->n) {
-        errmsg(err, errlen, "a ring of %d workers cannot all-reduce %zu floats", o->n, o->n_floats);
-        return NULL;
-    }
-    ring *r = calloc(1, sizeof(*r));
-    if (!r) {
-        errmsg(err, errlen, "out of memory");
-        return NULL;
-    }
     pthread_mutex_init(&r->mu, NULL);
     clk_mono_cond_init(&r->cv);
     r->started = clk_mono_ts();
@@ -807,7 +797,15 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     r->timeout = o->timeout_secs;
     r->abort = o->abort;
     if (o->token && !(r->token = strdup(o->token)))
-        goto oom;
+        return NEW_OOM;
+    return 0;
+}
+
+/* The TLS settings checked and read: the names messages use, the priority
+ * string and the versions the pushes offer, the certificate and key, the CA
+ * file. 0, NEW_FAILED (err) or NEW_OOM. */
+static int new_tls(ring *r, const ring_options *o, char *err, size_t errlen)
+{
     const ring_tls_names *nm = &o->tls_names;
     snprintf(r->names.cert, sizeof(r->names.cert), "%s", nm->cert ? nm->cert : "tls_cert");
     snprintf(r->names.key, sizeof(r->names.key), "%s", nm->key ? nm->key : "tls_key");
@@ -815,13 +813,11 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     snprintf(r->names.prio, sizeof(r->names.prio), "%s", nm->priorities ? nm->priorities : "tls_priorities");
     if (!o->tls_cert != !o->tls_key) {
         errmsg(err, errlen, "a certificate and its key go together (%s, %s)", r->names.cert, r->names.key);
-        ring_free(r);
-        return NULL;
+        return NEW_FAILED;
     }
     if (o->tls_priorities && !o->tls_cert) {
         errmsg(err, errlen, "%s needs %s and %s", r->names.prio, r->names.cert, r->names.key);
-        ring_free(r);
-        return NULL;
+        return NEW_FAILED;
     }
     if (o->tls_cert) {
         r->tls = 1;
@@ -830,8 +826,7 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         int lo, hi;
         if (ring_tls_priorities_check(prio, why, sizeof(why)) != 0 || tls_priorities_versions(prio, &lo, &hi) != 0) {
             errmsg(err, errlen, "%s=%s: %s", r->names.prio, prio, why);
-            ring_free(r);
-            return NULL;
+            return NEW_FAILED;
         }
         /* the pushes offer the versions the endpoint serves (libcurl is
          * built on OpenSSL here: the cipher suites apply to the endpoint) */
@@ -845,20 +840,26 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         else
             snprintf(r->tls_desc, sizeof(r->tls_desc), "TLS 1.%d-1.%d", lo, hi);
         if (!(r->priorities = strdup(prio)))
-            goto oom;
+            return NEW_OOM;
         if (!(r->cert_pem = read_pem(r->names.cert, o->tls_cert, err, errlen)) ||
-            !(r->key_pem = read_pem(r->names.key, o->tls_key, err, errlen))) {
-            ring_free(r);
-            return NULL;
-        }
+            !(r->key_pem = read_pem(r->names.key, o->tls_key, err, errlen)))
+            return NEW_FAILED;
         if (o->tls_ca && !(r->ca_file = strdup(o->tls_ca)))
-            goto oom;
+            return NEW_OOM;
     }
+    return 0;
+}
+
+/* The peers' "host:port", the right neighbour's and this worker's URLs, and
+ * the chunk table (offsets, the largest chunk, pieces per chunk). 0 or
+ * NEW_OOM. */
+static int new_peers(ring *r, const ring_options *o)
+{
     snprintf(r->name, sizeof(r->name), "%s", o->name ? o->name : "ring");
     r->peer = calloc((size_t)o->n, sizeof(*r->peer));
     r->off = calloc((size_t)o->n + 1, sizeof(size_t));
     if (!r->peer || !r->off)
-        goto oom;
+        return NEW_OOM;
     for (int i = 0; i < o->n; i++)
         snprintf(r->peer[i], PEER_MAX, strchr(o->peers[i].host, ':') ? "[%s]:%d" : "%s:%d",
                  o->peers[i].host, o->peers[i].port);
@@ -871,30 +872,43 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
         if (chunk_len(r, c) > r->chunk_max)
             r->chunk_max = chunk_len(r, c);
     r->pieces_max = (r->chunk_max + r->piece - 1) / r->piece;
+    return 0;
+}
+
+/* The receive slots and their pieces' steps (none yet). 0 or NEW_OOM. */
+static int new_buffers(ring *r)
+{
     if (r->K) {
         size_t slots = 2 * (size_t)r->K;
         r->slots = malloc(slots * r->chunk_max * sizeof(float));
         r->piece_step = malloc(slots * r->pieces_max * sizeof(int64_t));
         if (!r->slots || !r->piece_step)
-            goto oom;
+            return NEW_OOM;
         for (size_t i = 0; i < slots * r->pieces_max; i++)
             r->piece_step[i] = -1;
     }
+    return 0;
+}
+
+/* The keep-alive curl handle the pushes go out on, with its headers (the
+ * token's too). 0 or NEW_OOM. */
+static int new_curl(ring *r, const ring_options *o)
+{
     if (!(r->curl = curl_easy_init()))
-        goto oom;
+        return NEW_OOM;
     r->hdrs = curl_slist_append(NULL, "Content-Type: application/octet-stream");
     r->hdrs = curl_slist_append(r->hdrs, "Expect:"); /* no 100-continue round trip */
     if (r->token) {
         size_t hl = strlen(r->token) + 32;
         char *h = malloc(hl);
         if (!h)
-            goto oom;
+            return NEW_OOM;
         snprintf(h, hl, "Authorization: Bearer %s", r->token);
         struct curl_slist *l = curl_slist_append(r->hdrs, h);
         r->auth = curl_slist_append(NULL, h);
         free(h);
         if (!l || !r->auth)
-            goto oom;
+            return NEW_OOM;
         r->hdrs = l;
     }
     curl_easy_setopt(r->curl, CURLOPT_HTTPHEADER, r->hdrs);
@@ -912,7 +926,13 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     curl_easy_setopt(r->curl, CURLOPT_WRITEDATA, r);
     curl_easy_setopt(r->curl, CURLOPT_ERRORBUFFER, r->curl_err);
     set_tls(r, r->curl);
+    return 0;
+}
 
+/* The endpoint, served on peers[rank]'s port. 0, NEW_FAILED (err) or
+ * NEW_OOM. */
+static int new_endpoint(ring *r, const ring_options *o, char *err, size_t errlen)
+{
     const cluster_addr *self = &o->peers[o->rank];
     /* a loopback host: that very address (a socket on 127.0.0.1 refuses
      * connections to 127.0.0.2, and one on IPv4 those to [::1]); any other
@@ -963,7 +983,7 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     };
     char herr[256];
     if (!(r->srv = http_server_new(&hc, herr, sizeof(herr))) || http_server_add(r->srv, &hm, herr, sizeof(herr)) != 0)
-        goto oom;
+        return NEW_OOM;
     errno = 0;
     if (http_server_start(r->srv, herr, sizeof(herr)) < 0) {
         int e = errno;
@@ -972,12 +992,30 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
             snprintf(hint, sizeof(hint), " over HTTPS (is %s the key of %s?)", r->names.key, r->names.cert);
         errmsg(err, errlen, "cannot serve the ring endpoint on %s (port %d)%s: %s", r->peer[o->rank],
                self->port, hint, herr);
-        ring_free(r);
+        return NEW_FAILED;
+    }
+    return 0;
+}
+
+ring *ring_new(const ring_options *o, char *err, size_t errlen)
+{
+    if (o->n < 1 || o->rank < 0 || o->rank >= o->n || o->n_floats < (size_t)o->n) {
+        errmsg(err, errlen, "a ring of %d workers cannot all-reduce %zu floats", o->n, o->n_floats);
         return NULL;
     }
-    return r;
-oom:
-    errmsg(err, errlen, "out of memory for a ring of %d workers and %zu floats", o->n, o->n_floats);
+    ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        errmsg(err, errlen, "out of memory");
+        return NULL;
+    }
+    int rc;
+    if ((rc = new_basics(r, o)) == 0 && (rc = new_tls(r, o, err, errlen)) == 0 && (rc = new_peers(r, o)) == 0 &&
+        (rc = new_buffers(r)) == 0 && (rc = new_curl(r, o)) == 0)
+        rc = new_endpoint(r, o, err, errlen);
+    if (rc == 0)
+        return r;
+    if (rc == NEW_OOM)
+        errmsg(err, errlen, "out of memory for a ring of %d workers and %zu floats", o->n, o->n_floats);
     ring_free(r);
     return NULL;
 }

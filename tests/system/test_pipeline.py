@@ -582,6 +582,24 @@ def test_the_chiefs_status_shows_every_stage(stages, small_data):
     assert "error" in st["pipeline"][1], st  # a stage that does not answer says so
 
 
+def test_a_stage_answers_if_none_match_with_304(stages, small_data):
+    """The stage serves the page as psd does (common/web_assets.c): If-None-Match
+    with the file's ETag gives 304 and no body, another ETag the file."""
+    ports = [free_port(), free_port()]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    # stage 1 alone serves while it waits for stage 0
+    s1 = stages.start([binary("workerd"), f"--worker_hosts={hosts}", "--pipeline_stages=2", "--micro_batches=2",
+                       "--task_index=1"] + common(small_data, MLP, "sgd"))
+    wait_for_line(s1, "pipeline stage 1 of 2")
+    url = f"http://127.0.0.1:{ports[1]}/"
+    st, hd, page = http("GET", url)
+    assert st == 200 and b"app.js" in page and hd["cache-control"] == "no-cache", (st, hd)
+    st, hd2, body = http("GET", url, None, {"If-None-Match": hd["etag"]})
+    assert st == 304 and body == b"" and hd2["etag"] == hd["etag"], (st, hd2)
+    st, _, body = http("GET", url, None, {"If-None-Match": '"00000000-1"'})
+    assert st == 200 and body == page, st
+
+
 def test_a_stage_started_with_another_split_stops_with_a_clear_message(stages, small_data):
     """The plan every message carries: another --stage_layers on stage 1
     makes stage 0's first activations a 409, and stage 0 stops at once

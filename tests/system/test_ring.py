@@ -163,6 +163,36 @@ def test_the_ring_endpoint_refuses_bad_pieces(procs):
     assert p.poll() is None, "a bad request stopped the worker"
 
 
+def test_the_ring_endpoint_serves_the_page_with_etags_and_304(procs):
+    """The page's three files as psd serves them (common/web_assets.c): an
+    ETag and Cache-Control: no-cache; If-None-Match with that ETag (or *)
+    gives 304 and no body, GET or HEAD; another ETag gives the file."""
+    h = hosts(2)
+    base = "http://" + h.split(",")[0]
+    # rank 0 of a ring whose rank 1 never comes: it serves while it waits
+    procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10",
+                 "--timeout_secs=30"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until the endpoint is up
+        with socket.socket() as c:
+            if c.connect_ex(("127.0.0.1", int(h.split(",")[0].rsplit(":", 1)[1]))) == 0:
+                break
+        time.sleep(0.05)
+    web = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "web")
+    for path, name in (("/", "index.html"), ("/app.js", "app.js"), ("/style.css", "style.css")):
+        st, hd, body = http("GET", base + path)
+        with open(os.path.join(web, name), "rb") as f:
+            assert st == 200 and body == f.read(), (path, st)
+        tag = hd["etag"]
+        assert re.fullmatch(r'"[0-9a-f]{8}-\d+"', tag) and hd["cache-control"] == "no-cache", hd
+        for method, inm in (("GET", tag), ("GET", "*"), ("HEAD", tag)):
+            st, hd2, body = http(method, base + path, None, {"If-None-Match": inm})
+            assert st == 304 and body == b"" and hd2["etag"] == tag, (path, method, inm, st, hd2)
+            assert hd2["cache-control"] == "no-cache", hd2
+        st, hd2, body = http("GET", base + path, None, {"If-None-Match": '"00000000-1"'})
+        assert st == 200 and len(body) == int(hd2["content-length"]) > 0 and hd2["etag"] == tag, (path, st)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.2", "[::1]"])
 def test_a_ring_on_another_loopback_address(host, procs):
     # each worker listens on the very address --worker_hosts names: one bound
