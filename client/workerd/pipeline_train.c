@@ -457,497 +457,674 @@ out:
     return rc;
 }
 
-int train_pipeline(const train_config *c)
-{
-    char err[1024];
-    const model_layout *L = &c->layout;
-    const int K = c->pipeline_stages, M = c->micro_batches, B = c->batch_size, mb = B / M;
+/* One stage's training, as train_pipeline's steps share it: the plan and
+ * what follows from it for this stage, its buffers, its link and ps
+ * client, and the step loop's state and clocks. */
+typedef struct stage_train {
+    const train_config *c;
+    const model_layout *L;
+    int K, M, B, mb;
     pipe_grid g;
     pipe_plan p;
-    pipe_schedule sch = {0};
-    if (pipe_grid_place(c->n_trainers, K, c->trainer, &g, err, sizeof(err)) != 0 ||
-        pipe_plan_for(c, &p, err, sizeof(err)) != 0 ||
-        pipe_schedule_build(&sch, (pipe_schedule_kind)c->pipeline_schedule, K, M, err, sizeof(err)) != 0) {
-        fprintf(stderr, "workerd: %s\n", err);
-        return 2;
-    }
-    const int s = g.stage, first = p.first[s], last = p.last[s], is_last = s == K - 1, R = g.replicas;
-    const size_t in_n = L->layers[first].in_numel, out_n = L->layers[last].out_numel;
-    const size_t np = L->n_params;
+    pipe_schedule sch;
+    int s, first, last, is_last, R;
+    size_t in_n, out_n, np;
     size_t poff[PIPE_MAX_STAGES], pn[PIPE_MAX_STAGES];
-    for (int k = 0; k < K; k++)
-        pipe_stage_params(L, &p, k, &poff[k], &pn[k]);
     model_layout RL; /* this stage's layers as a model: its instances and buffers are of them alone */
-    if (model_layout_range(L, first, last, &RL, err, sizeof(err)) != 0 || RL.n_params != pn[s]) {
+    int rlast, adds;
+    int reduce, xchg, ringx, floats;
+    size_t chunk_n;
+    char plan[1024];
+    uint32_t plan_id;
+    idx_dataset ds;
+    int have_data, P;
+    model *inst[PIPE_MAX_MICRO];
+    float *inbuf[PIPE_MAX_MICRO], *dlog[PIPE_MAX_MICRO];
+    int owner[PIPE_MAX_MICRO];
+    float *params, *grads, *acc, *sum, *theirs_g, *s0, *s1;
+    float *whole; /* stage 0 at the end: every stage's parameters */
+    model *eval;
+    float *out, *dout, *din, *x;
+    uint8_t *y;
+    batcher b;
+    pipe_mailbox *box;
+    pipe_link *link;
+    cluster_addr *peers, *rpeers;
+    ps_client *pc;
+    pipe_ps pps;
+    heartbeat *hb;
+    int64_t step0, step, example0;
+    unsigned nonce;
+    stage_run r;
+    double tmo;
+    double loss_sum, mb_loss[PIPE_MAX_MICRO]; /* the micro-batches' losses, passed back with the gradients */
+    double t_start, t_log;
+    /* the steady state: from the end of step 0 (the start's waits left out) */
+    double t_steady, busy_steady, idle_steady;
+    uint64_t msgs;
+    progress bar;
+} stage_train;
+
+/* This task's place in the grid, the split, the schedule, and what follows
+ * for its stage (its layers, parameters and buffers' sizes, how the
+ * replicas' sums meet): 0, or 2 after a message. */
+static int plan_stage(stage_train *t)
+{
+    char err[1024];
+    const train_config *c = t->c;
+    const model_layout *L = t->L = &c->layout;
+    const int K = t->K = c->pipeline_stages, M = t->M = c->micro_batches;
+    t->B = c->batch_size;
+    t->mb = t->B / M;
+    if (pipe_grid_place(c->n_trainers, K, c->trainer, &t->g, err, sizeof(err)) != 0 ||
+        pipe_plan_for(c, &t->p, err, sizeof(err)) != 0 ||
+        pipe_schedule_build(&t->sch, (pipe_schedule_kind)c->pipeline_schedule, K, M, err, sizeof(err)) != 0) {
         fprintf(stderr, "workerd: %s\n", err);
-        pipe_schedule_free(&sch);
         return 2;
     }
-    const int rlast = last - first;
-    const int adds = model_adds_gradients(model_device_backend());
+    const int s = t->s = t->g.stage, first = t->first = t->p.first[s], last = t->last = t->p.last[s];
+    t->is_last = s == K - 1;
+    const int R = t->R = t->g.replicas;
+    t->in_n = L->layers[first].in_numel;
+    t->out_n = L->layers[last].out_numel;
+    t->np = L->n_params;
+    for (int k = 0; k < K; k++)
+        pipe_stage_params(L, &t->p, k, &t->poff[k], &t->pn[k]);
+    if (model_layout_range(L, first, last, &t->RL, err, sizeof(err)) != 0 || t->RL.n_params != t->pn[s]) {
+        fprintf(stderr, "workerd: %s\n", err);
+        pipe_schedule_free(&t->sch);
+        return 2;
+    }
+    t->rlast = last - first;
+    t->adds = model_adds_gradients(model_device_backend());
     /* with the ps, the replicas' sums are the ps's; without, the ring sums in
      * place with a chunk's buffer, the exchange into a buffer of its own with one for each sum received;
      * a stage without parameters (a ReLU and a pool, say) has nothing to add up */
-    const int reduce = R > 1 && !c->pipeline_ps && pn[s] > 0;
-    const int xchg = reduce && !c->ring, ringx = reduce && c->ring;
-    const size_t chunk_n = ringx ? pn[s] / (size_t)R + 1 : 0;
-    const int floats = (xchg ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !adds;
-    {
-        uint64_t need = model_state_bytes(pn[s], floats) + chunk_n * sizeof(float);
-        /* the whole buffer, and the others' parameters twice while they arrive (the HTTP body, the mailbox's copy) */
-        uint64_t gather = s == 0 ? (uint64_t)(np + 2 * (np - pn[0])) * sizeof(float) : 0;
-        if (c->max_model_bytes && (need > c->max_model_bytes || gather > c->max_model_bytes)) {
-            if (need > c->max_model_bytes)
-                fprintf(stderr, "workerd: %s (stage %d of %d): layers %d-%d hold %zu parameters, %llu bytes with "
-                                "their gradients, step sum and optimizer slots (%d floats each%s): more than "
-                                "--max_model_bytes=%llu; split the model into more stages\n",
-                        c->name, s, K, first, last, pn[s], (unsigned long long)need, floats,
-                        ringx ? ", and the ring's chunk" : "", (unsigned long long)c->max_model_bytes);
-            else
-                fprintf(stderr, "workerd: %s (stage 0 of %d): the whole model's %zu parameters, which stage 0 gathers "
-                                "at the end (%llu bytes with the two copies of the messages they arrive in), are more than "
-                                "--max_model_bytes=%llu\n",
-                        c->name, K, np, (unsigned long long)gather, (unsigned long long)c->max_model_bytes);
-            pipe_schedule_free(&sch);
-            return 2;
-        }
-    }
-    char plan[1024];
-    uint32_t plan_id = plan_text(c, &p, plan, sizeof(plan));
+    t->reduce = R > 1 && !c->pipeline_ps && t->pn[s] > 0;
+    t->xchg = t->reduce && !c->ring;
+    t->ringx = t->reduce && c->ring;
+    t->chunk_n = t->ringx ? t->pn[s] / (size_t)R + 1 : 0;
+    t->floats = (t->xchg ? MODEL_STATE_FLOATS_STAGE_REPLICAS : MODEL_STATE_FLOATS_STAGE) + !t->adds;
+    return 0;
+}
 
-    idx_dataset ds = {0};
-    int have_data = s == 0 || is_last, rc;
-    if (have_data && (rc = train_load(c, &ds)) != 0) {
-        pipe_schedule_free(&sch);
-        return rc;
+/* --max_model_bytes: this stage's buffers, and stage 0's gather at the
+ * end, within it; 0, or 2 after a message. */
+static int check_model_bytes(const stage_train *t)
+{
+    const train_config *c = t->c;
+    const int s = t->s, K = t->K;
+    const size_t np = t->np;
+    uint64_t need = model_state_bytes(t->pn[s], t->floats) + t->chunk_n * sizeof(float);
+    /* the whole buffer, and the others' parameters twice while they arrive (the HTTP body, the mailbox's copy) */
+    uint64_t gather = s == 0 ? (uint64_t)(np + 2 * (np - t->pn[0])) * sizeof(float) : 0;
+    if (c->max_model_bytes && (need > c->max_model_bytes || gather > c->max_model_bytes)) {
+        if (need > c->max_model_bytes)
+            fprintf(stderr, "workerd: %s (stage %d of %d): layers %d-%d hold %zu parameters, %llu bytes with "
+                            "their gradients, step sum and optimizer slots (%d floats each%s): more than "
+                            "--max_model_bytes=%llu; split the model into more stages\n",
+                    c->name, s, K, t->first, t->last, t->pn[s], (unsigned long long)need, t->floats,
+                    t->ringx ? ", and the ring's chunk" : "", (unsigned long long)c->max_model_bytes);
+        else
+            fprintf(stderr, "workerd: %s (stage 0 of %d): the whole model's %zu parameters, which stage 0 gathers "
+                            "at the end (%llu bytes with the two copies of the messages they arrive in), are more than "
+                            "--max_model_bytes=%llu\n",
+                    c->name, K, np, (unsigned long long)gather, (unsigned long long)c->max_model_bytes);
+        return 2;
     }
-    rc = 1;
-    const int P = sch.max_inflight[s];
-    model *inst[PIPE_MAX_MICRO] = {0};
-    float *inbuf[PIPE_MAX_MICRO] = {0}, *dlog[PIPE_MAX_MICRO] = {0};
-    int owner[PIPE_MAX_MICRO];
-    float *params = calloc(pn[s] ? pn[s] : 1, sizeof(float)); /* this stage's run of the whole buffer */
+    return 0;
+}
+
+/* The stage's buffers, its model instances (one per micro-batch in
+ * flight), the data order and the mailbox: 0, or 1 after a message. */
+static int alloc_stage(stage_train *t)
+{
+    char err[1024];
+    const train_config *c = t->c;
+    const int s = t->s, is_last = t->is_last, mb = t->mb, have_data = t->have_data;
+    const size_t *pn = t->pn, in_n = t->in_n, out_n = t->out_n;
+    t->P = t->sch.max_inflight[s];
+    t->params = calloc(pn[s] ? pn[s] : 1, sizeof(float)); /* this stage's run of the whole buffer */
     /* a micro-batch's gradients, before they are added to the step's sum: only
      * for a backend that cannot add them itself (the CPU's sgemm does) */
-    float *grads = adds ? NULL : calloc(pn[s] ? pn[s] : 1, sizeof(float));
-    float *acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    t->grads = t->adds ? NULL : calloc(pn[s] ? pn[s] : 1, sizeof(float));
+    t->acc = calloc(pn[s] ? pn[s] : 1, sizeof(float));
     /* with the ps, the optimizer slots are the ps's */
     const size_t nslot = c->pipeline_ps || !pn[s] ? 1 : pn[s];
-    float *sum = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : acc; /* the replicas' sums added up */
+    t->sum = t->xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : t->acc; /* the replicas' sums added up */
     /* the exchange: each replica's sum as it comes; the ring: a chunk */
-    float *theirs_g = xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : ringx ? calloc(chunk_n, sizeof(float)) : NULL;
-    float *s0 = calloc(nslot, sizeof(float)), *s1 = calloc(nslot, sizeof(float));
-    float *whole = NULL; /* stage 0 at the end: every stage's parameters */
-    model *eval = NULL;
-    float *out = malloc(sizeof(float) * (size_t)mb * out_n), *dout = malloc(sizeof(float) * (size_t)mb * out_n);
-    float *din = malloc(sizeof(float) * (size_t)mb * in_n);
-    float *x = have_data ? malloc(sizeof(float) * (size_t)B * L->n_in) : NULL;
-    uint8_t *y = have_data ? malloc((size_t)B) : NULL;
-    batcher b = {0};
-    pipe_mailbox *box = NULL;
-    pipe_link *link = NULL;
-    cluster_addr *peers = NULL, *rpeers = NULL;
-    ps_client *pc = NULL;
-    pipe_ps pps = {0};
-    heartbeat *hb = NULL;
-    int64_t step0 = 0;
-    unsigned nonce = 0;
-    int ok = params && (adds || grads) && acc && sum && (!(xchg || ringx) || theirs_g) && s0 && s1 && out && dout && din && (!have_data || (x && y));
-    for (int i = 0; ok && i < P; i++) {
-        owner[i] = -1;
-        inst[i] = model_new(model_device_backend(), &RL, mb, err, sizeof(err));
-        if (!inst[i]) {
+    t->theirs_g = t->xchg ? calloc(pn[s] ? pn[s] : 1, sizeof(float)) : t->ringx ? calloc(t->chunk_n, sizeof(float)) : NULL;
+    t->s0 = calloc(nslot, sizeof(float));
+    t->s1 = calloc(nslot, sizeof(float));
+    t->out = malloc(sizeof(float) * (size_t)mb * out_n);
+    t->dout = malloc(sizeof(float) * (size_t)mb * out_n);
+    t->din = malloc(sizeof(float) * (size_t)mb * in_n);
+    t->x = have_data ? malloc(sizeof(float) * (size_t)t->B * t->L->n_in) : NULL;
+    t->y = have_data ? malloc((size_t)t->B) : NULL;
+    int ok = t->params && (t->adds || t->grads) && t->acc && t->sum && (!(t->xchg || t->ringx) || t->theirs_g) &&
+             t->s0 && t->s1 && t->out && t->dout && t->din && (!have_data || (t->x && t->y));
+    for (int i = 0; ok && i < t->P; i++) {
+        t->owner[i] = -1;
+        t->inst[i] = model_new(model_device_backend(), &t->RL, mb, err, sizeof(err));
+        if (!t->inst[i]) {
             fprintf(stderr, "workerd: %s\n", err);
-            goto out;
+            return 1;
         }
-        if (s > 0 && !(inbuf[i] = malloc(sizeof(float) * (size_t)mb * in_n)))
+        if (s > 0 && !(t->inbuf[i] = malloc(sizeof(float) * (size_t)mb * in_n)))
             ok = 0;
-        if (is_last && !(dlog[i] = malloc(sizeof(float) * (size_t)mb * out_n)))
+        if (is_last && !(t->dlog[i] = malloc(sizeof(float) * (size_t)mb * out_n)))
             ok = 0;
     }
-    if (ok && have_data && batcher_init(&b, &ds.train, c->seed, g.replica, g.replicas) != 0)
+    if (ok && have_data && batcher_init(&t->b, &t->ds.train, c->seed, t->g.replica, t->g.replicas) != 0)
         ok = 0;
     if (ok)
-        box = pipe_mailbox_new(M, s > 0 ? (size_t)mb * in_n : 0, is_last ? 0 : (size_t)mb * out_n, K,
-                               s == 0 ? pn : NULL, R, pn[s]);
-    if (!ok || !box) {
+        t->box = pipe_mailbox_new(t->M, s > 0 ? (size_t)mb * in_n : 0, is_last ? 0 : (size_t)mb * out_n, t->K,
+                                  s == 0 ? pn : NULL, t->R, pn[s]);
+    if (!ok || !t->box) {
         fprintf(stderr, "workerd: out of memory\n");
-        goto out;
+        return 1;
     }
-    if (ringx)
-        pipe_mailbox_set_ring(box, g.replica);
+    if (t->ringx)
+        pipe_mailbox_set_ring(t->box, t->g.replica);
+    return 0;
+}
+
+/* The addresses of this replica's stages and of this stage's replicas; 0,
+ * or 1 after a message. */
+static int place_peers(stage_train *t)
+{
+    const pipe_grid *g = &t->g;
     /* this replica's stages, by the grid rule: the chief task (when there is one), then the workers */
-    const cluster_spec *cs = c->cluster;
+    const cluster_spec *cs = t->c->cluster;
     int has_chief = cs->jobs[JOB_CHIEF].n > 0;
-    if (!(peers = calloc((size_t)K, sizeof(*peers))) || !(rpeers = calloc((size_t)R, sizeof(*rpeers)))) {
+    if (!(t->peers = calloc((size_t)t->K, sizeof(*t->peers))) || !(t->rpeers = calloc((size_t)t->R, sizeof(*t->rpeers)))) {
         fprintf(stderr, "workerd: out of memory\n");
-        goto out;
+        return 1;
     }
 #define TASK_ADDR(t) (has_chief ? ((t) == 0 ? cs->jobs[JOB_CHIEF].tasks[0] : cs->jobs[JOB_WORKER].tasks[(t) - 1]) \
                                 : cs->jobs[JOB_WORKER].tasks[(t)])
-    for (int k = 0; k < K; k++)
-        peers[k] = TASK_ADDR(pipe_grid_task(&g, k, g.replica));
-    for (int k = 0; k < R; k++)
-        rpeers[k] = TASK_ADDR(pipe_grid_task(&g, s, k));
+    for (int k = 0; k < t->K; k++)
+        t->peers[k] = TASK_ADDR(pipe_grid_task(g, k, g->replica));
+    for (int k = 0; k < t->R; k++)
+        t->rpeers[k] = TASK_ADDR(pipe_grid_task(g, t->s, k));
 #undef TASK_ADDR
+    return 0;
+}
+
+/* The parameters' start: with the ps, its client, the chief's set-up and
+ * the step to go on from, a heartbeat and the push ids' nonce; else this
+ * stage's run of the whole initialization. 0, or the exit status. */
+static int start_params(stage_train *t)
+{
+    const train_config *c = t->c;
     if (c->pipeline_ps) {
         /* the variables are the ps's: each step pulls them. Before the
          * endpoint opens: a neighbour's first message (of a restored step)
          * finds the mailbox at that step, or retries until it listens */
-        if ((rc = ps_start(c, poff, pn, K, R, s, &pc, &pps, &step0)) != 0)
-            goto out;
-        rc = 1;
-        pipe_mailbox_set_step(box, step0);
-        hb = heartbeat_start(train_connect_ps(c, 5000), c->trainer, 1000); /* a long step is no dead stage */
-        if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce))
-            nonce = (unsigned)getpid();
+        int rc = ps_start(c, t->poff, t->pn, t->K, t->R, t->s, &t->pc, &t->pps, &t->step0);
+        if (rc != 0)
+            return rc;
+        pipe_mailbox_set_step(t->box, t->step0);
+        t->hb = heartbeat_start(train_connect_ps(c, 5000), c->trainer, 1000); /* a long step is no dead stage */
+        if (getrandom(&t->nonce, sizeof(t->nonce), 0) != sizeof(t->nonce))
+            t->nonce = (unsigned)getpid();
     } else {
         /* the parameters: this stage's run of the whole initialization */
-        model_init_params(&RL, params, c->seed);
+        model_init_params(&t->RL, t->params, c->seed);
     }
-    pipe_link_options lo = {.peers = peers, .stages = K, .stage = s, .mailbox = box,
-                            .replica_peers = rpeers, .replicas = R, .replica = g.replica,
-                            .plan_id = plan_id, .plan_text = plan, .token = c->token,
+    return 0;
+}
+
+/* The stage's endpoint and its link to the others, and the start lines;
+ * 0, or 1 after a message. */
+static int open_link(stage_train *t)
+{
+    char err[1024];
+    const train_config *c = t->c;
+    const int s = t->s, K = t->K, R = t->R;
+    pipe_link_options lo = {.peers = t->peers, .stages = K, .stage = s, .mailbox = t->box,
+                            .replica_peers = t->rpeers, .replicas = R, .replica = t->g.replica,
+                            .plan_id = t->plan_id, .plan_text = t->plan, .token = c->token,
                             .name = c->name, .abort = train_stop_requested,
-                            .info = info_json(c, &p, &sch, &g, plan)};
-    if (!(link = pipe_link_new(&lo, err, sizeof(err)))) {
+                            .info = info_json(c, &t->p, &t->sch, &t->g, t->plan)};
+    if (!(t->link = pipe_link_new(&lo, err, sizeof(err)))) {
         fprintf(stderr, "workerd: pipeline: %s\n", err);
-        goto out;
+        return 1;
     }
-    abort_link = link;
-    {
-        char split[128], row[PIPE_MAX_MICRO * 10];
-        pipe_plan_format(&p, split, sizeof(split));
-        pipe_schedule_format(&sch, s, row, sizeof(row));
-        printf("%s: pipeline stage %d of %d, replica %d of %d (layers %d-%d of %s, split %s), %s, %d micro-batches "
-               "of %d, %s, until step %lld; serving on %s; %s\n",
-               c->name, s, K, g.replica, R, first, last, L->spec, split, pipe_schedule_name(sch.kind), M, mb,
-               optim_name(c->optim.kind), (long long)c->train_steps, pipe_link_peer(link, s),
-               model_device_describe(c->threads));
-        printf("%s: table %s (at most %d in flight)\n", c->name, row, P);
-        if (R > 1 && !c->pipeline_ps)
-            printf("%s: the %d replicas' gradient sums of stage %d (%zu floats): %s\n", c->name, R, s, pn[s],
-                   !reduce ? "none (the stage has no parameters)"
-                   : ringx ? "a ring all-reduce (--allreduce=ring: each sends 2(R-1)/R of its sum a step)"
-                           : "exchanged (each sends its sum to the R - 1 others)");
-        fflush(stdout);
+    abort_link = t->link;
+    char split[128], row[PIPE_MAX_MICRO * 10];
+    pipe_plan_format(&t->p, split, sizeof(split));
+    pipe_schedule_format(&t->sch, s, row, sizeof(row));
+    printf("%s: pipeline stage %d of %d, replica %d of %d (layers %d-%d of %s, split %s), %s, %d micro-batches "
+           "of %d, %s, until step %lld; serving on %s; %s\n",
+           c->name, s, K, t->g.replica, R, t->first, t->last, t->L->spec, split, pipe_schedule_name(t->sch.kind),
+           t->M, t->mb, optim_name(c->optim.kind), (long long)c->train_steps, pipe_link_peer(t->link, s),
+           model_device_describe(c->threads));
+    printf("%s: table %s (at most %d in flight)\n", c->name, row, t->P);
+    if (R > 1 && !c->pipeline_ps)
+        printf("%s: the %d replicas' gradient sums of stage %d (%zu floats): %s\n", c->name, R, s, t->pn[s],
+               !t->reduce ? "none (the stage has no parameters)"
+               : t->ringx ? "a ring all-reduce (--allreduce=ring: each sends 2(R-1)/R of its sum a step)"
+                          : "exchanged (each sends its sum to the R - 1 others)");
+    fflush(stdout);
+    return 0;
+}
+
+/* --pipeline_updates=ps: the step's parameters, once every stage pushed
+ * the last step's gradients; 0, 1 after a message, 2 on a stop. */
+static int pull_params(stage_train *t, int64_t step, double wait)
+{
+    char err[1024];
+    double t0 = clk_mono_secs();
+    int64_t got;
+    int e = pipe_ps_pull(&t->pps, t->params, step, wait, stop_or_send_failed, &got, err, sizeof(err));
+    t->r.st.idle_secs += clk_mono_secs() - t0;
+    if (e == -2)
+        return 2;
+    if (e) {
+        char who[512];
+        pipe_ps_missing(&t->pps, t->poff, t->pn, t->K, t->R, step, who, sizeof(who));
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s%s; stopping\n", t->c->name, t->s, t->K, err, who);
+        return 1;
     }
-    stage_run r = {.c = c, .link = link, .box = box, .s = s, .K = K};
-    r.st.loss = NAN;
-    const double tmo = c->pipeline_timeout_secs;
-    double t_start = clk_mono_secs(), t_log = t_start;
-    int64_t step = step0, example0 = 0;
-    /* the steady state: from the end of step 0 (the start's waits left out) */
-    double t_steady = t_start, busy_steady = 0, idle_steady = 0;
-    uint64_t msgs = 0;
-    int stopped = 0, failed = 0;
-    progress bar;
-    progress_init(&bar, c->name, c->train_steps, is_last ? -1 : 0);
-    for (; step < c->train_steps && !failed && !stopped; step++) {
+    return 0;
+}
+
+/* A forward of micro-batch j: its input (stage 0: the images; else the
+ * activations from stage s-1), the layers, the output to stage s+1 (the
+ * last stage: the loss and its gradient); 0, 1 after a message, 2 on a stop. */
+static int forward_slot(stage_train *t, int64_t step, int j, double wait)
+{
+    const train_config *c = t->c;
+    const int s = t->s, mb = t->mb, is_last = t->is_last;
+    int q, e;
+    for (q = 0; q < t->P && t->owner[q] >= 0; q++) {
+    }
+    t->owner[q] = j;
+    const float *in = s == 0 ? t->x + (size_t)j * mb * t->L->n_in : t->inbuf[q];
+    /* the micro-batch's first example: from the data, or (a stage
+     * without it) from the activations' sender */
+    int64_t ex0 = t->example0 + (int64_t)j * mb, theirs = ex0;
+    if (s > 0 && (e = receive(&t->r, &(pipe_key){step, j, PIPE_ACT}, s - 1, t->inbuf[q], &theirs, wait)) != 0)
+        return e;
+    if (!t->have_data) {
+        ex0 = theirs;
+    } else if (theirs != ex0) {
+        fprintf(stderr, "workerd: %s (stage %d): stage %d sent micro-batch %d of step %lld from example %lld "
+                        "of its data order, this stage reads example %lld there: start every stage with "
+                        "the same --data_dir and --seed\n",
+                c->name, s, s - 1, j, (long long)step, (long long)theirs, (long long)ex0);
+        return 1;
+    }
+    double t0 = clk_mono_secs();
+    const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = ex0};
+    double loss = 0;
+    if (model_forward_range(t->inst[q], 0, t->rlast, t->params, in, mb, &ctx, t->out) != 0 ||
+        (is_last && model_loss_head(t->inst[q], t->out, t->y + (size_t)j * mb, mb, t->dlog[q], &loss) != 0)) {
+        fprintf(stderr, "workerd: %s: the forward of step %lld, micro-batch %d failed\n", c->name,
+                (long long)step, j);
+        return 1;
+    }
+    t->loss_sum += loss;
+    t->mb_loss[j] = loss;
+    t->r.st.busy_secs += clk_mono_secs() - t0;
+    if (!is_last)
+        return send_to(&t->r, s + 1, &(pipe_key){step, j, PIPE_ACT}, t->out, (size_t)mb * t->out_n, ex0, wait);
+    return 0;
+}
+
+/* A backward of micro-batch j: its output's gradient (from stage s+1, or
+ * the loss's), the layers' backward into the step's sum, the input's
+ * gradient to stage s-1; 0, 1 after a message, 2 on a stop. */
+static int backward_slot(stage_train *t, int64_t step, int j, double wait)
+{
+    const train_config *c = t->c;
+    const int s = t->s, mb = t->mb, is_last = t->is_last;
+    int q, e;
+    for (q = 0; q < t->P && t->owner[q] != j; q++) {
+    }
+    const float *d = is_last ? t->dlog[q] : t->dout;
+    int64_t ltag;
+    if (!is_last && (e = receive(&t->r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, t->dout, &ltag, wait)) != 0)
+        return e;
+    if (!is_last) {
+        t->mb_loss[j] = pipe_tag_loss(ltag); /* a NaN when the stage after did not name it */
+        t->loss_sum += t->mb_loss[j];
+    }
+    double t0 = clk_mono_secs();
+    /* the micro-batch's parameter gradients are added to the step's sum (acc) */
+    if (model_backward_range_add(t->inst[q], 0, t->rlast, t->params, d, mb, s > 0 ? t->din : NULL, t->acc,
+                                 t->grads) != 0) {
+        fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,
+                (long long)step, j);
+        return 1;
+    }
+    t->owner[q] = -1;
+    t->r.st.busy_secs += clk_mono_secs() - t0;
+    if (s > 0)
+        return send_to(&t->r, s - 1, &(pipe_key){step, j, PIPE_GRAD}, t->din, (size_t)mb * t->in_n,
+                       pipe_loss_tag(t->mb_loss[j]), wait);
+    return 0;
+}
+
+/* --pipeline_updates=ps: the mean over the micro-batches to the ps, which
+ * averages the R replicas'; 0, 1 after a message, 2 on a stop. */
+static int push_grads(stage_train *t, int64_t step)
+{
+    char err[1024];
+    const train_config *c = t->c;
+    const float inv = 1.0f / (float)t->M;
+    for (size_t k = 0; k < t->pn[t->s]; k++)
+        t->acc[k] *= inv; /* in place: the next step starts its sum from 0 */
+    char id[64];
+    snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, t->nonce, (long long)step);
+    double t0 = clk_mono_secs();
+    if (pipe_ps_push(&t->pps, t->acc, c->trainer, step, t->B, t->loss_sum / t->M, id, err,
+                     sizeof(err)) != 0) {
+        if (train_stop_requested())
+            return 2;
+        fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, t->s, t->K, err);
+        return 1;
+    }
+    t->r.st.idle_secs += clk_mono_secs() - t0;
+    return 0;
+}
+
+/* The replicas' sums: every stage adds the R sums in replica order (the
+ * exchange into sum, the ring in acc); 0, 1 after a message, 2 on a stop. */
+static int reduce_replicas(stage_train *t, int64_t step, double wait)
+{
+    const size_t n = t->pn[t->s];
+    const int R = t->R, replica = t->g.replica;
+    if (t->xchg) {
+        int e = 0;
+        const pipe_key rk = {step, replica, PIPE_REDUCE};
+        for (int k = 0; k < R && !e; k++)
+            if (k != replica)
+                e = send_replica(&t->r, k, &rk, t->acc, n, wait);
+        memset(t->sum, 0, sizeof(float) * n);
+        for (int k = 0; k < R && !e; k++) {
+            const float *src = t->acc;
+            if (k != replica) {
+                e = receive_replica(&t->r, &(pipe_key){step, k, PIPE_REDUCE}, k, t->theirs_g, wait);
+                src = t->theirs_g;
+            }
+            for (size_t u = 0; u < n && !e; u++)
+                t->sum[u] += src[u];
+        }
+        return e;
+    }
+    if (t->ringx)
+        return ring_reduce(&t->r, R, replica, step, t->acc, n, t->theirs_g, wait);
+    return 0;
+}
+
+/* Without the ps: the optimizer on this stage's layers with the mean over
+ * the batch (all replicas'): the sum over the micro-batches / (M R). */
+static void apply_update(stage_train *t, int64_t step)
+{
+    const train_config *c = t->c;
+    double t0 = clk_mono_secs();
+    const float scale = 1.0f / (float)(t->M * t->R);
+    for (int k = 0; k < t->RL.n_tensors && !c->pipeline_ps; k++) {
+        const model_tensor *mt = &t->RL.tensors[k];
+        optim_apply(&c->optim, t->params + mt->offset, t->params + mt->offset, t->sum + mt->offset, scale,
+                    t->s0 + mt->offset, t->s1 + mt->offset, step + 1, step, mt->numel);
+    }
+    t->r.st.busy_secs += clk_mono_secs() - t0;
+}
+
+/* After a step: the link's state (for /v1/status and the page), the
+ * message count, the steady state's start, and the last stage's progress
+ * bar or log line. */
+static void step_done(stage_train *t, int64_t step)
+{
+    const train_config *c = t->c;
+    const int M = t->M, B = t->B, R = t->R;
+    /* every stage has the micro-batches' losses (the last stage computed them, the
+     * gradients brought them back): its replica's step loss, for /v1/status and the page */
+    double loss = t->loss_sum / M;
+    t->r.st.loss = loss;
+    t->r.st.step = step + 1;
+    pipe_link_set_state(t->link, &t->r.st);
+    t->msgs += (uint64_t)(t->s > 0) * M + (uint64_t)(!t->is_last) * M +
+               (uint64_t)(t->xchg ? R - 1 : t->ringx ? ring_steps(R) : 0);
+    if (step == t->step0) {
+        t->t_steady = clk_mono_secs();
+        t->busy_steady = t->r.st.busy_secs;
+        t->idle_steady = t->r.st.idle_secs;
+    }
+    if (t->is_last) {
+        progress_update(&t->bar, step + 1, loss, (double)((step + 1) * B) / (clk_mono_secs() - t->t_start));
+        if (!t->bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
+            double tn = clk_mono_secs();
+            printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1), loss,
+                   (double)c->log_every * B / (tn - t->t_log));
+            fflush(stdout);
+            t->t_log = tn;
+        }
+    }
+}
+
+/* One step: the batch, (the ps's parameters,) this stage's row of the
+ * schedule table, (the push to the ps,) the replicas' sums, the update;
+ * 0, 1 after a message, 2 on a stop. */
+static int run_step(stage_train *t, int64_t step)
+{
+    const train_config *c = t->c;
+    double wait = step == t->step0 && t->tmo < PIPE_START_SECS ? PIPE_START_SECS : t->tmo;
+    pipe_mailbox_set_step(t->box, step);
+    t->r.st.step = step;
+    if (t->have_data)
+        batcher_at(&t->b, step, t->B, t->ds.n_features, t->x, t->y, &t->example0);
+    int e;
+    if (c->pipeline_ps && (e = pull_params(t, step, wait)) != 0)
+        return e;
+    memset(t->acc, 0, sizeof(float) * t->pn[t->s]);
+    t->loss_sum = 0;
+    for (int i = 0; i < t->sch.n; i++) {
+        const pipe_slot *sl = pipe_schedule_at(&t->sch, t->s, i);
+        t->r.st.slot = i;
+        e = sl->op == PIPE_FWD ? forward_slot(t, step, sl->mb, wait) : backward_slot(t, step, sl->mb, wait);
+        if (e)
+            return e;
+    }
+    if (c->pipeline_ps && (e = push_grads(t, step)) != 0)
+        return e;
+    if ((e = reduce_replicas(t, step, wait)) != 0)
+        return e;
+    apply_update(t, step);
+    step_done(t, step);
+    return 0;
+}
+
+/* The steps from step0 to --train_steps (t->step: where they ended), then
+ * the link's state done: 0 all done, 1 failed (after a message), 2
+ * stopped by a signal (after its line). */
+static int run_steps(stage_train *t)
+{
+    const train_config *c = t->c;
+    t->r = (stage_run){.c = c, .link = t->link, .box = t->box, .s = t->s, .K = t->K};
+    t->r.st.loss = NAN;
+    t->tmo = c->pipeline_timeout_secs;
+    t->t_start = clk_mono_secs();
+    t->t_log = t->t_start;
+    t->step = t->step0;
+    t->example0 = 0;
+    t->t_steady = t->t_start;
+    t->busy_steady = t->idle_steady = 0;
+    t->msgs = 0;
+    progress_init(&t->bar, c->name, c->train_steps, t->is_last ? -1 : 0);
+    int e = 0;
+    for (; t->step < c->train_steps; t->step++) {
         if (train_stop_requested()) {
-            stopped = 1;
+            e = 2;
             break;
         }
-        double wait = step == step0 && tmo < PIPE_START_SECS ? PIPE_START_SECS : tmo;
-        pipe_mailbox_set_step(box, step);
-        r.st.step = step;
-        if (have_data)
-            batcher_at(&b, step, B, ds.n_features, x, y, &example0);
-        if (c->pipeline_ps) { /* the step's parameters, once every stage pushed the last step's gradients */
-            double t0 = clk_mono_secs();
-            int64_t got;
-            int e = pipe_ps_pull(&pps, params, step, wait, stop_or_send_failed, &got, err, sizeof(err));
-            r.st.idle_secs += clk_mono_secs() - t0;
-            if (e == -2) {
-                stopped = 1;
-                break;
-            }
-            if (e) {
-                char who[512];
-                pipe_ps_missing(&pps, poff, pn, K, R, step, who, sizeof(who));
-                fprintf(stderr, "workerd: %s (stage %d of %d): %s%s; stopping\n", c->name, s, K, err, who);
-                failed = 1;
-                break;
-            }
-        }
-        memset(acc, 0, sizeof(float) * pn[s]);
-        double loss_sum = 0, mb_loss[PIPE_MAX_MICRO]; /* the micro-batches' losses, passed back with the gradients */
-        for (int i = 0; i < sch.n && !failed && !stopped; i++) {
-            const pipe_slot *t = pipe_schedule_at(&sch, s, i);
-            const int j = t->mb;
-            r.st.slot = i;
-            int q, e = 0;
-            if (t->op == PIPE_FWD) {
-                for (q = 0; q < P && owner[q] >= 0; q++) {
-                }
-                owner[q] = j;
-                const float *in = s == 0 ? x + (size_t)j * mb * L->n_in : inbuf[q];
-                /* the micro-batch's first example: from the data, or (a stage
-                 * without it) from the activations' sender */
-                int64_t ex0 = example0 + (int64_t)j * mb, theirs = ex0;
-                if (s > 0 && (e = receive(&r, &(pipe_key){step, j, PIPE_ACT}, s - 1, inbuf[q], &theirs, wait)) != 0) {
-                    stopped = e == 2;
-                    failed = e != 2;
-                    break;
-                }
-                if (!have_data) {
-                    ex0 = theirs;
-                } else if (theirs != ex0) {
-                    fprintf(stderr, "workerd: %s (stage %d): stage %d sent micro-batch %d of step %lld from example %lld "
-                                    "of its data order, this stage reads example %lld there: start every stage with "
-                                    "the same --data_dir and --seed\n",
-                            c->name, s, s - 1, j, (long long)step, (long long)theirs, (long long)ex0);
-                    failed = 1;
-                    break;
-                }
-                double t0 = clk_mono_secs();
-                const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = ex0};
-                double loss = 0;
-                if (model_forward_range(inst[q], 0, rlast, params, in, mb, &ctx, out) != 0 ||
-                    (is_last && model_loss_head(inst[q], out, y + (size_t)j * mb, mb, dlog[q], &loss) != 0)) {
-                    fprintf(stderr, "workerd: %s: the forward of step %lld, micro-batch %d failed\n", c->name,
-                            (long long)step, j);
-                    failed = 1;
-                    break;
-                }
-                loss_sum += loss;
-                mb_loss[j] = loss;
-                r.st.busy_secs += clk_mono_secs() - t0;
-                if (!is_last)
-                    e = send_to(&r, s + 1, &(pipe_key){step, j, PIPE_ACT}, out, (size_t)mb * out_n, ex0, wait);
-            } else {
-                for (q = 0; q < P && owner[q] != j; q++) {
-                }
-                const float *d = is_last ? dlog[q] : dout;
-                int64_t ltag;
-                if (!is_last && (e = receive(&r, &(pipe_key){step, j, PIPE_GRAD}, s + 1, dout, &ltag, wait)) != 0) {
-                    stopped = e == 2;
-                    failed = e != 2;
-                    break;
-                }
-                if (!is_last) {
-                    mb_loss[j] = pipe_tag_loss(ltag); /* a NaN when the stage after did not name it */
-                    loss_sum += mb_loss[j];
-                }
-                double t0 = clk_mono_secs();
-                /* the micro-batch's parameter gradients are added to the step's sum (acc) */
-                if (model_backward_range_add(inst[q], 0, rlast, params, d, mb, s > 0 ? din : NULL, acc, grads) != 0) {
-                    fprintf(stderr, "workerd: %s: the backward of step %lld, micro-batch %d failed\n", c->name,
-                            (long long)step, j);
-                    failed = 1;
-                    break;
-                }
-                owner[q] = -1;
-                r.st.busy_secs += clk_mono_secs() - t0;
-                if (s > 0)
-                    e = send_to(&r, s - 1, &(pipe_key){step, j, PIPE_GRAD}, din, (size_t)mb * in_n,
-                                pipe_loss_tag(mb_loss[j]), wait);
-            }
-            if (e == 2)
-                stopped = 1;
-            else if (e)
-                failed = 1;
-        }
-        if (failed || stopped)
+        if ((e = run_step(t, t->step)) != 0)
             break;
-        if (c->pipeline_ps) {
-            /* the mean over the micro-batches to the ps, which averages the R replicas' */
-            const float inv = 1.0f / (float)M;
-            for (size_t k = 0; k < pn[s]; k++)
-                acc[k] *= inv; /* in place: the next step starts its sum from 0 */
-            char id[64];
-            snprintf(id, sizeof(id), "t%d-%08x-%lld", c->trainer, nonce, (long long)step);
-            double t0 = clk_mono_secs();
-            if (pipe_ps_push(&pps, acc, c->trainer, step, B, loss_sum / M, id, err,
-                             sizeof(err)) != 0) {
-                if (train_stop_requested()) {
-                    stopped = 1;
-                    break;
-                }
-                fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
-                failed = 1;
-                break;
-            }
-            r.st.idle_secs += clk_mono_secs() - t0;
-        }
-        /* the replicas' sums: every stage adds the R sums in replica order */
-        if (xchg) {
-            int e = 0;
-            const pipe_key rk = {step, g.replica, PIPE_REDUCE};
-            for (int k = 0; k < R && !e; k++)
-                if (k != g.replica)
-                    e = send_replica(&r, k, &rk, acc, pn[s], wait);
-            memset(sum, 0, sizeof(float) * pn[s]);
-            for (int k = 0; k < R && !e; k++) {
-                const float *src = acc;
-                if (k != g.replica) {
-                    e = receive_replica(&r, &(pipe_key){step, k, PIPE_REDUCE}, k, theirs_g, wait);
-                    src = theirs_g;
-                }
-                for (size_t u = 0; u < pn[s] && !e; u++)
-                    sum[u] += src[u];
-            }
-            if (e) {
-                stopped = e == 2;
-                failed = e != 2;
-                break;
-            }
-        } else if (ringx) {
-            int e = ring_reduce(&r, R, g.replica, step, acc, pn[s], theirs_g, wait);
-            if (e) {
-                stopped = e == 2;
-                failed = e != 2;
-                break;
-            }
-        }
-        /* the mean over the batch (all replicas'): the sum over the micro-batches / (M R) */
-        double t0 = clk_mono_secs();
-        const float scale = 1.0f / (float)(M * R);
-        for (int k = 0; k < RL.n_tensors && !c->pipeline_ps; k++) {
-            const model_tensor *t = &RL.tensors[k];
-            optim_apply(&c->optim, params + t->offset, params + t->offset, sum + t->offset, scale,
-                        s0 + t->offset, s1 + t->offset, step + 1, step, t->numel);
-        }
-        r.st.busy_secs += clk_mono_secs() - t0;
-        /* every stage has the micro-batches' losses (the last stage computed them, the
-         * gradients brought them back): its replica's step loss, for /v1/status and the page */
-        double loss = loss_sum / M;
-        r.st.loss = loss;
-        r.st.step = step + 1;
-        pipe_link_set_state(link, &r.st);
-        msgs += (uint64_t)(s > 0) * M + (uint64_t)(!is_last) * M +
-                (uint64_t)(xchg ? R - 1 : ringx ? ring_steps(R) : 0);
-        if (step == step0) {
-            t_steady = clk_mono_secs();
-            busy_steady = r.st.busy_secs;
-            idle_steady = r.st.idle_secs;
-        }
-        if (is_last) {
-            progress_update(&bar, step + 1, loss, (double)((step + 1) * B) / (clk_mono_secs() - t_start));
-            if (!bar.on && c->log_every > 0 && (step + 1) % c->log_every == 0) {
-                double tn = clk_mono_secs();
-                printf("%s: step %lld loss %.4f examples/s %.0f\n", c->name, (long long)(step + 1), loss,
-                       (double)c->log_every * B / (tn - t_log));
-                fflush(stdout);
-                t_log = tn;
-            }
-        }
     }
-    progress_clear(&bar);
-    r.st.done = 1;
-    pipe_link_set_state(link, &r.st);
-    if (stopped) {
+    progress_clear(&t->bar);
+    t->r.st.done = 1;
+    pipe_link_set_state(t->link, &t->r.st);
+    if (e == 2)
         printf("%s: stopped by a signal at step %lld (stage %d of %d); the pipeline stops\n", c->name,
-               (long long)step, s, K);
-        rc = 0;
-        goto out;
-    }
-    if (failed)
-        goto out;
-    double t_end = clk_mono_secs(), secs = t_end - t_start, steady = t_end - t_steady;
-    { /* what is queued delivered (the bytes below are all the steps') */
-        int f = pipe_link_flush(link, err, sizeof(err));
-        if (f == -1)
-            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
-        if (f != 0) {
-            rc = f == -2 ? 0 : 1;
-            goto out;
-        }
-    }
-    double busy1 = r.st.busy_secs - busy_steady, idle1 = r.st.idle_secs - idle_steady;
+               (long long)t->step, t->s, t->K);
+    return e;
+}
+
+/* The stage's figures: the whole run, and the steady state (steps 2..). */
+static void report_times(const stage_train *t, double secs, double steady)
+{
+    const train_config *c = t->c;
+    const int s = t->s;
+    double busy1 = t->r.st.busy_secs - t->busy_steady, idle1 = t->r.st.idle_secs - t->idle_steady;
     printf("%s: stage %d finished %lld steps in %.2f s: %.2f steps/s, busy %.2f s, idle %.2f s (%.1f%% idle), "
            "%llu bytes sent\n",
            c->name, s, (long long)c->train_steps, secs, secs > 0 ? (double)c->train_steps / secs : 0.0,
-           r.st.busy_secs, r.st.idle_secs, secs > 0 ? 100.0 * r.st.idle_secs / secs : 0.0,
-           (unsigned long long)pipe_link_bytes_sent(link));
+           t->r.st.busy_secs, t->r.st.idle_secs, secs > 0 ? 100.0 * t->r.st.idle_secs / secs : 0.0,
+           (unsigned long long)pipe_link_bytes_sent(t->link));
     if (c->train_steps > 1 && steady > 0)
         /* idle fraction: the part of the wall time not computing (the bubble, and the sends) */
         printf("%s: stage %d steady state (steps 2-%lld): %.3f steps/s, %.3f s, busy %.3f s, waiting %.3f s, "
                "idle fraction %.4f; received %llu messages; sends %.4f s in all\n",
                c->name, s, (long long)c->train_steps, (double)(c->train_steps - 1) / steady, steady, busy1, idle1,
-               1.0 - busy1 / steady, (unsigned long long)msgs, pipe_link_send_secs(link));
+               1.0 - busy1 / steady, (unsigned long long)t->msgs, pipe_link_send_secs(t->link));
     fflush(stdout);
-    /* then every stage's parameters to stage 0 */
-    const int64_t fin = c->train_steps - 1;
-    free_training_state((train_bufs){&grads, &acc, &sum, &s0, &s1, &theirs_g});
-    if (c->pipeline_ps) {
-        heartbeat_stop(hb);
-        hb = NULL;
-        for (int i = 0; i < P; i++) { /* the chief's whole model comes next */
-            model_free(inst[i]);
-            inst[i] = NULL;
-        }
-        rc = ps_finish(c, pc, &ds, mb);
-        goto out;
+}
+
+/* Stage 0 at the end: its training buffers freed, then the whole model's
+ * parameters (its own, the others' as they arrive), the test accuracy and
+ * --export. The exit status. */
+static int gather_and_report(stage_train *t, int64_t fin)
+{
+    char err[1024];
+    const train_config *c = t->c;
+    for (int i = 0; i < t->P; i++) {
+        model_free(t->inst[i]);
+        t->inst[i] = NULL;
     }
-    if (g.replica > 0) { /* replica 0 holds the same parameters */
-        rc = 0;
-        goto out;
+    if (!(t->whole = malloc(sizeof(float) * (t->np ? t->np : 1))) ||
+        !(t->eval = model_new(model_device_backend(), t->L, t->mb, err, sizeof(err)))) {
+        fprintf(stderr, "workerd: %s\n", t->whole ? err : "out of memory for the whole model's parameters");
+        return 1;
     }
-    if (s > 0) {
-        if (send_to(&r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, params, pn[s], 0, tmo) != 0)
-            goto out;
-        int f = pipe_link_flush(link, err, sizeof(err));
+    memcpy(t->whole + t->poff[0], t->params, sizeof(float) * t->pn[0]);
+    free(t->params);
+    t->params = NULL;
+    pipe_mailbox_open_params(t->box); /* the others' parameters: refused (503, retried) until now */
+    for (int k = 1; k < t->K; k++)
+        if (receive(&t->r, &(pipe_key){fin, k, PIPE_PARAMS}, k, t->whole + t->poff[k], NULL, t->tmo) != 0)
+            return 1;
+    int rc = 0;
+    if (final_report(c, t->eval, t->whole, &t->ds, c->train_steps) != 0)
+        rc = 1;
+    if (c->export_path && export_model(c, t->whole, c->train_steps) != 0)
+        rc = 1;
+    return rc;
+}
+
+/* After the last step: what is queued delivered, the figures, the training
+ * buffers freed, then the end: with the ps, ps_finish; else every stage's
+ * parameters to stage 0 (replica 0's), which reports. The exit status. */
+static int finish(stage_train *t)
+{
+    char err[1024];
+    const train_config *c = t->c;
+    const int s = t->s, K = t->K;
+    double t_end = clk_mono_secs(), secs = t_end - t->t_start, steady = t_end - t->t_steady;
+    { /* what is queued delivered (the bytes below are all the steps') */
+        int f = pipe_link_flush(t->link, err, sizeof(err));
         if (f == -1)
             fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
-        rc = f == 0 ? 0 : f == -2 ? 0 : 1;
-        goto out;
+        if (f != 0)
+            return f == -2 ? 0 : 1;
     }
-    /* stage 0: its training buffers freed, then the whole model's parameters */
-    for (int i = 0; i < P; i++) {
-        model_free(inst[i]);
-        inst[i] = NULL;
+    report_times(t, secs, steady);
+    /* then every stage's parameters to stage 0 */
+    const int64_t fin = c->train_steps - 1;
+    free_training_state((train_bufs){&t->grads, &t->acc, &t->sum, &t->s0, &t->s1, &t->theirs_g});
+    if (c->pipeline_ps) {
+        heartbeat_stop(t->hb);
+        t->hb = NULL;
+        for (int i = 0; i < t->P; i++) { /* the chief's whole model comes next */
+            model_free(t->inst[i]);
+            t->inst[i] = NULL;
+        }
+        return ps_finish(c, t->pc, &t->ds, t->mb);
     }
-    if (!(whole = malloc(sizeof(float) * (np ? np : 1))) ||
-        !(eval = model_new(model_device_backend(), L, mb, err, sizeof(err)))) {
-        fprintf(stderr, "workerd: %s\n", whole ? err : "out of memory for the whole model's parameters");
-        goto out;
+    if (t->g.replica > 0) /* replica 0 holds the same parameters */
+        return 0;
+    if (s > 0) {
+        if (send_to(&t->r, 0, &(pipe_key){fin, s, PIPE_PARAMS}, t->params, t->pn[s], 0, t->tmo) != 0)
+            return 1;
+        int f = pipe_link_flush(t->link, err, sizeof(err));
+        if (f == -1)
+            fprintf(stderr, "workerd: %s (stage %d of %d): %s; stopping\n", c->name, s, K, err);
+        return f == 0 ? 0 : f == -2 ? 0 : 1;
     }
-    memcpy(whole + poff[0], params, sizeof(float) * pn[0]);
-    free(params);
-    params = NULL;
-    pipe_mailbox_open_params(box); /* the others' parameters: refused (503, retried) until now */
-    for (int k = 1; k < K; k++)
-        if (receive(&r, &(pipe_key){fin, k, PIPE_PARAMS}, k, whole + poff[k], NULL, tmo) != 0)
-            goto out;
-    rc = 0;
-    if (final_report(c, eval, whole, &ds, c->train_steps) != 0)
-        rc = 1;
-    if (c->export_path && export_model(c, whole, c->train_steps) != 0)
-        rc = 1;
-out:
+    return gather_and_report(t, fin);
+}
+
+/* Everything the stage holds, freed (the link before the mailbox it fills). */
+static void free_stage(stage_train *t)
+{
     fflush(stdout);
-    heartbeat_stop(hb);
-    pipe_ps_free(&pps);
-    ps_client_free(pc);
+    heartbeat_stop(t->hb);
+    pipe_ps_free(&t->pps);
+    ps_client_free(t->pc);
     abort_link = NULL;
-    pipe_link_free(link); /* before the mailbox it fills */
-    pipe_mailbox_free(box);
-    free(peers);
-    free(rpeers);
-    if (sum != acc)
-        free(sum);
-    model_free(eval);
-    free(whole);
-    free(theirs_g);
-    for (int i = 0; i < P; i++) {
-        model_free(inst[i]);
-        free(inbuf[i]);
-        free(dlog[i]);
+    pipe_link_free(t->link); /* before the mailbox it fills */
+    pipe_mailbox_free(t->box);
+    free(t->peers);
+    free(t->rpeers);
+    if (t->sum != t->acc)
+        free(t->sum);
+    model_free(t->eval);
+    free(t->whole);
+    free(t->theirs_g);
+    for (int i = 0; i < t->P; i++) {
+        model_free(t->inst[i]);
+        free(t->inbuf[i]);
+        free(t->dlog[i]);
     }
-    free(b.order);
-    free(params);
-    free(grads);
-    free(acc);
-    free(s0);
-    free(s1);
-    free(out);
-    free(dout);
-    free(din);
-    free(x);
-    free(y);
-    pipe_schedule_free(&sch);
-    if (have_data)
-        idx_dataset_free(&ds);
+    free(t->b.order);
+    free(t->params);
+    free(t->grads);
+    free(t->acc);
+    free(t->s0);
+    free(t->s1);
+    free(t->out);
+    free(t->dout);
+    free(t->din);
+    free(t->x);
+    free(t->y);
+    pipe_schedule_free(&t->sch);
+    if (t->have_data)
+        idx_dataset_free(&t->ds);
+}
+
+int train_pipeline(const train_config *c)
+{
+    stage_train t = {.c = c};
+    int rc = plan_stage(&t);
+    if (rc != 0)
+        return rc;
+    if ((rc = check_model_bytes(&t)) != 0) {
+        pipe_schedule_free(&t.sch);
+        return rc;
+    }
+    t.plan_id = plan_text(c, &t.p, t.plan, sizeof(t.plan));
+    t.have_data = t.s == 0 || t.is_last;
+    if (t.have_data && (rc = train_load(c, &t.ds)) != 0) {
+        pipe_schedule_free(&t.sch);
+        return rc;
+    }
+    if ((rc = alloc_stage(&t)) == 0 && (rc = place_peers(&t)) == 0 && (rc = start_params(&t)) == 0 &&
+        (rc = open_link(&t)) == 0) {
+        int e = run_steps(&t);
+        rc = e == 0 ? finish(&t) : e == 2 ? 0 : 1;
+    }
+    free_stage(&t);
     return rc;
 }
