@@ -2,25 +2,37 @@
 #   make            build bin/psd, bin/workerd, build/libps.a
 #   make asan       the same with AddressSanitizer + UBSan, into build/asan/
 #   make test       install what is missing, build both, run every test
-#   make bench      benchmarks against nginx, printing ratios
+#   make bench      benchmarks against nginx, printing ratios (bench/bench.mk)
 #   make deps       apt-get (Debian) and pip (PyPI, into build/venv) what is missing (quiet, idempotent)
 #   make demo       train on Fashion-MNIST and show where to look
 #   make fuzz       run each libFuzzer harness FUZZ_SECS (60) s; tests/fuzz/
-#   make hostile    the hostile campaign's long form (tests/hostile/), both builds
+#   make hostile    the hostile campaign's long form (tests/helpers/campaign.py), both builds
+# The test binaries' rules: tests/unit/unit.mk; the benchmarks': bench/bench.mk;
+# the fuzzers': tests/fuzz/fuzz.mk (all three included below).
 
 CC      ?= cc
 OPT     ?= -O2 -g
 CFLAGS  ?=
 # dynamic cost model: GCC 12 at -O2 vectorizes only "very cheap" loops, which
 # leaves the finite check and the optimizers scalar
-CFLAGS  += $(OPT) -fvect-cost-model=dynamic -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread -Icommon -Iserver -Iclient
+CFLAGS  += $(OPT) -fvect-cost-model=dynamic -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -pthread \
+           -Icommon -Iserver -Iclient
 LDLIBS_SERVER = -lmicrohttpd -lgnutls -lcurl -ljansson -lpthread -lm
 LDLIBS_CLIENT = -lcurl -ljansson -lpthread -lm
 
 BUILD ?= build
 BIN   ?= bin
 
-COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
+# The one link recipe: a rule names its objects (its prerequisites, $^) and
+# appends its libraries, e.g. "$(LINK) -lm".
+define LINK
+@mkdir -p $(dir $@)
+$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS)
+endef
+
+# Sources, a list a folder.
+COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c \
+             common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
 COMMON_SRC += common/ckptdir.c common/history.c
 SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_state.c \
              server/waiters.c server/ticker.c server/changes.c \
@@ -43,8 +55,9 @@ SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/he
 RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c
 PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
                client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c
-WORKERD_SRC  = client/workerd/role_common.c client/workerd/train.c client/workerd/chief.c client/workerd/evaluator.c client/workerd/local.c \
-               client/workerd/ring_train.c client/workerd/pipeline_train.c client/workerd/model_file.c client/workerd/progress.c client/workerd/workerd_flags.c
+WORKERD_SRC  = client/workerd/role_common.c client/workerd/train.c client/workerd/chief.c client/workerd/evaluator.c \
+               client/workerd/local.c client/workerd/ring_train.c client/workerd/pipeline_train.c \
+               client/workerd/model_file.c client/workerd/progress.c client/workerd/workerd_flags.c
 CLIENT_SRC = $(LIBPS_SRC)
 WORKER_SRC = $(MODEL_SRC) $(DEVICE_SRC) $(DATA_SRC) $(SHARDS_SRC) $(RING_SRC) $(PIPELINE_SRC) $(WORKERD_SRC)
 
@@ -88,6 +101,7 @@ SERVER_OBJ = $(SERVER_SRC:%.c=$(BUILD)/%.o) $(WEB_OBJ) $(ENDPOINT_OBJ)
 CLIENT_OBJ = $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 # (MODEL_CUDA_OBJ, above: the model's CUDA backend, or its stub without CUDA)
 WORKER_OBJ = $(WORKER_SRC:%.c=$(BUILD)/%.o) $(MODEL_CUDA_OBJ)
+MODEL_OBJ = $(MODEL_SRC:%.c=$(BUILD)/%.o)
 LDLIBS_WORKER = -lopenblas -lz -lmicrohttpd -lgnutls $(LDLIBS_CLIENT) $(LDLIBS_CUDA)
 # GnuTLS priority strings (psd's --tls_priorities, the ring's): kept out of
 # COMMON_OBJ, whose users (libps.a, the unit tests) do not link GnuTLS
@@ -99,7 +113,7 @@ ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o $(BUILD)/c
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test coverage hostile unit-bins bench bench-cnn bench-bins deps demo gpu-check clean
+.PHONY: all asan test coverage hostile deps demo clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # client/ never includes server/ (common/ holds what both use)
@@ -129,135 +143,19 @@ $(BUILD)/libps.a: $(CLIENT_OBJ) $(COMMON_OBJ)
 	ar rcs $@ $^
 
 $(BIN)/psd: $(BUILD)/server/psd.o $(SERVER_OBJ) $(COMMON_OBJ) $(TLS_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER)
+	$(LINK) $(LDLIBS_SERVER)
 
 # (the monitoring page too: the chief of a ring job serves it)
 $(BIN)/workerd: $(BUILD)/client/workerd/workerd.o $(WORKER_OBJ) $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_WORKER)
+	$(LINK) $(LDLIBS_WORKER)
 
-# One member of a ring all-reduce, no model (tests/system/test_ring.py, bench/ring.py).
-$(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring/ring.o $(TLS_OBJ) $(WEB_OBJ) $(ENDPOINT_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lgnutls $(LDLIBS_CLIENT)
-
-# A libps client that pushes and pulls concurrently (the consistency test).
-$(BIN)/ps_stress: $(BUILD)/tests/system/ps_stress.o $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
-
-# Unit tests (cmocka), one binary per module.
-UNIT_TESTS = test_tensor test_safetensors test_cluster test_store test_saver test_flags test_idx test_tfevents test_blas_kernel
-UNIT_TESTS += test_ckptdir
-UNIT_TESTS += test_model
-UNIT_TESTS += test_retry test_while_waiting
-UNIT_TESTS += test_placement
-UNIT_TESTS += test_waiters test_sync
-UNIT_TESTS += test_history
-UNIT_TESTS += test_http_server
-UNIT_TESTS += test_pipeline
-UNIT_TESTS += test_push_in_body
-IDX_OBJ = $(BUILD)/client/data/idx.o
-MODEL_OBJ = $(MODEL_SRC:%.c=$(BUILD)/%.o)
-
-$(BIN)/test_idx: $(BUILD)/tests/unit/test_idx.o $(IDX_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lz -ljansson -lm -lcmocka
-$(BIN)/test_model: $(BUILD)/tests/unit/test_model.o $(MODEL_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm -lcmocka
-$(BIN)/test_blas_kernel: $(BUILD)/tests/unit/test_blas_kernel.o $(BUILD)/client/model/blas_kernel.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm -lcmocka
-# Loss and gradients of given inputs, for the numpy comparison (tests/system/test_mlp_numpy.py).
-$(BIN)/mlp_dump: $(BUILD)/tests/unit/mlp_dump.o $(MODEL_OBJ) $(BUILD)/common/errmsg.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
-# One step's loss, logits and gradients from a safetensors file (the model
-# contract's tool; tests/system/test_model_numpy.py compares it with numpy).
-$(BIN)/model_dump: $(BUILD)/tests/unit/model_dump.o $(MODEL_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm
-# A unit test links what it tests: the common/ modules alone; libps (against
-# the fake server in test_retry.c); placement alone. Only the tests of server
-# modules (store, saver) link the server's objects.
-COMMON_UNIT_TESTS = test_tensor test_safetensors test_cluster test_flags test_tfevents test_ckptdir
-$(COMMON_UNIT_TESTS:%=$(BIN)/%): $(BIN)/%: $(BUILD)/tests/unit/%.o $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
-$(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
-$(BIN)/test_while_waiting: $(BUILD)/tests/unit/test_while_waiting.o $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT) -lcmocka
-$(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/shards/placement.o $(BUILD)/client/model/model_spec.o $(BUILD)/common/errmsg.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lcmocka
-# model parallelism's split, tables and receive buffer (the layout from model_spec.o)
-$(BIN)/test_pipeline: $(BUILD)/tests/unit/test_pipeline.o $(addprefix $(BUILD)/client/pipeline/,pipeline_plan.o pipeline_schedule.o pipeline_mailbox.o pipeline_ring.o) $(BUILD)/client/model/model_spec.o $(BUILD)/client/model/model.o $(BUILD)/common/errmsg.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lm -lpthread -lcmocka
-# the endpoint layer alone, on a real daemon on 127.0.0.1:0, spoken to with libcurl
-$(BIN)/test_http_server: $(BUILD)/tests/unit/test_http_server.o $(ENDPOINT_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lmicrohttpd -lcurl -ljansson -lpthread -lm -lcmocka
-# the parked requests and the ticker alone, against fake libmicrohttpd calls in the test
-$(BIN)/test_waiters: $(BUILD)/tests/unit/test_waiters.o $(BUILD)/server/waiters.o $(BUILD)/server/ticker.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lcmocka
-# the history alone (the TensorBoard writer faked in the test)
-$(BIN)/test_history: $(BUILD)/tests/unit/test_history.o $(BUILD)/common/history.o $(BUILD)/common/log.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -ljansson -lm -lpthread -lcmocka
-$(BIN)/test_%: $(BUILD)/tests/unit/test_%.o $(SERVER_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_SERVER) -lcmocka
-
-bench-bins: $(BIN)/bench_pull $(BIN)/bench_mlp $(BIN)/bench_pushpull $(BIN)/bench_push $(BIN)/ring_allreduce
-
-$(BIN)/bench_push: $(BUILD)/bench/bench_push.o $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
-
-$(BIN)/bench_pushpull: $(BUILD)/bench/bench_pushpull.o $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
-
-$(BIN)/bench_mlp: $(BUILD)/bench/bench_mlp.o $(MODEL_OBJ) $(BUILD)/common/errmsg.o
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -lm
-
-$(BIN)/bench_pull: $(BUILD)/bench/bench_pull.o $(BUILD)/libps.a
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS_CLIENT)
+# The unit tests, the system tests' programs and the GPU checks (unit-bins,
+# gpu-check, gpu-emu); the benchmarks (bench, bench-cnn, bench-bins)
+include tests/unit/unit.mk
+include bench/bench.mk
 
 asan:
 	$(MAKE) BUILD=build/asan BIN=build/asan/bin OPT="$(ASAN_FLAGS)" LDFLAGS="-fsanitize=address,undefined" all unit-bins
-
-# Every test binary: the unit tests, the tools the system tests run (mlp_dump,
-# ps_stress, ring_allreduce) and, with CUDA, the GPU checks.
-unit-bins: $(UNIT_TESTS:%=$(BIN)/%) $(BIN)/mlp_dump $(BIN)/model_dump $(BIN)/ps_stress $(BIN)/ring_allreduce $(GPU_BINS)
-
-# The GPU checks (tests/gpu/): CUDA against the CPU on random inputs, and the
-# step and sgemm benchmarks. gpu-check builds, then runs them where there is a device.
-$(BIN)/cuda_vs_cpu: $(BUILD)/tests/gpu/cuda_vs_cpu.o $(MODEL_OBJ) $(MODEL_CUDA_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm $(LDLIBS_CUDA)
-$(BIN)/gpu_bench: $(BUILD)/tests/gpu/gpu_bench.o $(MODEL_OBJ) $(MODEL_CUDA_OBJ) $(COMMON_OBJ)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $^ $(LDFLAGS) -lopenblas -ljansson -lm $(LDLIBS_CUDA) -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas
-$(BUILD)/tests/gpu/gpu_bench.o $(BUILD)/tests/gpu/cuda_vs_cpu.o: CFLAGS += -I$(CUDA_HOME)/include
-
-gpu-check:
-	bash tests/gpu/check.sh
-
-# The CUDA backend's host logic and kernel indexing without a GPU: cuda_vs_cpu
-# on a host emulation of the CUDA runtime and cuBLAS (tests/gpu/emu/run.sh).
-.PHONY: gpu-emu
-gpu-emu:
-	bash tests/gpu/emu/run.sh
 
 deps:
 	@sh scripts/deps.sh
@@ -275,45 +173,23 @@ test: deps
 # sanitizer run's subset, on a --coverage build (COV_BUILD); prints both line
 # sets and the ratio, and writes tests/coverage.txt. Slow: not part of make test.
 COV_BUILD ?= build/cov
+COV_FLAGS = CUDA=0 OPT="-O1 -g --coverage" LDFLAGS="--coverage"
 coverage: deps
-	$(MAKE) -j$(JOBS) BUILD=$(COV_BUILD) BIN=$(COV_BUILD)/bin CUDA=0 OPT="-O1 -g --coverage" LDFLAGS="--coverage" all unit-bins
+	$(MAKE) -j$(JOBS) BUILD=$(COV_BUILD) BIN=$(COV_BUILD)/bin $(COV_FLAGS) all unit-bins
 	sh tests/coverage.sh $(COV_BUILD)
-
-bench: deps all bench-bins
-	@sh scripts/deps.sh python3-torch
-	@sh scripts/nginx.sh
-	sh bench/run.sh
-	BIN_DIR=$(BIN) sh bench/push.sh
-	sh bench/train.sh
-	/usr/bin/python3 bench/small_step.py --bin=$(BIN)
-	/usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
-	BIN=$(BIN) sh bench/cnn_accuracy.sh
-	/usr/bin/python3 bench/async_accuracy.py
-	/usr/bin/python3 bench/scale.py
-	/usr/bin/python3 bench/ring.py
-	/usr/bin/python3 bench/gloo_allreduce.py --bin=$(BIN)
-	/usr/bin/python3 bench/torch_rpc_ps.py --bin=$(BIN)
-	/usr/bin/python3 bench/pipeline.py
-	sh bench/tls.sh
-	sh scripts/pydeps.sh bench/requirements.txt build/bench-venv
-	RESTPS_BIN_DIR=$(BIN) build/bench-venv/bin/python bench/tf_compare.py
 
 # The hostile campaign's long form (issue 23; make test runs its short form,
 # tests/system/test_hostile_campaign.py) against the normal and the sanitizer
 # build, then the exhaustion tests at the issue's figures
 hostile: all
 	$(MAKE) asan
-	/usr/bin/python3 tests/hostile/campaign.py --long --bin $(BIN)
-	/usr/bin/python3 tests/hostile/campaign.py --long --bin build/asan/bin
+	/usr/bin/python3 tests/helpers/campaign.py --long --bin $(BIN)
+	/usr/bin/python3 tests/helpers/campaign.py --long --bin build/asan/bin
 	RESTPS_HOSTILE_LONG=1 RESTPS_BIN_DIR=$(BIN) pytest-3 -q -rs -p no:cacheprovider tests/system/test_hostile_exhaustion.py
 
 # MODEL=cnn make demo trains the CNN instead (deploy/local/demo.sh says how long)
 demo: deps all
 	RESTPS_BIN_DIR=$(BIN) sh deploy/local/demo.sh
-
-# The CNN's accuracy target alone (issue 19; also in make bench): EPOCHS=, MODE=sync
-bench-cnn: all
-	BIN=$(BIN) sh bench/cnn_accuracy.sh
 
 clean:
 	rm -rf build bin

@@ -14,7 +14,7 @@ sides' matrix products use one OpenBLAS kernel (PyTorch's convolutions are
 oneDNN's: it says so), and channels-last, its faster layout here (CPU time
 per step, one thread, batch 100, at load 5: 161 ms channels-last against
 213 ms NCHW).
-The FLOPs are tests/python/cnn_ref.py's count: per step the forward, the
+The FLOPs are tests/helpers/cnn_ref.py's count: per step the forward, the
 weight gradients and the input gradients of every layer but the first, 2 per
 multiply-add (8.2 GFLOP at batch 100). Both sides time --steps
 steps after --warmup untimed ones (3): cnn_torch.py its loop, restps from
@@ -34,7 +34,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 import cnn_ref  # noqa: E402
 
 PY = "/usr/bin/python3"

@@ -5,7 +5,7 @@ at batch 100, and numpy's one-thread sgemm rate in the same run.
     /usr/bin/python3 bench/cnn_torch.py [--steps=N] [--batch=B] [--json]
 
 PyTorch is Debian's python3-torch (make bench installs it). Prints steps/s,
-the step's conv + dense FLOP rate (tests/python/cnn_ref.py's count), the
+the step's conv + dense FLOP rate (tests/helpers/cnn_ref.py's count), the
 backends torch reports (oneDNN for the convolutions, the BLAS library its
 matmuls load) and numpy's sgemm GFLOP/s with the OpenBLAS kernel it loaded.
 """
@@ -22,7 +22,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))
 import cnn_ref  # noqa: E402
 
 

@@ -1,12 +1,12 @@
 #!/bin/sh
-# Install the PyPI packages of the test suite (tests/python/requirements.txt:
+# Install the PyPI packages of the test suite (tests/support/requirements.txt:
 # pinned versions, each with its hashes) into build/venv, an environment of its
 # own made with Debian's python3 (python3-venv, from scripts/deps.sh).
 # Idempotent and quiet: does nothing when build/venv already holds exactly
 # this lock. usage: pydeps.sh [LOCK VENV] (make bench: its own lock and venv)
 set -eu
 cd "$(dirname "$0")/.."
-lock=${1:-tests/python/requirements.txt}
+lock=${1:-tests/support/requirements.txt}
 venv=${2:-build/venv}
 stamp="$venv/.restps-lock"
 if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && cmp -s "$lock" "$stamp"; then

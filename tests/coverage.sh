@@ -4,7 +4,7 @@
 # (CUDA=0, -O1, like the sanitizer build). The subset run reaches the build
 # through a folder whose path names asan, so conftest.py and the tests' own
 # ASan checks take it for the sanitizer run: the same skips
-# (tests/system/sanitizer_subset.py and the tests' own) and the same shorter
+# (tests/support/sanitizer_subset.py and the tests' own) and the same shorter
 # runs. Unit tests count in both. Prints both line sets' sizes and the ratio,
 # writes the line sets to BUILD/coverage/ and the summary to
 # tests/coverage.txt (which make test prints). Slow (two whole system runs
@@ -46,7 +46,7 @@ rc=$?
 cat "$OUT/report.txt"
 {
   echo "# make coverage (tests/coverage.sh): lines of C reached by the full normal run and by the"
-  echo "# sanitizer run's subset (tests/system/sanitizer_subset.py), on a --coverage build"
+  echo "# sanitizer run's subset (tests/support/sanitizer_subset.py), on a --coverage build"
   cat "$OUT/report.txt"
 } >tests/coverage.txt
 exit $rc

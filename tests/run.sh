@@ -6,7 +6,7 @@
 # The sanitizer build runs the unit tests and the system tests that reach C
 # code; what it leaves to the normal build (file, spec and Python-only
 # checks, timing and throughput tests) is listed with its reason in
-# tests/system/sanitizer_subset.py and reported there as skipped. The two
+# tests/support/sanitizer_subset.py and reported there as skipped. The two
 # system runs go side by side, the normal one over pytest-xdist workers when
 # python3-pytest-xdist is installed (tests start their processes on free
 # ports in their own folders). tests/coverage.txt (make coverage) says how

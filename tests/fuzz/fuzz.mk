@@ -44,22 +44,21 @@ $(FUZZ_BUILD)/common/web_assets_table.o: $(BUILD)/common/web_assets_table.c
 # inside small inputs and keeps zlib's buffers small
 $(FUZZ_BUILD)/client/data/idx.o: FUZZ_CFLAGS += -DIDX_CHUNK=512
 
-FUZZ_LINK = $(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^
+# the harnesses' link recipe (as the Makefile's LINK): a rule appends its libraries
+define FUZZ_LINK
+@mkdir -p $(dir $@)
+$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^
+endef
 $(FUZZ_BUILD)/bin/fuzz_safetensors: $(FUZZ_BUILD)/tests/fuzz/fuzz_safetensors.o $(FUZZ_COMMON)
-	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) -ljansson -lm
 $(FUZZ_BUILD)/bin/fuzz_cluster: $(FUZZ_BUILD)/tests/fuzz/fuzz_cluster.o $(FUZZ_COMMON)
-	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) -ljansson -lm
 $(FUZZ_BUILD)/bin/fuzz_idx: $(FUZZ_BUILD)/tests/fuzz/fuzz_idx.o $(FUZZ_BUILD)/client/data/idx.o $(FUZZ_COMMON)
-	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) -lz -ljansson -lm
 $(FUZZ_BUILD)/bin/fuzz_request: $(FUZZ_BUILD)/tests/fuzz/fuzz_request.o $(FUZZ_SERVER) $(FUZZ_COMMON)
-	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) $(LDLIBS_SERVER)
 $(FUZZ_BUILD)/bin/fuzz_checkpoint: $(FUZZ_BUILD)/tests/fuzz/fuzz_checkpoint.o $(FUZZ_SERVER) \
                                    $(FUZZ_LEFT_OUT) $(FUZZ_COMMON)
-	@mkdir -p $(dir $@)
 	$(FUZZ_LINK) $(LDLIBS_SERVER)
 
 fuzz-bins: $(FUZZ_HARNESSES:%=$(FUZZ_BUILD)/bin/%)

@@ -7,11 +7,22 @@ and must exit 0 on SIGTERM with no sanitizer report on stderr.
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 
 import pytest
+
+# What the tests import beside this file: tests/support (the shared helpers:
+# syshelp, deployhelp, ckpt_check, procs, sanitizer_subset, st_hooks) and
+# tests/helpers (the programs the tests run, cnn_ref among them, imported too).
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUPPORT = os.path.join(TESTS, "support")
+HELPERS = os.path.join(TESTS, "helpers")
+for _d in (HELPERS, SUPPORT):
+    if _d not in sys.path:
+        sys.path.insert(0, _d)
 
 # The suite runs on the CPU even on a GPU machine: workerd's --device=auto
 # would otherwise put every test's worker on the GPU, where results that the
@@ -43,7 +54,7 @@ SANITIZER_RUN = "asan" in BIN
 
 
 def pytest_collection_modifyitems(config, items):
-    """On the sanitizer build, the tests tests/system/sanitizer_subset.py
+    """On the sanitizer build, the tests tests/support/sanitizer_subset.py
     leaves to the normal build are skipped, each with its reason."""
     if not SANITIZER_RUN:
         return

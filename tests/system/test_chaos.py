@@ -22,13 +22,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, http
+from conftest import BIN, HELPERS, http
 from syshelp import connect, get_raw, put_var, request_head, st_grads
 
 ASAN = "asan" in BIN
 pytestmark = pytest.mark.skipif(ASAN, reason="AddressSanitizer owns malloc: the LD_PRELOAD "
                                              "failure shim runs on the optimized build")
-HERE = os.path.dirname(os.path.abspath(__file__))
 LR = 0.5
 W = (np.arange(12, dtype=np.float32) * 0.25 - 1.0).reshape(3, 4)
 MAX_N = 3000  # far above what one request allocates (a few dozen to a few hundred)
@@ -39,7 +38,7 @@ def shim(tmp_path_factory):
     d = tmp_path_factory.mktemp("failmalloc")
     so = str(d / "failmalloc.so")
     out = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o", so,
-                          os.path.join(HERE, "failmalloc.c")], capture_output=True, timeout=60)
+                          os.path.join(HELPERS, "failmalloc.c")], capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
     return so
 

@@ -14,12 +14,7 @@ import time
 import pytest
 
 from conftest import ROOT, binary, http
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from procs import free_port
 
 
 def run(args, env=None, timeout=15):

@@ -12,7 +12,7 @@ few steps and small batches, on the real Fashion-MNIST data.
   the model; the independent reader validates it) and the restore from it;
 - --local: bit for bit what one async worker against psd exports; the exported
   file's metadata (model, input_shape) rebuild the model in numpy
-  (tests/python/cnn_ref.py), whose test accuracy on the exported parameters
+  (tests/helpers/cnn_ref.py), whose test accuracy on the exported parameters
   is workerd's, as --evaluate_model=FILE's is.
 """
 import gzip
@@ -22,20 +22,16 @@ import re
 import signal
 import struct
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import ckpt_check
+import cnn_ref  # tests/helpers (conftest.py puts it on sys.path)
 from conftest import BIN, SANITIZER_MARKS, binary, http
 from test_recovery import jobs, parse_safetensors  # noqa: F401 (fixture)
 from test_ring import check_hashes, finish, procs, ring_job  # noqa: F401 (fixture)
 from test_train import DATA, accuracy_of, cluster, load_model, run  # noqa: F401 (fixture)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-import cnn_ref  # noqa: E402
 
 ASAN = "asan" in BIN
 SMALL = "conv:3x3x8,pool:2,dense:32,dense:10"

@@ -8,7 +8,6 @@ HEALTHCHECK; the Slurm script's role mapping with a fake scontrol, and a whole
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -16,16 +15,11 @@ import pytest
 
 from conftest import BIN, SANITIZER_MARKS, http
 from deployhelp import ENTRYPOINT, SBATCH, bin_path, dry_run_argv, run_entrypoint
+from procs import free_port
 
 DATA = "/usr/share/datasets/fashion-mnist"
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def no_sanitizer_report(out):

@@ -12,13 +12,13 @@ import functools
 import glob
 import os
 import re
-import socket
 import subprocess
 
 import pytest
 
 from conftest import BIN, ROOT
 from deployhelp import flags_in_text, unknown_flags
+from procs import free_port
 
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -273,12 +273,6 @@ def test_each_check_sees_a_broken_page(check, old, new, tmp_path):
     assert old in GOOD
     broken = GOOD + "\n" + new if old == "" else GOOD.replace(old, new)
     assert CHECKS[check](rel, broken, tmp_path), f"{check} misses {new!r}"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_readmes_curl_tour_runs(tmp_path):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, http
+from procs import free_port
 from syshelp import st_grads
 
 RECENT, LONG_SLOTS = 2048, 2048  # common/history.h
@@ -29,12 +30,6 @@ MAX_POINTS = RECENT + LONG_SLOTS
 
 
 # ---------------------------------------------------------------- helpers
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Client:
     """One keep-alive HTTP/1.1 connection (fast loops of requests)."""

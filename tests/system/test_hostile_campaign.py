@@ -1,4 +1,4 @@
-"""The hostile campaign's short form (tests/hostile/campaign.py, issue 23):
+"""The hostile campaign's short form (tests/helpers/campaign.py, issue 23):
 a few hundred hostile requests of every kind (framing, headers, paths,
 query values, shapes, dtypes, safetensors bodies, auth, floats, integers,
 byte mutations of valid requests, partial sends, racing writes, anonymous
@@ -14,11 +14,11 @@ import os
 import subprocess
 import sys
 
-from conftest import BIN, ROOT
+from conftest import BIN, HELPERS
 
 
 def test_hostile_campaign_short_form():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "hostile", "campaign.py"),
+    out = subprocess.run([sys.executable, os.path.join(HELPERS, "campaign.py"),
                           "--bin", BIN], capture_output=True, text=True, timeout=120)
     print(out.stdout[-4000:])
     assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-3000:]

@@ -4,7 +4,6 @@ parser written from the format's definition."""
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import time
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import binary, curl, http
+from procs import free_port
 
 DATA = "/usr/share/datasets/fashion-mnist"
 
@@ -244,14 +244,6 @@ def test_workerd_trains_through_libps(psd, tmp_path):
         (True, "async", "momentum", 1)
     assert json.loads(curl(f"{psd.url}/v1/config").stdout)["momentum"] == pytest.approx(0.9)
     assert psd.alive()  # --keep_ps
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.mark.skipif(not os.path.isdir(DATA), reason=f"{DATA} is missing: make deps installs "

@@ -32,7 +32,7 @@ KERNEL = ""   # "OpenBLAS Zen (kernel: ...)", as mlp_dump reports it on stderr
 
 pytestmark = pytest.mark.skipif(
     not os.access(MLP_DUMP, os.X_OK),
-    reason=f"{MLP_DUMP} is missing: build it (tests/unit/mlp_dump.c) first")
+    reason=f"{MLP_DUMP} is missing: build it (tests/helpers/mlp_dump.c) first")
 
 
 def layout(n_in, hidden, n_out):

@@ -1,6 +1,6 @@
 """The layer library (issue 19) against an independent numpy implementation.
 
-tests/python/cnn_ref.py is the reference: the model contract written plainly
+tests/helpers/cnn_ref.py is the reference: the model contract written plainly
 in float64 numpy (conv as a loop over kernel offsets, pooling over window
 offsets keeping the first maximum, the dropout hash in uint64). Here:
 
@@ -33,14 +33,13 @@ batch 2, without a draw that keeps it).
 import math
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+import cnn_ref as ref  # tests/helpers (conftest.py puts it on sys.path)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
-import cnn_ref as ref  # noqa: E402
 
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
 MODEL_DUMP = os.path.join(BIN, "model_dump")

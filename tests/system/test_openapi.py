@@ -6,17 +6,17 @@
 - every route, in every outcome that can be produced on demand (successes and
   each kind of error, with and without a bearer token), is recorded against
   live psd processes and every exchange is checked against the spec by
-  tests/contract/openapi_check.py (jsonschema); every documented (operation, status) pair
+  tests/helpers/openapi_check.py (jsonschema); every documented (operation, status) pair
   must have been seen, and deliberately wrong copies of the exchanges must be
   caught;
 - `psd --routes` and the spec list the same paths and methods, and the write
   routes are the ones whose security requires the bearer token.
 
 Checkpoints downloaded from GET /v1/checkpoint are read back with
-tests/system/ckpt_check.py (an independent reader of the format).
+tests/support/ckpt_check.py (an independent reader of the format).
 
 Needs the test suite's PyPI environment, build/venv (`make deps`:
-tests/python/requirements.txt); skips without it.
+tests/support/requirements.txt); skips without it.
 """
 import copy
 import http.client
@@ -33,11 +33,10 @@ import pytest
 import yaml
 
 import ckpt_check
-from conftest import ROOT, binary
+from conftest import HELPERS, ROOT, binary
 
 SPEC = os.path.join(ROOT, "openapi", "openapi.yaml")
-CONTRACT = os.path.join(ROOT, "tests", "contract")
-CHECKER = os.path.join(CONTRACT, "openapi_check.py")
+CHECKER = os.path.join(HELPERS, "openapi_check.py")
 VENV_PYTHON = os.path.join(ROOT, "build", "venv", "bin", "python")
 TOKEN = "s3cret-Token_42"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -53,7 +52,7 @@ def venv_python():
 
 
 def run_checker(*args):
-    return subprocess.run([venv_python(), CHECKER] + list(args), cwd=CONTRACT,
+    return subprocess.run([venv_python(), CHECKER] + list(args), cwd=HELPERS,
                           capture_output=True, text=True, timeout=120)
 
 

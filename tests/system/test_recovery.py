@@ -19,7 +19,8 @@ import pytest
 
 import ckpt_check
 from conftest import BIN, SANITIZER_MARKS, binary, http
-from test_train import accuracy_of, free_port
+from procs import free_port, kill_all
+from test_train import accuracy_of
 
 DATA = "/usr/share/datasets/fashion-mnist"
 ASAN = "asan" in BIN
@@ -117,10 +118,7 @@ class Job:
         return outs
 
     def stop_all(self):
-        for p in list(self.procs.values()) + ([self.psd] if self.psd else []) + list(self.others.values()):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(list(self.procs.values()) + ([self.psd] if self.psd else []) + list(self.others.values()))
 
     def checkpoints(self, task=0):
         return sorted(glob.glob(os.path.join(self.logdir, f"ps-{task}", "model.ckpt-*.safetensors")))

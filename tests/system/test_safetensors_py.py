@@ -2,7 +2,7 @@
 
 Python reads what restps writes: a bulk pull (GET /v1/params), a checkpoint
 (GET /v1/checkpoint) and a model exported by workerd, read with
-safetensors.safe_open and safetensors.numpy.load (tests/python/st_interop.py),
+safetensors.safe_open and safetensors.numpy.load (tests/helpers/st_interop.py),
 give the names, dtypes, shapes and values that psd serves one by one (GET
 /v1/vars/NAME, raw float32: another route and another format), and the
 `__metadata__` that the header parsed here by hand holds, exactly.
@@ -23,10 +23,10 @@ import pytest
 
 import ckpt_check
 import syshelp
-from conftest import ROOT, binary, http
+from conftest import HELPERS, ROOT, binary, http
 
 PY = os.path.join(ROOT, "build", "venv", "bin", "python")
-INTEROP = os.path.join(ROOT, "tests", "python", "st_interop.py")
+INTEROP = os.path.join(HELPERS, "st_interop.py")
 DATA = "/usr/share/datasets/fashion-mnist"
 rng = np.random.default_rng(24)
 

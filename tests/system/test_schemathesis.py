@@ -1,11 +1,11 @@
 """schemathesis (PyPI, build/venv) against openapi/openapi.yaml and a live psd.
 
 A bounded, reproducible run (deterministic generation, a fixed number of
-examples per operation, no example database; tests/python/schemathesis.toml)
+examples per operation, no example database; tests/support/schemathesis.toml)
 over every operation, with the checks that the contract promises: no 5xx,
 every status, Content-Type, header and body as the spec documents, what the
 schema forbids refused, required headers enforced, 405 with Allow for other
-methods, writes refused without the token, and (tests/python/st_hooks.py)
+methods, writes refused without the token, and (tests/support/st_hooks.py)
 every refused request changing nothing the shard shows.
 
 - with the token: every operation but POST /v1/shutdown (it would end the
@@ -30,12 +30,12 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import syshelp
-from conftest import ROOT, http
+from conftest import ROOT, SUPPORT, http
 
 VENV = os.path.join(ROOT, "build", "venv")
 ST = os.path.join(VENV, "bin", "schemathesis")
 SPEC = os.path.join(ROOT, "openapi", "openapi.yaml")
-CONFIG = os.path.join(ROOT, "tests", "python", "schemathesis.toml")
+CONFIG = os.path.join(SUPPORT, "schemathesis.toml")
 TOKEN = "st-Token_7"
 AUTH = {"Authorization": "Bearer " + TOKEN}
 EXAMPLES = int(os.environ.get("RESTPS_ST_EXAMPLES", "5"))
@@ -73,7 +73,7 @@ def schemathesis(p, tmp_path, args, token=True,
     """Run the CLI; returns (returncode, output, {operation: [failure texts]})."""
     junit = tmp_path / f"st-{len(list(tmp_path.glob('st-*.xml')))}.xml"
     env = dict(os.environ, SCHEMATHESIS_HOOKS="st_hooks",
-               PYTHONPATH=os.path.join(ROOT, "tests", "python"),
+               PYTHONPATH=SUPPORT,
                RESTPS_ST_URL=p.url, RESTPS_ST_TOKEN=TOKEN, NO_COLOR="1")
     argv = [ST, "--config-file", CONFIG, "run", SPEC, "--url", p.url, "--no-color",
             "--max-examples", str(EXAMPLES), "--report", "junit",

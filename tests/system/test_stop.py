@@ -15,11 +15,10 @@ import time
 
 import pytest
 
-from conftest import BIN, http
+from conftest import BIN, HELPERS, http
 from syshelp import connect, read_response, request_head
 
 ASAN = "asan" in BIN
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def shim(tmp_path_factory):
     d = tmp_path_factory.mktemp("slowdel")
     so = str(d / "slow_epoll_del.so")
     out = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-o", so,
-                          os.path.join(HERE, "slow_epoll_del.c"), "-ldl"],
+                          os.path.join(HELPERS, "slow_epoll_del.c"), "-ldl"],
                          capture_output=True, timeout=60)
     assert out.returncode == 0, out.stderr.decode()
     return so

@@ -1,7 +1,7 @@
 """TensorBoard event files written by ps 0 (server/summaries.c,
 common/tfevents.c), read back with TensorBoard's own code, not ours.
 
-tests/python/read_tfevents.py runs under build/venv/bin/python (`make deps`:
+tests/helpers/read_tfevents.py runs under build/venv/bin/python (`make deps`:
 tensorboard from PyPI; the suite's pytest-3 has none): TensorBoard's
 EventMultiplexer finds the runs below --logdir as `tensorboard --logdir`
 does, its EventAccumulator gives every scalar, and TensorBoard's TFRecord
@@ -14,18 +14,18 @@ import json
 import os
 import re
 import shutil
-import socket
 import struct
 import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import BIN, ROOT, SANITIZER_MARKS, binary, http
+from conftest import BIN, HELPERS, ROOT, binary, http
+from procs import finish as procs_finish, free_port, kill_all
 from syshelp import st_grads
 
 PY = os.path.join(ROOT, "build", "venv", "bin", "python")
-READER = os.path.join(ROOT, "tests", "python", "read_tfevents.py")
+READER = os.path.join(HELPERS, "read_tfevents.py")
 DATA = "/usr/share/datasets/fashion-mnist"
 needs_tensorboard = pytest.mark.skipif(
     not os.path.exists(PY), reason=f"{PY} is missing: run make deps (tensorboard from PyPI)")
@@ -41,15 +41,11 @@ def finish(procs):
     outs = []
     try:
         for q in procs:
-            out, _ = q.communicate(timeout=120)
-            outs.append(out.decode())
-            assert q.returncode == 0, outs[-1][-3000:]
-            assert not any(m in outs[-1] for m in SANITIZER_MARKS), outs[-1][-6000:]
+            rc, out = procs_finish(q, 120)
+            outs.append(out)
+            assert rc == 0, outs[-1][-3000:]
     finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-                q.wait()
+        kill_all(procs)
     return outs
 
 
@@ -161,16 +157,10 @@ def test_a_corrupted_byte_fails_the_check(start_psd, tmp_path):
         check_files(doc, ["train", "eval"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_no_event_files_without_logdir_or_on_other_ps_tasks(start_psd, tmp_path):
     # --logdir= (empty): nothing on disk at all; ps 1: checkpoints only
     p0 = start_psd("--logdir=")
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     hosts = ",".join(f"127.0.0.1:{q}" for q in ports)
     logdir = tmp_path / "ps1logs"
     p1 = start_psd(f"--logdir={logdir}", "--task_index=1", f"--ps_hosts={hosts}", port0=False)
@@ -192,7 +182,7 @@ def test_training_run_shows_in_tensorboard(start_psd, tmp_path):
     under the sanitizers)."""
     logdir = tmp_path / "logs"
     p = start_psd(f"--logdir={logdir}")
-    workers = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2))
+    workers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
     common = [f"--ps_hosts=127.0.0.1:{p.port}", f"--worker_hosts={workers}", f"--data_dir={DATA}",
               "--hidden_units=16", "--batch_size=32", f"--train_steps={STEPS}", "--log_every=0",
               "--optimizer=sgd", "--learning_rate=0.05", "--keep_ps"]
@@ -239,7 +229,7 @@ def test_ring_chief_writes_event_files(tmp_path):
     """A ring of two, no ps: the chief's --logdir holds its run; its loss
     points are the mean losses it prints with --log_every=1."""
     logdir = tmp_path / "ring"
-    ring = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(2))
+    ring = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2))
     common = ["--allreduce=ring", f"--worker_hosts={ring}", f"--data_dir={DATA}", "--hidden_units=16",
               "--batch_size=32", "--train_steps=60", "--log_every=1", "--optimizer=sgd",
               "--learning_rate=0.05"]

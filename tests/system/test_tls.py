@@ -12,7 +12,8 @@ import subprocess
 import pytest
 
 from conftest import binary, curl, http
-from test_recovery import accuracy_of, free_port
+from procs import free_port
+from test_recovery import accuracy_of
 
 DATA = "/usr/share/datasets/fashion-mnist"
 pytestmark = [

@@ -15,19 +15,12 @@ import numpy as np
 import pytest
 
 from conftest import BIN, binary, http
+from procs import communicate, free_port, kill_all
 
 DATA = "/usr/share/datasets/fashion-mnist"
 ASAN = "asan" in BIN
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def load_model(path):
@@ -57,22 +50,10 @@ class Cluster:
         return p
 
     def finish(self, timeout=600):
-        outs = []
-        for p in self.procs:
-            try:
-                out, _ = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-                raise AssertionError("workerd did not finish:\n" + out.decode()[-3000:])
-            outs.append((p.returncode, out.decode()))
-        return outs
+        return [communicate(p, timeout, "workerd did not finish") for p in self.procs]
 
     def kill_all(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(self.procs)
 
 
 @pytest.fixture

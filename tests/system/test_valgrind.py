@@ -14,7 +14,8 @@ import subprocess
 import pytest
 
 from conftest import BIN, binary
-from test_train import DATA, free_port, needs_data
+from procs import free_port
+from test_train import DATA, needs_data
 
 ASAN = "asan" in BIN
 pytestmark = [

@@ -18,38 +18,15 @@
 
 #include "bufpool.h"
 #include "store.h"
+#include "store_fixture.h"
 
 #define LR 0.5f
 #define N_BIG (3 * 4096 + 5) /* several of the apply's chunks and a tail */
 
-typedef struct fixture {
-    bufpool *pool;
-    store s;
-} fixture;
+typedef store_fixture fixture;
 
-static int setup(void **state)
-{
-    fixture *fx = calloc(1, sizeof(*fx));
-    if (!fx)
-        return -1;
-    fx->pool = bufpool_new((size_t)16 << 20);
-    if (!fx->pool || store_init(&fx->s, LR, fx->pool) != STORE_OK) {
-        bufpool_free(fx->pool);
-        free(fx);
-        return -1;
-    }
-    *state = fx;
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    fixture *fx = *state;
-    store_destroy(&fx->s);
-    bufpool_free(fx->pool);
-    free(fx);
-    return 0;
-}
+static int setup(void **state) { return store_fixture_setup(state, LR); }
+static int teardown(void **state) { return store_fixture_teardown(state); }
 
 static float val(int i, int seed) { return (float)((i * 37 + seed * 11) % 101) * 0.03125f - 1.5f; }
 
@@ -346,10 +323,8 @@ static void test_the_one_pass_gives_optim_applys_floats(void **state)
     };
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         fixture fa, fb;
-        fa.pool = bufpool_new((size_t)64 << 20);
-        fb.pool = bufpool_new((size_t)64 << 20);
-        assert_int_equal(store_init(&fa.s, LR, fa.pool), STORE_OK);
-        assert_int_equal(store_init(&fb.s, LR, fb.pool), STORE_OK);
+        assert_int_equal(store_fixture_init(&fa, LR, (size_t)64 << 20), 0);
+        assert_int_equal(store_fixture_init(&fb, LR, (size_t)64 << 20), 0);
         optim_config o;
         optim_defaults(&o, OPTIM_SGD, LR);
         o.weight_decay = cases[c].wd;
@@ -387,10 +362,8 @@ static void test_the_one_pass_gives_optim_applys_floats(void **state)
         assert_int_equal(store_get(&fa.s, "w", &sn), STORE_OK);
         assert_true(((const float *)sn.data->data)[1] != val(1, 1));
         store_snap_release(&sn);
-        store_destroy(&fa.s);
-        store_destroy(&fb.s);
-        bufpool_free(fa.pool);
-        bufpool_free(fb.pool);
+        store_fixture_destroy(&fa);
+        store_fixture_destroy(&fb);
     }
 }
 

@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fake_ps.h"
 #include "libps/libps.h"
 
 enum { ANSWER, CLOSE, PARTIAL };
@@ -36,12 +37,9 @@ typedef struct reply {
 
 #define MAX_REQ 32
 typedef struct fake {
-    int fd, port;
-    volatile int listening; /* 0: bound but refusing until fake_listen */
-    pthread_t th;
+    fake_ps ps; /* the socket and the thread (fake_ps.h) */
     const reply *script;
     int n_script;        /* past the end: the last entry again */
-    volatile int stop;
     pthread_mutex_t mu;
     int served;
     char req[MAX_REQ][512]; /* request line */
@@ -58,21 +56,11 @@ static double ms_since(const struct timespec *t0)
     return (double)(t.tv_sec - t0->tv_sec) * 1e3 + (double)(t.tv_nsec - t0->tv_nsec) / 1e6;
 }
 
-static void write_all(int fd, const char *p, size_t n)
-{
-    while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k <= 0)
-            return;
-        p += k;
-        n -= (size_t)k;
-    }
-}
-
 /* One request on a fresh connection: read the head and a Content-Length
  * body, record them, answer as the script says, close. */
-static void serve_one(fake *f, int c)
+static void serve_one(void *arg, int c)
 {
+    fake *f = arg;
     char buf[8192];
     size_t len = 0;
     char *end = NULL;
@@ -113,28 +101,8 @@ static void serve_one(fake *f, int c)
                       "HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %zu\r\n"
                       "%sConnection: close\r\n\r\n",
                       r->status, blen, r->headers ? r->headers : "");
-    write_all(c, hdr, (size_t)hl);
-    write_all(c, r->body, r->what == PARTIAL ? blen / 2 : blen);
-}
-
-static void *fake_main(void *arg)
-{
-    fake *f = arg;
-    while (!f->stop) {
-        if (!f->listening) {
-            usleep(5000);
-            continue;
-        }
-        struct pollfd p = {.fd = f->fd, .events = POLLIN};
-        if (poll(&p, 1, 20) <= 0)
-            continue;
-        int c = accept(f->fd, NULL, NULL);
-        if (c < 0)
-            continue;
-        serve_one(f, c);
-        close(c);
-    }
-    return NULL;
+    fake_ps_send_all(c, hdr, (size_t)hl);
+    fake_ps_send_all(c, r->body, r->what == PARTIAL ? blen / 2 : blen);
 }
 
 /* A fake ps on 127.0.0.1:<free port>; listening now, or (listening = 0)
@@ -146,27 +114,12 @@ static fake *fake_start(const reply *script, int n, int listening)
     f->script = script;
     f->n_script = n;
     pthread_mutex_init(&f->mu, NULL);
-    f->fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(f->fd >= 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    assert_int_equal(bind(f->fd, (struct sockaddr *)&a, sizeof(a)), 0);
-    socklen_t al = sizeof(a);
-    assert_int_equal(getsockname(f->fd, (struct sockaddr *)&a, &al), 0);
-    f->port = ntohs(a.sin_port);
     clock_gettime(CLOCK_MONOTONIC, &f->t0);
-    if (listening) {
-        assert_int_equal(listen(f->fd, 16), 0);
-        f->listening = 1;
-    }
-    assert_int_equal(pthread_create(&f->th, NULL, fake_main, f), 0);
+    fake_ps_start(&f->ps, 0, listening, serve_one, f);
     return f;
 }
 
-static void fake_listen(fake *f)
-{
-    assert_int_equal(listen(f->fd, 16), 0);
-    f->listening = 1;
-}
+static void fake_listen(fake *f) { fake_ps_listen(&f->ps); }
 
 static int fake_served(fake *f)
 {
@@ -178,26 +131,17 @@ static int fake_served(fake *f)
 
 static void fake_stop(fake *f)
 {
-    f->stop = 1;
-    pthread_join(f->th, NULL);
-    close(f->fd);
+    fake_ps_stop(&f->ps);
     pthread_mutex_destroy(&f->mu);
     free(f);
 }
 
 static ps_client *client_for(fake **fs, int n, const ps_options *opt)
 {
-    char hosts[4][64];
-    const char *hp[4];
-    for (int i = 0; i < n; i++) {
-        snprintf(hosts[i], sizeof(hosts[i]), "127.0.0.1:%d", fs[i]->port);
-        hp[i] = hosts[i];
-    }
-    char err[256];
-    ps_client *c = ps_client_new(hp, n, opt, err, sizeof(err));
-    if (!c)
-        fail_msg("ps_client_new: %s", err);
-    return c;
+    int ports[4];
+    for (int i = 0; i < n; i++)
+        ports[i] = fs[i]->ps.port;
+    return fake_ps_client(ports, n, opt);
 }
 
 /* short waits so the tests are quick; retries as given */

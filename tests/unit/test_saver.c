@@ -24,12 +24,12 @@
 #include "bufpool.h"
 #include "saver.h"
 #include "store.h"
+#include "store_fixture.h"
 
 #define PAUSE_MS 300
 
 typedef struct fixture {
-    bufpool *pool;
-    store st;
+    store_fixture sf; /* the store and its pool */
     saver *sv;
     char dir[64];
 } fixture;
@@ -43,21 +43,20 @@ static int setup(void **state)
     if (!mkdtemp(fx->dir))
         return -1;
     setenv("RESTPS_TEST_SAVE_PAUSE_MS", "300", 1);
-    fx->pool = bufpool_new((size_t)1 << 20);
-    if (!fx->pool || store_init(&fx->st, 0.5f, fx->pool) != STORE_OK)
+    if (store_fixture_init(&fx->sf, 0.5f, (size_t)1 << 20) != 0)
         return -1;
     /* a variable: the test hook pauses a write half-way through its data */
     tensor_shape sh = {.ndim = 1, .dims = {4}};
-    blob *b = blob_new(fx->pool, 16);
+    blob *b = blob_new(fx->sf.pool, 16);
     if (!b)
         return -1;
     memset(b->data, 0, 16);
     int created;
     uint64_t version;
-    if (store_put(&fx->st, "w", &sh, b, 0, &created, &version) != STORE_OK)
+    if (store_put(&fx->sf.s, "w", &sh, b, 0, &created, &version) != STORE_OK)
         return -1;
     ckpt_info ci = {0, 1};
-    fx->sv = saver_new(&fx->st, fx->pool, fx->dir, 0, 0, &ci);
+    fx->sv = saver_new(&fx->sf.s, fx->sf.pool, fx->dir, 0, 0, &ci);
     if (!fx->sv || saver_start(fx->sv) != 0)
         return -1;
     *state = fx;
@@ -68,8 +67,7 @@ static int teardown(void **state)
 {
     fixture *fx = *state;
     saver_free(fx->sv);
-    store_destroy(&fx->st);
-    bufpool_free(fx->pool);
+    store_fixture_destroy(&fx->sf);
     DIR *d = opendir(fx->dir); /* the checkpoints (no subfolders) */
     for (struct dirent *e; d && (e = readdir(d));) {
         char p[PATH_MAX];
@@ -199,7 +197,7 @@ static void test_forget_a_done_job(void **state)
     float g[4] = {1, 1, 1, 1};
     int64_t gs = -1;
     uint64_t version;
-    assert_int_equal(store_apply_grad(&fx->st, "w", g, 4, &gs, &version), STORE_OK);
+    assert_int_equal(store_apply_grad(&fx->sf.s, "w", g, 4, &gs, &version), STORE_OK);
     assert_int_equal(gs, 1);
     assert_int_equal(saver_save_async(fx->sv, &conn, resume_a), 0);
     wait_resumed(&resumed_a, 2);

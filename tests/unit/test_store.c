@@ -17,38 +17,14 @@
 
 #include "bufpool.h"
 #include "store.h"
+#include "store_fixture.h"
 
-typedef struct fixture {
-    bufpool *pool;
-    store s;
-} fixture;
+typedef store_fixture fixture;
 
-static int setup_lr(void **state, float lr)
-{
-    fixture *fx = calloc(1, sizeof(*fx));
-    if (!fx)
-        return -1;
-    fx->pool = bufpool_new((size_t)16 << 20);
-    if (!fx->pool || store_init(&fx->s, lr, fx->pool) != STORE_OK) {
-        bufpool_free(fx->pool);
-        free(fx);
-        return -1;
-    }
-    *state = fx;
-    return 0;
-}
-static int setup_half(void **state) { return setup_lr(state, 0.5f); }
-static int setup_one(void **state) { return setup_lr(state, 1.0f); }
-static int setup_tenth(void **state) { return setup_lr(state, 0.1f); }
-
-static int teardown(void **state)
-{
-    fixture *fx = *state;
-    store_destroy(&fx->s);
-    bufpool_free(fx->pool);
-    free(fx);
-    return 0;
-}
+static int setup_half(void **state) { return store_fixture_setup(state, 0.5f); }
+static int setup_one(void **state) { return store_fixture_setup(state, 1.0f); }
+static int setup_tenth(void **state) { return store_fixture_setup(state, 0.1f); }
+static int teardown(void **state) { return store_fixture_teardown(state); }
 
 static blob *fblob(bufpool *p, const float *v, size_t n)
 {

@@ -25,32 +25,12 @@
 
 #include "bufpool.h"
 #include "store.h"
+#include "store_fixture.h"
 
-typedef struct fixture {
-    bufpool *pool;
-    store s;
-} fixture;
+typedef store_fixture fixture;
 
-static int setup(void **state)
-{
-    fixture *fx = calloc(1, sizeof(*fx));
-    if (!fx)
-        return -1;
-    fx->pool = bufpool_new((size_t)16 << 20);
-    if (!fx->pool || store_init(&fx->s, 1.0f, fx->pool) != STORE_OK)
-        return -1;
-    *state = fx;
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    fixture *fx = *state;
-    store_destroy(&fx->s);
-    bufpool_free(fx->pool);
-    free(fx);
-    return 0;
-}
+static int setup(void **state) { return store_fixture_setup(state, 1.0f); }
+static int teardown(void **state) { return store_fixture_teardown(state); }
 
 static void nap_ms(int ms)
 {

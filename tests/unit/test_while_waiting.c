@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fake_ps.h"
 #include "libps/libps.h"
 
 #define ANSWER_DELAY_MS 150
@@ -37,10 +38,7 @@ static double now_ms(void)
 }
 
 typedef struct fake {
-    int fd, port;
-    volatile int listening; /* 0: bound but refusing until fake_listen */
-    pthread_t th;
-    volatile int stop;
+    fake_ps ps; /* the socket and the thread (fake_ps.h) */
     const unsigned char *want; /* the body a POST must carry (head + data) */
     size_t want_len;
     pthread_mutex_t mu;
@@ -50,20 +48,10 @@ typedef struct fake {
     double answered_ms[8]; /* when the answer went out */
 } fake;
 
-static void send_all(int fd, const char *p, size_t n)
-{
-    while (n > 0) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k <= 0)
-            return;
-        p += k;
-        n -= (size_t)k;
-    }
-}
-
 /* Requests on one keep-alive connection until the client closes it. */
-static void serve(fake *f, int c)
+static void serve(void *arg, int c)
 {
+    fake *f = arg;
     size_t cap = f->want_len + 65536, len = 0;
     unsigned char *buf = malloc(cap + 1);
     assert_non_null(buf);
@@ -118,8 +106,8 @@ static void serve(fake *f, int c)
         f->answered_ms[i] = now_ms();
         f->served++;
         pthread_mutex_unlock(&f->mu);
-        send_all(c, hdr, (size_t)hl);
-        send_all(c, body, (size_t)bl);
+        fake_ps_send_all(c, hdr, (size_t)hl);
+        fake_ps_send_all(c, body, (size_t)bl);
         memmove(buf, buf + head + want, len - head - want);
         len -= head + want;
     }
@@ -127,31 +115,7 @@ out:
     free(buf);
 }
 
-static void *fake_main(void *arg)
-{
-    fake *f = arg;
-    while (!f->stop) {
-        if (!f->listening) {
-            usleep(5000);
-            continue;
-        }
-        struct pollfd p = {.fd = f->fd, .events = POLLIN};
-        if (poll(&p, 1, 20) <= 0)
-            continue;
-        int c = accept(f->fd, NULL, NULL);
-        if (c < 0)
-            continue;
-        serve(f, c);
-        close(c);
-    }
-    return NULL;
-}
-
-static void fake_listen(fake *f)
-{
-    assert_int_equal(listen(f->fd, 16), 0);
-    f->listening = 1;
-}
+static void fake_listen(fake *f) { fake_ps_listen(&f->ps); }
 
 static fake *fake_start(const unsigned char *want, size_t want_len, int listening)
 {
@@ -160,44 +124,25 @@ static fake *fake_start(const unsigned char *want, size_t want_len, int listenin
     f->want = want;
     f->want_len = want_len;
     pthread_mutex_init(&f->mu, NULL);
-    f->fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(f->fd >= 0);
-    int rcv = 64 << 10; /* a small receive buffer (the kernel doubles it), inherited by accept */
-    assert_int_equal(setsockopt(f->fd, SOL_SOCKET, SO_RCVBUF, &rcv, sizeof(rcv)), 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    assert_int_equal(bind(f->fd, (struct sockaddr *)&a, sizeof(a)), 0);
-    socklen_t al = sizeof(a);
-    assert_int_equal(getsockname(f->fd, (struct sockaddr *)&a, &al), 0);
-    f->port = ntohs(a.sin_port);
-    if (listening)
-        fake_listen(f);
-    assert_int_equal(pthread_create(&f->th, NULL, fake_main, f), 0);
+    /* a small receive buffer (the kernel doubles it), inherited by accept */
+    fake_ps_start(&f->ps, 64 << 10, listening, serve, f);
     return f;
 }
 
 static void fake_stop(fake *f)
 {
-    f->stop = 1;
-    pthread_join(f->th, NULL);
-    close(f->fd);
+    fake_ps_stop(&f->ps);
     pthread_mutex_destroy(&f->mu);
     free(f);
 }
 
 static ps_client *client_for(fake **fs, int n)
 {
-    char hosts[4][64];
-    const char *hp[4];
-    for (int i = 0; i < n; i++) {
-        snprintf(hosts[i], sizeof(hosts[i]), "127.0.0.1:%d", fs[i]->port);
-        hp[i] = hosts[i];
-    }
+    int ports[4];
+    for (int i = 0; i < n; i++)
+        ports[i] = fs[i]->ps.port;
     ps_options opt = {.retries = 0, .backoff_ms = 10, .timeout_ms = 10000, .connect_timeout_ms = 2000};
-    char err[256];
-    ps_client *c = ps_client_new(hp, n, &opt, err, sizeof(err));
-    if (!c)
-        fail_msg("ps_client_new: %s", err);
-    return c;
+    return fake_ps_client(ports, n, &opt);
 }
 
 /* What the work saw: how often it ran, when, and what the fakes had by then. */
