@@ -18,6 +18,8 @@ import os
 
 # whole files: file name -> reason
 FILES = {
+    "test_docs.py": "checks README.md and docs/*.md as text (links, paths, command syntax, flags, make targets); "
+                    "the curl tour's psd routes run under the sanitizer in test_http",
     "test_deploy_files.py": "lints the deploy files (YAML, Dockerfiles, units, scripts): no C code runs",
     "test_deploy_run.py": "checks the deploy scripts' mapping of TF_CONFIG and Slurm tasks to flags; "
                           "the psd and workerd they start run the training paths that test_train and "

@@ -46,6 +46,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, SANITIZER_MARKS, binary, http
+from procs import finish
 from test_train import DATA, free_port, load_model
 
 ASAN = "asan" in BIN
@@ -94,19 +95,6 @@ def stages():
     s = Stages()
     yield s
     s.stop()
-
-
-def finish(p, timeout=120):
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        raise AssertionError("did not finish:\n" + out.decode()[-3000:])
-    out = out.decode()
-    for mark in SANITIZER_MARKS:
-        assert mark not in out, out[-6000:]
-    return p.returncode, out
 
 
 def common(data, model, opt, seed=3, steps=STEPS, batch=32):

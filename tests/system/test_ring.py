@@ -34,7 +34,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, SANITIZER_MARKS, binary, curl, http
+from conftest import BIN, binary, curl, http
+from procs import finish
 from test_train import DATA, cluster, free_port, load_model, needs_data, run  # noqa: F401 (fixture)
 
 ASAN = "asan" in BIN
@@ -67,19 +68,6 @@ def procs():
     ps = Procs()
     yield ps
     ps.stop()
-
-
-def finish(p, timeout=120):
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        raise AssertionError("did not finish:\n" + out.decode()[-3000:])
-    out = out.decode()
-    for mark in SANITIZER_MARKS:
-        assert mark not in out, out[-6000:]
-    return p.returncode, out
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
