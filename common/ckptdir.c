@@ -163,3 +163,45 @@ int ckptdir_prune(const char *dir, int keep, int64_t newest)
     ckptdir_list_free(e, n);
     return removed;
 }
+
+static const char *entry_kind(mode_t m)
+{
+    return S_ISDIR(m) ? "not a regular file (a folder)" : S_ISFIFO(m) ? "not a regular file (a fifo)"
+         : S_ISLNK(m) ? "not a regular file (a symbolic link)" : "not a regular file";
+}
+
+int ckptdir_prune_owned(const char *dir, int keep, const char *protect,
+                        int (*owned)(const char *path, char *why, size_t whylen, void *ctx),
+                        void (*skipped)(const char *path, const char *why, void *ctx), void *ctx)
+{
+    ckptdir_entry *e;
+    int n, removed = 0, kept = 0;
+    char err[256];
+    if (keep <= 0 || ckptdir_list(dir, &e, &n, err, sizeof(err)) != 0)
+        return 0;
+    for (int i = 0; i < n; i++) {
+        struct stat st;
+        char why[512] = "";
+        if (lstat(e[i].path, &st) != 0) {
+            if (skipped)
+                skipped(e[i].path, strerror(errno), ctx);
+            continue;
+        }
+        if (!S_ISREG(st.st_mode)) {
+            if (skipped)
+                skipped(e[i].path, entry_kind(st.st_mode), ctx);
+            continue;
+        }
+        if (owned(e[i].path, why, sizeof(why), ctx) != 1) {
+            if (skipped)
+                skipped(e[i].path, why[0] ? why : "not this task's", ctx);
+            continue;
+        }
+        if (++kept <= keep || (protect && strcmp(e[i].path, protect) == 0))
+            continue;
+        if (unlink(e[i].path) == 0)
+            removed++;
+    }
+    ckptdir_list_free(e, n);
+    return removed;
+}

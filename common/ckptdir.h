@@ -64,4 +64,16 @@ int ckptdir_remove_temps(const char *dir);
  * removed. */
 int ckptdir_prune(const char *dir, int keep, int64_t newest);
 
+/* Prune only what the caller owns: among the entries of dir named like
+ * checkpoints, those that are regular files (lstat: not a folder, FIFO or
+ * symbolic link) and that owned(path, ctx) accepts (1) count; keep the
+ * newest `keep` of them and remove the older ones, except `protect` (a path
+ * as ckptdir_list makes them, or NULL), which is never removed. Everything
+ * else is left as it is and not counted; skipped(path, why, ctx), when not
+ * NULL, is told of each (why: "a folder", or what owned put in its why
+ * buffer). keep <= 0 removes nothing. How many were removed. */
+int ckptdir_prune_owned(const char *dir, int keep, const char *protect,
+                        int (*owned)(const char *path, char *why, size_t whylen, void *ctx),
+                        void (*skipped)(const char *path, const char *why, void *ctx), void *ctx);
+
 #endif

@@ -366,10 +366,30 @@ typedef struct ckpt_reader {
     size_t errlen;
 } ckpt_reader;
 
-/* Open path, a regular file, into rd (fd, len). 0, or CKPT_EREAD (err). */
-static int reader_open(ckpt_reader *rd, const char *path)
+/* What kind of entry st is, for a log line: "a fifo", "a folder", ... */
+static const char *kind_of(mode_t m)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    return S_ISDIR(m) ? "a folder" : S_ISFIFO(m) ? "a fifo" : S_ISSOCK(m) ? "a socket"
+         : S_ISCHR(m) ? "a character device" : S_ISBLK(m) ? "a block device"
+         : S_ISLNK(m) ? "a symbolic link" : "not a file";
+}
+
+/* Open path, a regular file, into rd (fd, len). 0, or CKPT_EREAD (err).
+ * Never blocks on what is not a regular file (a FIFO's open waits for a
+ * writer): it is looked at first and opened O_NONBLOCK, then checked again
+ * on the descriptor (it may have been replaced in between). */
+static int reader_open(ckpt_reader *rd, const char *path, int follow)
+{
+    struct stat pst;
+    if ((follow ? stat(path, &pst) : lstat(path, &pst)) != 0) {
+        snprintf(rd->err, rd->errlen, "%s", strerror(errno));
+        return CKPT_EREAD;
+    }
+    if (!S_ISREG(pst.st_mode)) {
+        snprintf(rd->err, rd->errlen, "not a regular file (%s)", kind_of(pst.st_mode));
+        return CKPT_EREAD;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | (follow ? 0 : O_NOFOLLOW));
     if (fd < 0) {
         snprintf(rd->err, rd->errlen, "%s", strerror(errno));
         return CKPT_EREAD;
@@ -380,6 +400,9 @@ static int reader_open(ckpt_reader *rd, const char *path)
         close(fd);
         return CKPT_EREAD;
     }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+        (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     rd->fd = fd;
     rd->len = (uint64_t)fst.st_size;
     return 0;
@@ -699,7 +722,7 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
     memset(&rd.f, 0, sizeof(rd.f));
     /* only the header is read whole; each tensor goes straight from the file
      * into its blob, checked as it lands (peak memory: the model, once) */
-    int rc = reader_open(&rd, path);
+    int rc = reader_open(&rd, path, 1);
     if (rc != 0)
         return rc;
     if ((rc = read_header(&rd)) == 0 && (rc = check_format(&rd)) == 0 && (rc = check_owner(&rd, self)) == 0 &&
@@ -712,6 +735,22 @@ int ckpt_read(const char *path, bufpool *pool, const ckpt_info *self, store_save
     json_decref(rd.crcs);
     json_decref(rd.state);
     json_decref(rd.place);
+    st_file_free(&rd.f);
+    close(rd.fd);
+    return rc;
+}
+
+int ckpt_owned(const char *path, const ckpt_info *self, char *err, size_t errlen)
+{
+    store_saved out;
+    memset(&out, 0, sizeof(out));
+    ckpt_reader rd = {.fd = -1, .out = &out, .err = err, .errlen = errlen};
+    memset(&rd.f, 0, sizeof(rd.f));
+    int rc = reader_open(&rd, path, 0);
+    if (rc != 0)
+        return rc;
+    if ((rc = read_header(&rd)) == 0 && (rc = check_format(&rd)) == 0)
+        rc = check_owner(&rd, self);
     st_file_free(&rd.f);
     close(rd.fd);
     return rc;

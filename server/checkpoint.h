@@ -48,8 +48,20 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
  * what that means: CKPT_EINVALID the file is broken (truncated, checksums,
  * ...), CKPT_EREAD it could not be read now (I/O error, out of memory: the
  * file may be fine), CKPT_EOTHER it is valid but another task's or another
- * cluster's (info: this task; NULL = no check). The codes: ckptdir.h. */
+ * cluster's (info: this task; NULL = no check). What is not a regular file
+ * (a folder, a FIFO, ...) is CKPT_EREAD, "not a regular file (a fifo)", and
+ * is never opened in a way that blocks. The codes: ckptdir.h. */
 int ckpt_read(const char *path, bufpool *pool, const ckpt_info *info, store_saved *out, char *err,
               size_t errlen);
+
+/* Whether path is one of this task's checkpoints as far as its header goes,
+ * for pruning (saver.c), without reading the tensors: 0 when it is a regular
+ * file (not followed through a symbolic link) whose header parses, whose
+ * format and metadata checksum are right and which says it is self's (task
+ * and number of ps tasks); otherwise err says why: CKPT_EREAD (it could not
+ * be read, or is not a regular file: a folder, a FIFO, ... never opened in a
+ * way that blocks), CKPT_EINVALID (broken header or metadata) or CKPT_EOTHER
+ * (another task's or cluster's). */
+int ckpt_owned(const char *path, const ckpt_info *self, char *err, size_t errlen);
 
 #endif

@@ -7,8 +7,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "clock.h"
 #include "log.h"
@@ -60,6 +62,7 @@ struct saver {
     char restored_path[PATH_MAX];
     int64_t restored_step;
     int invalid_set_aside;
+    int told_passed_over; /* pruning said once what it leaves alone */
     uint64_t saves, failures, consecutive_failures;
     char last_error[512];
     struct timespec last_error_at;
@@ -92,13 +95,38 @@ saver *saver_new(store *st, bufpool *pool, const char *dir, int interval_secs, i
     return sv;
 }
 
+/* Whether a file can be made in dir now: a probe file created and removed
+ * (its name is no checkpoint's nor a temp file's). 1, or 0 with err. */
+static int writable(const char *dir, char *err, size_t errlen)
+{
+    char p[PATH_MAX];
+    if (snprintf(p, sizeof(p), "%s/.psd-write-test.%ld", dir, (long)getpid()) >= (int)sizeof(p)) {
+        snprintf(err, errlen, "path too long");
+        return 0;
+    }
+    int fd = open(p, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0 && errno == EEXIST && unlink(p) == 0) /* one a killed psd of this pid left */
+        fd = open(p, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        return 0;
+    }
+    close(fd);
+    unlink(p);
+    return 1;
+}
+
 int saver_restore(saver *sv)
 {
     char err[512];
     if (ckptdir_make(sv->dir, err, sizeof(err)) != 0) {
-        log_error("psd: checkpoints: %s; psd serves anyway and retries at each save", err);
+        log_error("psd: checkpoints: %s; psd serves anyway, with no checkpoint to restore, and "
+                  "every save fails until the folder can be made (each one tries again)", err);
         return 0;
     }
+    if (!writable(sv->dir, err, sizeof(err)))
+        log_error("psd: checkpoints: cannot write in '%s': %s; psd serves anyway, and every save "
+                  "fails until it is writable", sv->dir, err);
     int temps = ckptdir_remove_temps(sv->dir);
     if (temps)
         log_info("psd: checkpoints: removed %d temp file%s left by a write that never finished",
@@ -177,6 +205,51 @@ static void pause_hook(void *ctx, int i)
     }
 }
 
+/* What pruning passed over, for its one log line. */
+typedef struct passed_over {
+    saver *sv;
+    int n;
+    char names[512];
+} passed_over;
+
+static int owned(const char *path, char *why, size_t whylen, void *ctx)
+{
+    passed_over *po = ctx;
+    return ckpt_owned(path, &po->sv->info, why, whylen) == 0;
+}
+
+static void skipped(const char *path, const char *why, void *ctx)
+{
+    passed_over *po = ctx;
+    size_t at = strlen(po->names);
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    if (po->n < 3)
+        snprintf(po->names + at, sizeof(po->names) - at, "%s%s (%.120s)", po->n ? ", " : "", base,
+                 why);
+    else if (po->n == 3)
+        snprintf(po->names + at, sizeof(po->names) - at, ", ...");
+    po->n++;
+}
+
+/* Keep the newest --keep_checkpoints of this task's own checkpoints
+ * (ckpt_owned: regular files whose header says they are this ps task's, of
+ * this cluster), never `newest` (the one just written); everything else in
+ * the folder (another cluster's checkpoints, folders, FIFOs, broken files)
+ * is neither counted nor removed, and said once. How many were removed. */
+static int prune(saver *sv, const char *newest)
+{
+    passed_over po = {.sv = sv};
+    int removed = ckptdir_prune_owned(sv->dir, sv->keep, newest, owned, skipped, &po);
+    if (po.n && !sv->told_passed_over) {
+        sv->told_passed_over = 1;
+        log_info("psd: checkpoints: pruning leaves alone %d entr%s of %s that %s not this task's "
+                 "checkpoints, neither counting nor removing them: %s",
+                 po.n, po.n == 1 ? "y" : "ies", sv->dir, po.n == 1 ? "is" : "are", po.names);
+    }
+    return removed;
+}
+
 int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char *err,
                size_t errlen)
 {
@@ -228,7 +301,7 @@ int saver_save(saver *sv, int force, char *path, size_t cap, int64_t *step, char
     sv->saves++;
     sv->consecutive_failures = 0;
     pthread_mutex_unlock(&sv->mu);
-    int pruned = ckptdir_prune(sv->dir, sv->keep, INT64_MAX);
+    int pruned = prune(sv, p);
     log_info("psd: checkpoints: saved global step %lld to %s (%.1f MB in %.3f s)%s", (long long)gs,
              p, (double)bytes / 1e6, secs, pruned ? "; removed older ones" : "");
     snprintf(path, cap, "%s", p);
@@ -242,9 +315,10 @@ failed:
     sv->consecutive_failures++;
     snprintf(sv->last_error, sizeof(sv->last_error), "%s", err);
     sv->last_error_at = clk_unix_ts();
+    int had = sv->has_last;
     pthread_mutex_unlock(&sv->mu);
-    log_error("psd: checkpoints: save failed: %s (the previous checkpoint is intact; retrying at the next interval)",
-              err);
+    log_error("psd: checkpoints: save failed: %s (%s; retrying at the next interval)", err,
+              had ? "the previous checkpoint is intact" : "no checkpoint has been saved yet");
     pthread_mutex_unlock(&sv->save_mu);
     return -1;
 }

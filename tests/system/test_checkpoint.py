@@ -356,3 +356,185 @@ def test_another_tasks_checkpoint_is_passed_over_and_left_alone(start_psd, tmp_p
     err = q.read_stderr()
     assert f"passing over {f}: it is ps:0 of a cluster of 2 ps tasks; this is ps:0 of 1" in err
     assert os.path.exists(f)  # valid, not set aside
+
+
+def foreign_checkpoint(start_psd, tmp_path):
+    """The bytes of a valid checkpoint of ps 0 of a 2-ps cluster (another
+    cluster shape's, which a 1-ps psd passes over)."""
+    other = str(tmp_path / "other-logs")
+    p = start_psd(f"--logdir={other}", "--ps_hosts=127.0.0.1:1,127.0.0.1:2")
+    put(p.url, "w", W)
+    f = save(p.url)["path"]
+    assert p.stop() == 0
+    return open(f, "rb").read()
+
+
+def test_pruning_counts_only_this_tasks_checkpoints_and_leaves_the_rest_alone(start_psd, tmp_path):
+    """Issue 37: entries named model.ckpt-1000..1004 that psd passes over at
+    its restore (another cluster shape's checkpoints, folders) used to count
+    for --keep_checkpoints: the first save then removed the restored good
+    ckpt-3 and the new ckpt-4, and GET /v1/checkpoint answered 500."""
+    logdir = str(tmp_path / "logs")
+    folder = os.path.join(logdir, "ps-0")
+    p = start_psd(f"--logdir={logdir}", "--keep_checkpoints=2")
+    put(p.url, "w", W)
+    for k in range(3):
+        grad(p.url, "w", grads(k)[0])
+    assert save(p.url)["global_step"] == 3
+    assert p.stop() == 0
+    other = foreign_checkpoint(start_psd, tmp_path)
+    foreign = {}
+    for step in (1000, 1001, 1002):
+        f = os.path.join(folder, f"model.ckpt-{step}.safetensors")
+        open(f, "wb").write(other)
+        foreign[f] = other
+    for step in (1003, 1004):
+        os.mkdir(os.path.join(folder, f"model.ckpt-{step}.safetensors"))
+    q = start_psd(f"--logdir={logdir}", "--keep_checkpoints=2", "--save_checkpoint_secs=0")
+    s = status(q.url)
+    assert s["global_step"] == 3 and s["checkpoint"]["restored_from"]["global_step"] == 3, s
+    ck = lambda k: os.path.join(folder, f"model.ckpt-{k}.safetensors")
+    grad(q.url, "w", grads(3)[0])
+    assert save(q.url)["global_step"] == 4
+    assert os.path.exists(ck(3)) and os.path.exists(ck(4)), sorted(os.listdir(folder))
+    grad(q.url, "w", grads(4)[0])
+    got = save(q.url)
+    assert got["global_step"] == 5
+    # --keep_checkpoints=2 of this task's own: 4 and 5; 3 removed
+    assert not os.path.exists(ck(3)) and os.path.exists(ck(4)), sorted(os.listdir(folder))
+    st, _, body = http("GET", q.url + "/v1/checkpoint")
+    assert st == 200, body
+    assert body == open(ck(5), "rb").read()
+    ckpt_check.read(ck(4))
+    # the others untouched
+    for f, data in foreign.items():
+        assert open(f, "rb").read() == data, f
+    for step in (1003, 1004):
+        assert os.path.isdir(ck(step))
+    assert not glob.glob(os.path.join(folder, "*.invalid")), sorted(os.listdir(folder))
+    err = q.read_stderr()
+    # said once (not at every save) which entries pruning leaves alone
+    assert err.count("pruning leaves alone") == 1, err[-3000:]
+    line = err.split("pruning leaves alone")[1].split("\n")[0]
+    assert "5 entries" in line and "model.ckpt-1004.safetensors" in line, line
+
+
+def test_a_fifo_named_like_a_checkpoint_is_passed_over_without_blocking(tmp_path):
+    """Issue 37: psd's start-up used to block in open() on a FIFO named like a
+    checkpoint (SIGTERM blocked meanwhile, so it did not even stop)."""
+    import select
+    logdir = str(tmp_path / "logs")
+    p = Psd([f"--logdir={logdir}", "--save_checkpoint_secs=0"])
+    put(p.url, "w", W)
+    grad(p.url, "w", grads(1)[0])
+    good = save(p.url)["path"]
+    assert p.stop() == 0
+    fifo = os.path.join(logdir, "ps-0", "model.ckpt-5.safetensors")
+    os.mkfifo(fifo)
+    err = tmp_path / "psd.err"
+    proc = subprocess.Popen([binary("psd"), "--port=0", f"--logdir={logdir}",
+                             "--save_checkpoint_secs=0"],
+                            stdout=subprocess.PIPE, stderr=open(err, "wb"))
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 5)
+        assert ready, "psd did not start within 5 s (blocked on the FIFO?)"
+        line = proc.stdout.readline().decode()
+        assert line.startswith("psd: listening on "), (line, err.read_text())
+        url = line.split("listening on ", 1)[1].strip()
+        st, _, body = http("GET", url + "/healthz", timeout=5)
+        assert st == 200, body
+        s = status(url)
+        assert s["global_step"] == 1 and s["checkpoint"]["restored_from"]["file"] == good, s
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    log = err.read_text()
+    assert f"passing over {fifo}: not a regular file (a fifo)" in log, log[-3000:]
+    assert os.path.exists(fifo) and not os.path.exists(fifo + ".invalid")
+
+
+def without_meta_checksum(path):
+    """Rewrite the checkpoint at path without its meta_crc32c entry (every
+    other byte as it was, the header re-encoded and padded to 8)."""
+    import struct
+    raw_ = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw_[:8])
+    header = json.loads(raw_[8:8 + n])
+    del header["__metadata__"]["meta_crc32c"]
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(hb)) + hb + raw_[8 + n:])
+
+
+def test_a_checkpoint_without_its_metadata_checksum_is_set_aside(start_psd, tmp_path):
+    """Issue 37: a checkpoint lacking meta_crc32c is treated as a corrupt one:
+    passed over, renamed *.invalid, the older valid one restored."""
+    logdir = str(tmp_path / "logs")
+    p = start_psd(f"--logdir={logdir}")
+    put(p.url, "w", W)
+    grad(p.url, "w", grads(1)[0])
+    save(p.url)
+    one = raw(p.url, "w").tobytes()
+    grad(p.url, "w", grads(2)[0])
+    f = save(p.url)["path"]
+    assert p.stop() == 0
+    without_meta_checksum(f)
+    with pytest.raises(ckpt_check.Invalid):
+        ckpt_check.read(f)
+    q = start_psd(f"--logdir={logdir}")
+    s = status(q.url)
+    assert s["global_step"] == 1 and raw(q.url, "w").tobytes() == one, s
+    assert s["checkpoint"]["invalid_set_aside"] == 1
+    assert os.path.exists(f + ".invalid") and not os.path.exists(f)
+    err = q.read_stderr()
+    assert f"passing over {f}: metadata checksum does not match (file says nothing" in err, err
+
+
+def test_an_unwritable_logdir_serves_and_says_no_checkpoint_was_saved(start_psd, tmp_path):
+    """Issue 37: a --logdir that cannot be created (under a regular file, which
+    stops root too). psd serves anyway (test_openapi holds it to that: a failed
+    save is a 500 and psd serves on), and its log no longer claims "the
+    previous checkpoint is intact" when none was ever saved."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    logdir = str(blocker / "sub")
+    p = start_psd(f"--logdir={logdir}")
+    st, _, body = http("GET", p.url + "/healthz")
+    assert st == 200, body
+    st, _, body = http("POST", p.url + "/v1/checkpoint")
+    assert st == 500, body
+    st, _, body = http("GET", p.url + "/v1/checkpoint")
+    assert st == 404, body
+    err = p.read_stderr()
+    start_line = [l for l in err.splitlines() if f"cannot create '{blocker}/sub" in l
+                  or f"cannot create '{blocker}'" in l]
+    assert start_line and "psd serves anyway" in start_line[0], err
+    fail = [l for l in err.splitlines() if "save failed" in l]
+    assert len(fail) == 1, err
+    assert "no checkpoint has been saved yet" in fail[0], fail[0]
+    assert "previous checkpoint is intact" not in err, err
+
+
+def test_a_read_only_logdir_is_said_at_start(start_psd, tmp_path):
+    """Issue 37: a checkpoint folder that exists but cannot be written (a
+    read-only filesystem: chmod does not stop root) is logged at start; psd
+    serves, and a save fails saying no checkpoint was saved yet."""
+    mnt = str(tmp_path / "ro")
+    mount_tmpfs(mnt, "64k")
+    try:
+        os.makedirs(os.path.join(mnt, "ps-0"))
+        r = subprocess.run(["mount", "-o", "remount,ro", mnt], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        p = start_psd(f"--logdir={mnt}", "--save_checkpoint_secs=0")
+        st, _, body = http("POST", p.url + "/v1/checkpoint")
+        assert st == 500 and b"Read-only file system" in body, (st, body)
+        assert p.stop() == 0
+        err = p.read_stderr()
+        assert f"cannot write in '{mnt}/ps-0': Read-only file system; psd serves anyway" in err, err
+        assert "no checkpoint has been saved yet" in err and "previous checkpoint is intact" not in err
+    finally:
+        umount(mnt)

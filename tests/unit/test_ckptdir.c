@@ -2,7 +2,8 @@
  * ring's chief share: the step read from a name (garbage, signs, overflow at
  * INT64_MAX), the listing of a folder with odd names in it (numeric newest
  * first, ties by name, missing and unreadable folders), pruning (what is
- * kept, what above a step is left, nothing else touched), leftover temp
+ * kept, what above a step is left, nothing else touched; psd's: only the
+ * caller's own regular files count, never the protected one), leftover temp
  * files, mkdir -p, and the atomic write into the folder leaving no temp file
  * and the previous file intact when it fails (before the rename, and half-way
  * through the data). */
@@ -251,6 +252,69 @@ static void prune_up_to_a_step_leaves_the_newer_ones_uncounted(void **state)
     remove_tree(dir);
 }
 
+
+/* owned: a file whose text begins "mine" */
+static int mine(const char *path, char *why, size_t whylen, void *ctx)
+{
+    (void)ctx;
+    char buf[8] = "";
+    FILE *f = fopen(path, "r");
+    size_t got = f ? fread(buf, 1, 4, f) : 0;
+    if (f)
+        fclose(f);
+    if (got == 4 && memcmp(buf, "mine", 4) == 0)
+        return 1;
+    snprintf(why, whylen, "another's");
+    return 0;
+}
+
+static void tell(const char *path, const char *why, void *ctx)
+{
+    char *seen = ctx;
+    const char *base = strrchr(path, '/') + 1;
+    size_t at = strlen(seen);
+    snprintf(seen + at, 1024 - at, "%s: %s\n", base, why);
+}
+
+static void prune_owned_counts_only_owned_regular_files_and_never_the_protected_one(void **state)
+{
+    (void)state;
+    char dir[256], p[PATH_MAX], seen[1024] = "";
+    make_tmpdir(dir, sizeof(dir));
+    touch(dir, "model.ckpt-1.safetensors", "mine 1");
+    touch(dir, "model.ckpt-2.safetensors", "mine 2");
+    touch(dir, "model.ckpt-3.safetensors", "mine 3");
+    touch(dir, "model.ckpt-20.safetensors", "theirs");
+    snprintf(p, sizeof(p), "%s/model.ckpt-30.safetensors", dir);
+    assert_int_equal(mkdir(p, 0755), 0);
+    snprintf(p, sizeof(p), "%s/model.ckpt-31.safetensors", dir);
+    assert_int_equal(mkfifo(p, 0644), 0);
+    snprintf(p, sizeof(p), "%s/model.ckpt-32.safetensors", dir);
+    assert_int_equal(symlink("model.ckpt-3.safetensors", p), 0);
+    assert_int_equal(ckptdir_prune_owned(dir, 0, NULL, mine, tell, seen), 0);
+    assert_string_equal(seen, "");
+    /* keep 1 of the owned, protecting 1 (say, the one just written) */
+    char protect[PATH_MAX];
+    snprintf(protect, sizeof(protect), "%s/model.ckpt-1.safetensors", dir);
+    assert_int_equal(ckptdir_prune_owned(dir, 1, protect, mine, tell, seen), 1);
+    assert_string_equal(seen, "model.ckpt-32.safetensors: not a regular file (a symbolic link)\n"
+                              "model.ckpt-31.safetensors: not a regular file (a fifo)\n"
+                              "model.ckpt-30.safetensors: not a regular file (a folder)\n"
+                              "model.ckpt-20.safetensors: another's\n");
+    assert_true(exists(dir, "model.ckpt-3.safetensors"));
+    assert_false(exists(dir, "model.ckpt-2.safetensors"));
+    assert_true(exists(dir, "model.ckpt-1.safetensors"));
+    assert_true(exists(dir, "model.ckpt-20.safetensors"));
+    assert_true(exists(dir, "model.ckpt-30.safetensors"));
+    assert_true(exists(dir, "model.ckpt-31.safetensors"));
+    assert_true(exists(dir, "model.ckpt-32.safetensors"));
+    /* unprotected, with no one told */
+    assert_int_equal(ckptdir_prune_owned(dir, 1, NULL, mine, NULL, NULL), 1);
+    assert_false(exists(dir, "model.ckpt-1.safetensors"));
+    assert_true(exists(dir, "model.ckpt-3.safetensors"));
+    remove_tree(dir);
+}
+
 static void remove_temps_removes_only_the_temp_files_of_checkpoints(void **state)
 {
     (void)state;
@@ -384,6 +448,7 @@ int main(void)
         cmocka_unit_test(list_of_a_missing_folder_is_empty_and_of_a_file_an_error),
         cmocka_unit_test(prune_keeps_the_newest_and_touches_nothing_else),
         cmocka_unit_test(prune_up_to_a_step_leaves_the_newer_ones_uncounted),
+        cmocka_unit_test(prune_owned_counts_only_owned_regular_files_and_never_the_protected_one),
         cmocka_unit_test(remove_temps_removes_only_the_temp_files_of_checkpoints),
         cmocka_unit_test(make_creates_every_parent_and_refuses_a_file),
         cmocka_unit_test(atomic_write_that_fails_leaves_no_temp_file_and_the_old_one_intact),

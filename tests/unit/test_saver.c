@@ -4,7 +4,11 @@
  * refuses one that starts once it began, and saver_forget drops a job, done
  * or still queued, so that a later requester with the same key gets a save
  * of its own and a forgotten one is never resumed. Each write pauses 300 ms
- * (RESTPS_TEST_SAVE_PAUSE_MS) so the saves overlap what the test does. */
+ * (RESTPS_TEST_SAVE_PAUSE_MS) so the saves overlap what the test does.
+ * Issue 37: in a folder that also holds another cluster's and another
+ * task's checkpoints, a folder, a FIFO and a broken file, all named like
+ * checkpoints, the restore passes them over without blocking on the FIFO,
+ * and pruning counts and removes only this task's own, never the newest. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -230,6 +236,111 @@ static void test_forget_queued_jobs(void **state)
     assert_int_equal(saves(fx->sv), 1); /* a's only: b's was not run */
 }
 
+
+static void path_of(const fixture *fx, int64_t step, char *out, size_t cap)
+{
+    assert_int_equal(ckptdir_path(fx->dir, step, out, cap), 0);
+}
+
+static int there(const fixture *fx, int64_t step)
+{
+    char p[PATH_MAX];
+    struct stat st;
+    path_of(fx, step, p, sizeof(p));
+    return lstat(p, &st) == 0; /* a dangling symbolic link is there too */
+}
+
+/* the store as it is now, written as `step` with info */
+static void write_as(fixture *fx, int64_t step, int task, int ps_tasks)
+{
+    store_saved snap;
+    assert_int_equal(store_save(&fx->sf.s, &snap), STORE_OK);
+    snap.global_step = step;
+    ckpt_info ci = {task, ps_tasks};
+    char p[PATH_MAX], err[256];
+    path_of(fx, step, p, sizeof(p));
+    assert_int_equal(ckpt_write(p, &snap, &ci, NULL, NULL, err, sizeof(err)), 0);
+    store_saved_free(&snap);
+}
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char m[] = "test_saver: blocked (on the FIFO?)\n";
+    if (write(2, m, sizeof(m) - 1) < 0) {
+    }
+    _exit(3);
+}
+
+static void test_prune_counts_only_this_tasks_own(void **state)
+{
+    fixture *fx = *state;
+    char p[PATH_MAX], err[256];
+    write_as(fx, 3, 0, 1);   /* this task's */
+    write_as(fx, 100, 0, 2); /* ps 0 of another cluster shape */
+    write_as(fx, 101, 1, 1); /* another task's */
+    path_of(fx, 102, p, sizeof(p));
+    assert_int_equal(mkdir(p, 0755), 0);
+    path_of(fx, 103, p, sizeof(p));
+    assert_int_equal(mkfifo(p, 0644), 0);
+    /* ckpt_owned: the header alone, never blocking */
+    signal(SIGALRM, on_alarm);
+    alarm(10);
+    ckpt_info me = {0, 1};
+    assert_int_equal(ckpt_owned(p, &me, err, sizeof(err)), CKPT_EREAD);
+    assert_string_equal(err, "not a regular file (a fifo)");
+    store_saved got;
+    assert_int_equal(ckpt_read(p, fx->sf.pool, &me, &got, err, sizeof(err)), CKPT_EREAD);
+    assert_string_equal(err, "not a regular file (a fifo)");
+    path_of(fx, 100, p, sizeof(p));
+    assert_int_equal(ckpt_owned(p, &me, err, sizeof(err)), CKPT_EOTHER);
+    path_of(fx, 3, p, sizeof(p));
+    assert_int_equal(ckpt_owned(p, &me, err, sizeof(err)), 0);
+    /* a symbolic link to this task's checkpoint is not counted as one */
+    char link[PATH_MAX];
+    snprintf(link, sizeof(link), "%s/model.ckpt-104.safetensors", fx->dir);
+    assert_int_equal(symlink(p, link), 0);
+    assert_int_equal(ckpt_owned(link, &me, err, sizeof(err)), CKPT_EREAD);
+
+    /* keep 1, no pause: the restore passes over the others (without blocking
+     * on the FIFO) and takes ckpt-3 (first through the link, which reads the
+     * same file) */
+    saver_free(fx->sv);
+    setenv("RESTPS_TEST_SAVE_PAUSE_MS", "0", 1);
+    fx->sv = saver_new(&fx->sf.s, fx->sf.pool, fx->dir, 0, 1, &me);
+    assert_non_null(fx->sv);
+    assert_int_equal(saver_restore(fx->sv), 1);
+    alarm(0);
+    char path[PATH_MAX];
+    int64_t step;
+    assert_int_equal(saver_latest(fx->sv, path, sizeof(path), &step), 0);
+    assert_int_equal(step, 3);
+    /* each save keeps the newest one of this task's own, and nothing else moves */
+    float g[4] = {1, 1, 1, 1};
+    uint64_t version;
+    for (int64_t want = 4; want <= 5; want++) {
+        int64_t gs;
+        assert_int_equal(store_apply_grad(&fx->sf.s, "w", g, 4, &gs, &version), STORE_OK);
+        assert_int_equal(gs, want);
+        assert_int_equal(saver_save(fx->sv, 1, path, sizeof(path), &step, err, sizeof(err)), 0);
+        assert_int_equal(step, want);
+        assert_true(there(fx, want));
+        assert_false(there(fx, want - 1));
+        for (int64_t other = 100; other <= 104; other++)
+            assert_true(there(fx, other));
+    }
+    /* a checkpoint of this task's newer than the one just written stays, and
+     * the one just written is never removed */
+    write_as(fx, 50, 0, 1);
+    assert_int_equal(saver_save(fx->sv, 1, path, sizeof(path), &step, err, sizeof(err)), 0);
+    assert_int_equal(step, 5);
+    assert_true(there(fx, 50) && there(fx, 5));
+    assert_int_equal(saver_latest(fx->sv, path, sizeof(path), &step), 0);
+    assert_int_equal(access(path, F_OK), 0);
+    path_of(fx, 102, p, sizeof(p));
+    assert_int_equal(rmdir(p), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -237,6 +348,7 @@ int main(void)
                                         setup, teardown),
         cmocka_unit_test_setup_teardown(test_forget_a_done_job, setup, teardown),
         cmocka_unit_test_setup_teardown(test_forget_queued_jobs, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prune_counts_only_this_tasks_own, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
