@@ -236,6 +236,19 @@ enum MHD_Result h_config_put(request *r)
     json_t *j = req_body_json(r, err, sizeof(err));
     if (!j)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    /* global_step (the chief putting back a ps that restarted empty or
+     * behind the workers): raise the shard's step to it; never lowers it */
+    long long at_step = -1;
+    json_t *gs = json_object_get(j, "global_step");
+    if (gs) {
+        if (!json_is_integer(gs) || json_integer_value(gs) < 0 || json_integer_value(gs) > META_INT_MAX) {
+            json_decref(j);
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "global_step must be an integer from 0 to %lld",
+                                    META_INT_MAX);
+        }
+        at_step = (long long)json_integer_value(gs);
+        json_object_del(j, "global_step");
+    }
     store_config c;
     memset(&c, 0, sizeof(c));
     int bad = parse_config(j, &c, err, sizeof(err));
@@ -244,6 +257,13 @@ enum MHD_Result h_config_put(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     if (store_configure(&req_srv(r)->store, &c, err, sizeof(err)) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
+    int64_t was = store_global_step(&req_srv(r)->store);
+    if (at_step > was) {
+        store_start_at(&req_srv(r)->store, at_step);
+        waiters_raise(req_srv(r)->waiters, WAIT_STEP, at_step);
+        log_info("psd: global step set from %lld to %lld by the chief (it put back the variables the workers hold)",
+                 (long long)was, at_step);
+    }
     log_info("psd: configured: %s, learning_rate %g, %s, replicas_to_aggregate %d of %d workers",
              optim_name(c.optim.kind), (double)c.optim.learning_rate, c.sync ? "sync" : "async",
              c.replicas_to_aggregate, c.workers);

@@ -14,6 +14,7 @@ int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy po
     sh->c = c;
     sh->L = L;
     sh->n = ps_shards(c);
+    sh->guard = -1;
     if (placement_compute(&sh->pl, L, sh->n, policy, partition_bytes, err, errlen) != 0)
         return -1;
     sh->s = calloc((size_t)sh->n, sizeof(shard));
@@ -85,8 +86,24 @@ int shards_create(shards *sh, const float *params, int *created, int *existing)
     return PS_OK;
 }
 
-/* Copy the pieces of one pulled safetensors body into params. */
-static int unpack(shards *sh, int i, size_t len, float *params)
+int shards_put_back(shards *sh, int i, const float *params, int *n)
+{
+    *n = 0;
+    for (int k = 0; k < sh->s[i].n_p; k++) {
+        const place_piece *pc = &sh->pl.pieces[sh->s[i].p[k]];
+        int was_created = 0;
+        int rc = ps_put(sh->c, pc->ps, pc->name, &pc->shape, params + pc->offset, 0, &was_created);
+        if (rc != PS_OK)
+            return rc;
+        (*n)++;
+    }
+    return PS_OK;
+}
+
+/* Copy the pieces of one pulled safetensors body into params. With
+ * *missing (guarded pulls) a variable that is not there sets it and nothing
+ * is copied; else it is an error. */
+static int unpack(shards *sh, int i, size_t len, float *params, int *missing)
 {
     st_file f;
     char err[256];
@@ -96,18 +113,25 @@ static int unpack(shards *sh, int i, size_t len, float *params)
         return PS_EPROTO;
     }
     int rc = PS_OK;
-    for (int k = 0; k < s->n_p; k++) {
-        const place_piece *pc = &sh->pl.pieces[s->p[k]];
-        int j = st_find(&f, pc->name);
-        if (j < 0 || strcmp(f.tensors[j].dtype, "F32") != 0 ||
-            f.tensors[j].end - f.tensors[j].begin != pc->numel * 4) {
-            fprintf(stderr, "workerd: ps %d has no variable '%s' of %zu floats\n", i, pc->name,
-                    pc->numel);
-            rc = PS_EPROTO;
-            break;
+    for (int pass = missing ? 0 : 1; pass < 2 && rc == PS_OK; pass++)
+        for (int k = 0; k < s->n_p; k++) {
+            const place_piece *pc = &sh->pl.pieces[s->p[k]];
+            int j = st_find(&f, pc->name);
+            if (j < 0 || strcmp(f.tensors[j].dtype, "F32") != 0 ||
+                f.tensors[j].end - f.tensors[j].begin != pc->numel * 4) {
+                if (missing && j < 0) {
+                    *missing = 1;
+                    pass = 2; /* nothing copied */
+                    break;
+                }
+                fprintf(stderr, "workerd: ps %d has no variable '%s' of %zu floats\n", i, pc->name,
+                        pc->numel);
+                rc = PS_EPROTO;
+                break;
+            }
+            if (pass == 1)
+                memcpy(params + pc->offset, s->rx + f.data_start + f.tensors[j].begin, pc->numel * 4);
         }
-        memcpy(params + pc->offset, s->rx + f.data_start + f.tensors[j].begin, pc->numel * 4);
-    }
     st_file_free(&f);
     return rc;
 }
@@ -133,12 +157,26 @@ static int pull_range(shards *sh, float *params, const int64_t *want, long timeo
     if (rc != PS_OK)
         return rc;
     for (int k = 0; k < n; k++) {
-        if ((rc = unpack(sh, r[k].shard, r[k].len, params)) != PS_OK)
-            return rc;
-        sh->s[r[k].shard].step = r[k].global_step;
+        shard *s = &sh->s[r[k].shard];
+        int missing = 0;
+        if (sh->guard >= 0 && s->n_p > 0 && r[k].global_step < s->step - sh->guard) {
+            s->back = 1; /* behind this task: its values are older than ours */
+        } else {
+            if ((rc = unpack(sh, r[k].shard, r[k].len, params, sh->guard >= 0 ? &missing : NULL)) != PS_OK)
+                return rc;
+            s->back = missing ? 2 : 0;
+        }
+        if (s->back) {
+            s->back_step = r[k].global_step;
+            continue;
+        }
+        s->step = r[k].global_step;
         if (r[k].shard == 0)
             *step = r[k].global_step;
     }
+    sh->n_back = 0;
+    for (int i = 0; i < sh->n; i++)
+        sh->n_back += sh->s[i].back != 0;
     return PS_OK;
 }
 

@@ -24,6 +24,8 @@ typedef struct shard {
     size_t first;               /* its offset then */
     int64_t step;               /* the shard's global_step in the last pull */
     int64_t want;               /* sync: the step to wait for in the next pull */
+    int back;                   /* guarded pulls: 1 the shard came back behind its step, 2 empty */
+    int64_t back_step;          /* its global_step then */
 } shard;
 
 typedef struct shards {
@@ -32,6 +34,14 @@ typedef struct shards {
     placement pl;
     int n;
     shard *s;
+    /* -1 (shards_init): pulls copy what every shard sends. >= 0: a shard
+     * that answers without the model's variables, or with a global_step
+     * more than guard below the step this task last pulled from it (it
+     * restarted empty, or from an older checkpoint), is not copied: the
+     * parameters keep what this task pulled last from it, its step stays,
+     * its back is set (n_back counts them) until a pull finds it caught up */
+    int guard;
+    int n_back;
 } shards;
 
 int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
@@ -42,6 +52,10 @@ void shards_free(shards *sh);
  * PUT (If-None-Match: *); one that exists already (restored, or another
  * chief's) is left as it is. *created / *existing count them. */
 int shards_create(shards *sh, const float *params, int *created, int *existing);
+
+/* Put back shard i's variables from params (plain PUTs: created, or
+ * replacing what is there); *n counts them. */
+int shards_put_back(shards *sh, int i, const float *params, int *n);
 
 /* Pull every shard into params; *step = ps 0's global_step. min_step >= 0
  * long-polls each shard until it reaches min_step (or timeout_ms). */

@@ -15,31 +15,17 @@
 #include "clock.h"
 #include "shards/shards.h"
 
-int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
+/* POST /v1/checkpoint on ps i; a ps whose checkpoints are off (409) is left alone. */
+static void checkpoint_now(const train_config *c, ps_client *pc, int i, const char *when)
 {
-    train_wait_for_all(c, pc, "/healthz", "the ps tasks");
-    if (train_check_placement(c, pc, sh) != 0) /* a restarted chief with other flags */
-        return 2;
-    model_init_params(&c->layout, params, c->seed);
-    int created, existing;
-    if (shards_create(sh, params, &created, &existing) != PS_OK) {
-        fprintf(stderr, "workerd: creating the variables: %s\n", ps_error(pc));
-        return 1;
-    }
-    if (existing)
-        printf("%s: %d variables existed already (restored or created before): kept them; created %d\n",
-               c->name, existing, created);
-    else
-        printf("%s: created %d variables (%zu parameters) on %d ps\n", c->name, created,
-               c->layout.n_params, ps_shards(pc));
-    json_t *map = placement_json(&sh->pl, &c->layout);
-    for (int i = 0; i < ps_shards(pc); i++)
-        if (ps_json(pc, i, "PUT", "/v1/placement", map, 1, NULL) != PS_OK) {
-            fprintf(stderr, "workerd: sending the placement: %s\n", ps_error(pc));
-            json_decref(map);
-            return 1;
-        }
-    json_decref(map);
+    int rc = ps_json(pc, i, "POST", "/v1/checkpoint", NULL, 0, NULL);
+    if (rc != PS_OK && !(rc == PS_EHTTP && ps_http_status(pc) == 409))
+        fprintf(stderr, "workerd: %s: the checkpoint %s on ps %d: %s\n", c->name, when, i, ps_error(pc));
+}
+
+/* The training configuration the chief sends (PUT /v1/config). */
+static json_t *config_json(const train_config *c)
+{
     json_t *cfg = json_pack("{s:s,s:f,s:b,s:i,s:i}", "optimizer", optim_name(c->optim.kind),
                             "learning_rate", (double)c->optim.learning_rate, "sync", c->sync,
                             "replicas_to_aggregate", c->replicas_to_aggregate, "workers",
@@ -73,6 +59,35 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
         json_object_set_new(cfg, "staleness", json_integer(c->staleness));
     if (c->moving_average_decay > 0)
         json_object_set_new(cfg, "moving_average_decay", json_real(c->moving_average_decay));
+    return cfg;
+}
+
+int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
+{
+    train_wait_for_all(c, pc, "/healthz", "the ps tasks");
+    if (train_check_placement(c, pc, sh) != 0) /* a restarted chief with other flags */
+        return 2;
+    model_init_params(&c->layout, params, c->seed);
+    int created, existing;
+    if (shards_create(sh, params, &created, &existing) != PS_OK) {
+        fprintf(stderr, "workerd: creating the variables: %s\n", ps_error(pc));
+        return 1;
+    }
+    if (existing)
+        printf("%s: %d variables existed already (restored or created before): kept them; created %d\n",
+               c->name, existing, created);
+    else
+        printf("%s: created %d variables (%zu parameters) on %d ps\n", c->name, created,
+               c->layout.n_params, ps_shards(pc));
+    json_t *map = placement_json(&sh->pl, &c->layout);
+    for (int i = 0; i < ps_shards(pc); i++)
+        if (ps_json(pc, i, "PUT", "/v1/placement", map, 1, NULL) != PS_OK) {
+            fprintf(stderr, "workerd: sending the placement: %s\n", ps_error(pc));
+            json_decref(map);
+            return 1;
+        }
+    json_decref(map);
+    json_t *cfg = config_json(c);
     for (int i = 0; i < ps_shards(pc); i++) {
         if (c->ps_replicas) /* the pipeline: each ps counts the pushes it gets */
             json_object_set_new(cfg, "replicas_to_aggregate", json_integer(c->ps_replicas[i]));
@@ -83,6 +98,50 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
         }
     }
     json_decref(cfg);
+    /* a checkpoint now, so that a ps that dies before its first periodic
+     * one restarts with the variables and the configuration (409: its
+     * checkpoints are off) */
+    for (int i = 0; i < ps_shards(pc); i++)
+        checkpoint_now(c, pc, i, "after initialization");
+    return 0;
+}
+
+int train_chief_put_back(const train_config *c, ps_client *pc, shards *sh, const float *params, int i)
+{
+    const shard *s = &sh->s[i];
+    int n = 0;
+    char how[96] = "empty";
+    if (s->back != 2)
+        snprintf(how, sizeof(how), "behind the workers (global step went back from %lld to %lld)",
+                 (long long)s->step, (long long)s->back_step);
+    printf("%s: ps %d came back %s: putting back its %d variables at global step %lld "
+           "(the optimizer's slots are not put back: %s)\n",
+           c->name, i, how, s->n_p, (long long)s->step,
+           s->back == 2 ? "they start fresh" : "they stay as the ps restored them");
+    fflush(stdout);
+    if (shards_put_back(sh, i, params, &n) != PS_OK) {
+        fprintf(stderr, "workerd: putting back the variables of ps %d: %s\n", i, ps_error(pc));
+        return -1;
+    }
+    json_t *map = placement_json(&sh->pl, &c->layout);
+    int rc = ps_json(pc, i, "PUT", "/v1/placement", map, 1, NULL);
+    json_decref(map);
+    if (rc != PS_OK) {
+        fprintf(stderr, "workerd: sending the placement to ps %d: %s\n", i, ps_error(pc));
+        return -1;
+    }
+    json_t *cfg = config_json(c);
+    if (c->ps_replicas)
+        json_object_set_new(cfg, "replicas_to_aggregate", json_integer(c->ps_replicas[i]));
+    json_object_set_new(cfg, "global_step", json_integer(s->step));
+    rc = ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL);
+    json_decref(cfg);
+    if (rc != PS_OK) {
+        fprintf(stderr, "workerd: sending the training configuration to ps %d: %s\n", i, ps_error(pc));
+        return -1;
+    }
+    checkpoint_now(c, pc, i, "after putting back its variables");
+    printf("%s: ps %d has its %d variables again at global step %lld\n", c->name, i, n, (long long)s->step);
     return 0;
 }
 

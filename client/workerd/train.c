@@ -196,6 +196,83 @@ static int ps_failed(worker *w, int prc, const char *what)
     return LEAVE;
 }
 
+/* A pull found shards that came back empty or behind this task (they
+ * restarted with no checkpoint, or an older one): the chief puts back what
+ * it pulled last from them; the others wait (polling) until the ps is
+ * caught up, or, after a while with no change, go on from it. */
+static int ps_came_back(worker *w)
+{
+    const train_config *c = w->c;
+    shards *sh = &w->sh;
+    if (c->is_chief) {
+        for (int i = 0; i < sh->n; i++)
+            if (sh->s[i].back && train_chief_put_back(c, w->pc, sh, w->rb.params, i) != 0) {
+                if (train_stop_requested()) {
+                    w->stopped = 1;
+                    return END_LOOP;
+                }
+                return LEAVE;
+            }
+        shards_rewind(sh);
+        return PULL_AGAIN;
+    }
+    double start = clk_mono_secs();
+    for (int i = 0; i < sh->n; i++)
+        if (sh->s[i].back)
+            printf("%s: ps %d came back %s (global step %lld, this task's %lld): waiting for the chief to put its variables back\n",
+                   c->name, i, sh->s[i].back == 2 ? "empty" : "behind the workers", (long long)sh->s[i].back_step,
+                   (long long)sh->s[i].step);
+    fflush(stdout);
+    int64_t seen[sh->n];
+    for (int i = 0; i < sh->n; i++)
+        seen[i] = sh->s[i].back ? sh->s[i].back_step : -1;
+    shards_rewind(sh);
+    for (;;) {
+        train_sleep(0.2);
+        if (train_stop_requested()) {
+            w->stopped = 1;
+            return END_LOOP;
+        }
+        int64_t step;
+        int prc = shards_pull(sh, w->rb.params, -1, 0, &step);
+        if (prc != PS_OK)
+            return ps_failed(w, prc, "pull");
+        int waiting = 0;
+        for (int i = 0; i < sh->n; i++) {
+            if (seen[i] < 0)
+                continue;
+            /* the chief raised its step, or the ps went on from where it is */
+            int moved = sh->s[i].back != 2 && sh->s[i].back_step > seen[i];
+            if (sh->s[i].back && !moved && clk_mono_secs() - start < 10) {
+                waiting = 1;
+                continue;
+            }
+            if (sh->s[i].back) { /* the chief left it as it is: go on from it */
+                sh->s[i].step = sh->s[i].back_step;
+                sh->s[i].back = 0;
+                prc = shards_pull(sh, w->rb.params, -1, 0, &step);
+                if (prc != PS_OK)
+                    return ps_failed(w, prc, "pull");
+                if (sh->s[i].back) {
+                    waiting = 1;
+                    continue;
+                }
+            }
+            printf("%s: ps %d is back at global step %lld: going on\n", c->name, i, (long long)sh->s[i].step);
+            seen[i] = -1;
+        }
+        if (!waiting)
+            break;
+        if (clk_mono_secs() - start > c->retry_secs) {
+            fprintf(stderr, "workerd: %s: the ps tasks did not get their variables back in %.0f s\n", c->name,
+                    c->retry_secs);
+            return LEAVE;
+        }
+    }
+    shards_rewind(sh);
+    return PULL_AGAIN;
+}
+
 /* Pull every shard (sync: long-poll for the step we need). */
 static int step_pull(worker *w)
 {
@@ -213,6 +290,8 @@ static int step_pull(worker *w)
                      shard that holds ours already answers "duplicate" */
     if (prc != PS_OK)
         return ps_failed(w, prc, "pull");
+    if (w->sh.n_back > 0)
+        return ps_came_back(w);
     if (w->step < w->last_step - c->n_trainers && !w->near_end)
         printf("%s: global step went back from %lld to %lld: a ps restarted from its checkpoint; going on from there\n",
                c->name, (long long)w->last_step, (long long)w->step);
@@ -268,6 +347,13 @@ static int step_push(worker *w)
     if (prc == PS_EHTTP && ps_http_status(w->pc) == 409 && sync) {
         /* a shard is behind the step we computed from: it restarted
          * from a checkpoint; pull again and compute for its step */
+        printf("%s: %s: pulling again\n", c->name, ps_error(w->pc));
+        shards_rewind(&w->sh);
+        return PULL_AGAIN;
+    }
+    if (prc == PS_EHTTP && (ps_http_status(w->pc) == 400 || ps_http_status(w->pc) == 409) &&
+        strstr(ps_error(w->pc), "unknown variable")) {
+        /* a ps restarted empty: the pull finds it so and puts it back (the chief) or waits */
         printf("%s: %s: pulling again\n", c->name, ps_error(w->pc));
         shards_rewind(&w->sh);
         return PULL_AGAIN;
@@ -404,6 +490,9 @@ int train_worker(const train_config *c)
     if (connect_ps(&w) != 0 || join(&w) != 0)
         return leave(&w);
     prepare(&w);
+    /* from here on a ps that comes back empty or behind is not read over
+     * what this task holds */
+    w.sh.guard = 0;
     if (run_steps(&w) != 0)
         return leave(&w);
     w.rc = finish(&w);

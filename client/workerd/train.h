@@ -127,6 +127,11 @@ int train_check_placement(const train_config *c, ps_client *pc, const shards *sh
  * wait (bounded) for the other tasks to say they finished. */
 int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params);
 void train_chief_wait_others(const train_config *c, ps_client *pc);
+/* The chief, when ps i came back empty or behind (sh->s[i].back): put its
+ * variables back from params (what the chief pulled last from it, at
+ * sh->s[i].step), the placement, the configuration with that global_step,
+ * and a checkpoint; 0, or -1 after a message. */
+int train_chief_put_back(const train_config *c, ps_client *pc, shards *sh, const float *params, int i);
 /* The chief at the very end: ask every ps task to stop, unless --keep_ps. */
 void train_chief_stop_ps(const train_config *c, ps_client *pc);
 
