@@ -25,6 +25,7 @@
 #include "http_server.h"
 #include "pem.h"
 #include "ring_schedule.h"
+#include "tensor.h"
 #include "tls_priorities.h"
 #include "web_assets.h"
 
@@ -88,6 +89,7 @@ struct ring {
     char optimizer[32];
     int64_t global_step, ckpt_step;
     int64_t cur_step; /* the all-reduce in progress or last done; -1 before the first */
+    int64_t first_step; /* before the first: its step; RING_STEP_UNKNOWN: not known yet */
     double loss;
     int has_loss;
     char ckpt_path[512];
@@ -155,13 +157,26 @@ static enum MHD_Result chunk_begin(http_req *q)
      * resends one of the step before; anything else comes from a worker
      * that is not in step with this ring, and must not land in its slots */
     pthread_mutex_lock(&r->mu);
-    int64_t cur = r->cur_step;
+    int64_t cur = r->cur_step, first = r->first_step;
     pthread_mutex_unlock(&r->mu);
+    if (cur < 0 && first < 0) /* a worker still fetching the chief's state: the sender retries */
+        return http_refuse_after_body(q, MHD_HTTP_SERVICE_UNAVAILABLE,
+                                      "a piece of global step %lld, but this worker does not know its first global "
+                                      "step yet (it is fetching the chief's state): try again",
+                                      step);
     if (cur >= 0 && (step < cur - 1 || step > cur + 1))
         return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
                                       "a piece of global step %lld, but this worker is at global step %lld: a worker "
                                       "restarted alone cannot rejoin a running ring; restart the whole job",
                                       step, (long long)cur);
+    /* before the first all-reduce: that one's pieces, or (a left neighbour
+     * that finished it first) the next one's */
+    if (cur < 0 && step != first && step != first + 1)
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "a piece of global step %lld, but this worker's first all-reduce is global "
+                                      "step %lld: a worker restarted alone cannot rejoin a running ring; restart the "
+                                      "whole job",
+                                      step, (long long)first);
     if (k >= r->K)
         return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST, "k=%lld: a ring of %d workers has ring steps 0 to %d",
                                       k, r->n, r->K - 1);
@@ -187,11 +202,23 @@ static enum MHD_Result chunk_begin(http_req *q)
     return MHD_YES;
 }
 
-/* The piece is in its slot: mark it, wake the all-reduce. */
+/* The piece is in its slot: every float finite (as psd checks a push), mark
+ * it and wake the all-reduce; else 400 and the slot stays unmarked (the
+ * all-reduce waits on for a piece it can add). */
 static enum MHD_Result h_chunk(http_req *q)
 {
     ring *r = q->ctx;
     chunk_req *cq = q->ext;
+    size_t off = cq->piece * r->piece, len = chunk_len(r, recv_chunk(r, cq->k));
+    size_t m = len - off < r->piece ? len - off : r->piece;
+    const float *got = slot(r, cq->step, cq->k) + off;
+    int64_t bad = tensor_find_nonfinite(got, m);
+    if (bad >= 0)
+        return http_reply_error(q, MHD_HTTP_BAD_REQUEST,
+                                "the piece at offset %zu of ring step %d (global step %lld) holds %s at float %lld: "
+                                "pieces must be finite float32",
+                                off, cq->k, (long long)cq->step, isnan(got[bad]) ? "a NaN" : "an Inf",
+                                (long long)bad);
     pthread_mutex_lock(&r->mu);
     slot_steps(r, cq->step, cq->k)[cq->piece] = cq->step;
     pthread_cond_broadcast(&r->cv);
@@ -714,6 +741,13 @@ int ring_fetch_state(ring *r, int from, double wait_secs, void **body, size_t *l
     return rc;
 }
 
+void ring_expect_first_step(ring *r, int64_t step)
+{
+    pthread_mutex_lock(&r->mu);
+    r->first_step = step < 0 ? RING_STEP_UNKNOWN : step;
+    pthread_mutex_unlock(&r->mu);
+}
+
 void ring_set_info(ring *r, const ring_info *info)
 {
     pthread_mutex_lock(&r->mu);
@@ -791,6 +825,7 @@ static int new_basics(ring *r, const ring_options *o)
     r->n = o->n;
     r->rank = o->rank;
     r->cur_step = -1;
+    r->first_step = o->first_step < 0 ? RING_STEP_UNKNOWN : o->first_step;
     r->K = 2 * (o->n - 1);
     r->n_floats = o->n_floats;
     r->piece = o->piece_bytes / 4 ? o->piece_bytes / 4 : 1;

@@ -20,7 +20,11 @@
  *   POST /v1/ring/chunk?step=S&k=K&offset=O&from=R&n=N&floats=F
  *        one piece, raw little-endian float32; 204; 400/404/409/411/413 with
  *        {"error": ...} for a piece this worker does not expect (409 also for
- *        a step other than this worker's step - 1 (a resend), step or step + 1)
+ *        a step other than this worker's step - 1 (a resend), step or step + 1;
+ *        before its first all-reduce, other than that one's step or the next;
+ *        503, which the sender retries, while that step is not known yet:
+ *        ring_expect_first_step), 400 for a piece holding a NaN or an Inf
+ *        (not taken: the slot is not marked)
  *   GET  /v1/ring/state   what ring_publish set (the chief's parameters, a
  *        safetensors body); 503 until then
  *   GET  /v1/status, /healthz, and the monitoring page (/, /app.js, /style.css)
@@ -78,7 +82,15 @@ typedef struct ring_options {
                                  * ring_new: ring_tls_priorities_check); NULL:
                                  * TLS_PRIORITIES_DEFAULT */
     ring_tls_names tls_names;  /* what the messages call these settings (copied) */
+    /* The global step of the first all-reduce (pieces of it and of the next
+     * are taken before it begins, no other); RING_STEP_UNKNOWN: not known
+     * yet (a worker that fetches the chief's state): pieces are answered 503
+     * until ring_expect_first_step. 0 (the default) for a ring that counts
+     * from 0. */
+    int64_t first_step;
 } ring_options;
+
+#define RING_STEP_UNKNOWN (-1)
 
 /* 0 when prio can be the ring's GnuTLS priority string (tls_priorities): GnuTLS
  * takes it (tls_priorities_check) and it enables TLS 1.2 or 1.3, which the
@@ -99,6 +111,10 @@ void ring_free(ring *r);
  * others start). 0; -1 with err naming the peer (it died, or refused what we
  * sent, or its token: at once, no retry); -2 when abort() asked to stop. */
 int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen);
+
+/* The global step of the first all-reduce, once known (ring_options.first_step);
+ * no effect once one has begun. */
+void ring_expect_first_step(ring *r, int64_t step);
 
 /* Serve body at GET /v1/ring/state from now on (ring takes the malloc'd body). */
 void ring_publish(ring *r, void *body, size_t len);

@@ -3,14 +3,19 @@
 #include "ring/ring_ckpt.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "ckptdir.h"
 #include "crc32c.h"
 #include "safetensors.h"
+#include "tensor.h"
 
 static const char *const slot_names[OPTIM_KINDS][2] = {
     {NULL, NULL}, {"momentum", NULL}, {"adam_m", "adam_v"}, {"adagrad", NULL},
@@ -123,6 +128,59 @@ int ring_state_encode(const ring_state *s, void **out, size_t *len, char *err, s
     return 0;
 }
 
+/* The header's metadata against s's model and optimizer: 0; CKPT_EINVALID
+ * when it is not a ring state; CKPT_EOTHER when it is another model's or
+ * optimizer's (err says which). */
+static int check_meta(const st_file *f, const ring_state *s, char *err, size_t errlen)
+{
+    const model_layout *L = s->layout;
+    const char *fmt = st_meta_get(f, "format"), *opt = st_meta_get(f, "optimizer"),
+               *layers = st_meta_get(f, "layers"), *step_s = st_meta_get(f, "global_step"),
+               *crc_s = st_meta_get(f, "crc32c");
+    const char *model_s = st_meta_get(f, "model"), *shape_s = st_meta_get(f, "input_shape");
+    char mine[512], my_shape[64];
+    layers_string(L, mine, sizeof(mine));
+    model_shape_format(L->input, my_shape, sizeof(my_shape));
+    if (!fmt || strcmp(fmt, RING_CKPT_FORMAT) != 0 || !opt || !layers || !step_s || !crc_s) {
+        snprintf(err, errlen, "not a %s body (format, optimizer, layers, global_step or crc32c missing)",
+                 RING_CKPT_FORMAT);
+        return CKPT_EINVALID;
+    }
+    /* files written before the model had a spec carry layers alone */
+    if ((model_s && strcmp(model_s, L->spec) != 0) || (shape_s && strcmp(shape_s, my_shape) != 0)) {
+        snprintf(err, errlen, "it holds the model %.200s on %.32s inputs; this job: %.200s on %s", model_s ? model_s : "?",
+                 shape_s ? shape_s : "?", L->spec, my_shape);
+        return CKPT_EOTHER;
+    }
+    if (strcmp(layers, mine) != 0 || strcmp(opt, optim_name(s->optimizer)) != 0) {
+        snprintf(err, errlen, "it holds a %s model trained with %s; this job: %s with %s", layers, opt, mine,
+                 optim_name(s->optimizer));
+        return CKPT_EOTHER;
+    }
+    return 0;
+}
+
+/* The first NaN or Inf of s's buffers (params, then its optimizer's slots):
+ * 1 with err naming the tensor and element, or 0 when every float is finite. */
+static int find_nonfinite(const model_layout *L, optim_kind opt, const float *const bufs[3], char *err,
+                          size_t errlen)
+{
+    int ns = optim_slots(opt);
+    for (int j = 0; j <= ns; j++) {
+        int64_t bad = tensor_find_nonfinite(bufs[j], L->n_params);
+        if (bad < 0)
+            continue;
+        int t = 0;
+        while (t + 1 < L->n_tensors && (size_t)bad >= L->tensors[t + 1].offset)
+            t++;
+        snprintf(err, errlen, "%s%s%s[%lld] is %s", L->tensors[t].name, j ? ":" : "",
+                 j ? slot_names[opt][j - 1] : "", (long long)((size_t)bad - L->tensors[t].offset),
+                 isnan(bufs[j][bad]) ? "NaN" : "Inf");
+        return 1;
+    }
+    return 0;
+}
+
 int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, size_t errlen)
 {
     st_file f;
@@ -132,32 +190,12 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
         return CKPT_EINVALID;
     }
     const model_layout *L = s->layout;
-    int rc = CKPT_EINVALID, ns = optim_slots(s->optimizer);
-    const char *fmt = st_meta_get(&f, "format"), *opt = st_meta_get(&f, "optimizer"),
-               *layers = st_meta_get(&f, "layers"), *step_s = st_meta_get(&f, "global_step"),
-               *crc_s = st_meta_get(&f, "crc32c"), *workers_s = st_meta_get(&f, "workers");
-    const char *model_s = st_meta_get(&f, "model"), *shape_s = st_meta_get(&f, "input_shape");
-    char mine[512], my_shape[64];
-    layers_string(L, mine, sizeof(mine));
-    model_shape_format(L->input, my_shape, sizeof(my_shape));
-    if (!fmt || strcmp(fmt, RING_CKPT_FORMAT) != 0 || !opt || !layers || !step_s || !crc_s) {
-        snprintf(err, errlen, "not a %s body (format, optimizer, layers, global_step or crc32c missing)",
-                 RING_CKPT_FORMAT);
+    int rc, ns = optim_slots(s->optimizer);
+    const char *step_s = st_meta_get(&f, "global_step"), *crc_s = st_meta_get(&f, "crc32c"),
+               *workers_s = st_meta_get(&f, "workers");
+    if ((rc = check_meta(&f, s, err, errlen)) != 0)
         goto out;
-    }
-    /* files written before the model had a spec carry layers alone */
-    if ((model_s && strcmp(model_s, L->spec) != 0) || (shape_s && strcmp(shape_s, my_shape) != 0)) {
-        snprintf(err, errlen, "it holds the model %.200s on %.32s inputs; this job: %.200s on %s", model_s ? model_s : "?",
-                 shape_s ? shape_s : "?", L->spec, my_shape);
-        rc = CKPT_EOTHER;
-        goto out;
-    }
-    if (strcmp(layers, mine) != 0 || strcmp(opt, optim_name(s->optimizer)) != 0) {
-        snprintf(err, errlen, "it holds a %s model trained with %s; this job: %s with %s", layers, opt, mine,
-                 optim_name(s->optimizer));
-        rc = CKPT_EOTHER;
-        goto out;
-    }
+    rc = CKPT_EINVALID;
     const uint8_t *data = (const uint8_t *)buf + f.data_start;
     uint32_t crc = crc32c(data, f.data_len);
     char *end;
@@ -195,6 +233,12 @@ int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, siz
                 goto out;
             }
             at[j][t] = i;
+            /* a diverged state is no state to resume or train from */
+            int64_t bad = tensor_find_nonfinite((const float *)(data + f.tensors[i].begin), L->tensors[t].numel);
+            if (bad >= 0) {
+                snprintf(err, errlen, "tensor '%s' holds a non-finite value at element %lld", name, (long long)bad);
+                goto out;
+            }
         }
     for (int j = 0; j <= ns; j++)
         for (int t = 0; t < L->n_tensors; t++)
@@ -216,6 +260,15 @@ int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, 
         snprintf(err, errlen, "'%s': path too long", dir);
         return -1;
     }
+    /* never a checkpoint of a diverged state: it would push the last finite
+     * one out (pruning keeps the newest `keep`) */
+    const float *const bufs[3] = {s->params, s->slot0, s->slot1};
+    char why[200];
+    if (find_nonfinite(s->layout, s->optimizer, bufs, why, sizeof(why))) {
+        snprintf(err, errlen, "not writing '%s': %s at global step %lld (the older checkpoints are kept)", path, why,
+                 (long long)s->step);
+        return -1;
+    }
     plan *p = plan_new(s, 1, err, errlen);
     if (!p)
         return -1;
@@ -230,40 +283,121 @@ int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, 
     return 0;
 }
 
-static int read_all(const char *path, void **out, size_t *len)
+/* The largest header a ring checkpoint can have: its tensors (3 per
+ * variable at most) and metadata (the model's spec) take a few KiB. */
+#define RING_CKPT_HEADER_MAX ((uint64_t)1 << 20)
+
+/* pread all of len bytes at off; 0, or -1 with errno (EIO for a short file). */
+static int read_at(int fd, void *buf, size_t len, uint64_t off)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return -1;
-    char *b = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n == cap) {
-            cap = cap ? cap * 2 : 1 << 20;
-            char *q = realloc(b, cap);
-            if (!q) {
-                free(b);
-                fclose(f);
-                errno = ENOMEM;
-                return -1;
-            }
-            b = q;
+    size_t got = 0;
+    while (got < len) {
+        ssize_t k = pread(fd, (char *)buf + got, len - got, (off_t)(off + got));
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            if (k == 0)
+                errno = EIO;
+            return -1;
         }
-        size_t k = fread(b + n, 1, cap - n, f);
-        n += k;
-        if (k == 0)
-            break;
+        got += (size_t)k;
     }
-    int bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(b);
-        errno = EIO;
-        return -1;
+    return 0;
+}
+
+/* Read the checkpoint at path for s, bounded by what s's model needs: a
+ * regular file (opened without blocking: a FIFO is passed over), its prefix
+ * and header (at most RING_CKPT_HEADER_MAX) read and checked first, then the
+ * metadata (another model or optimizer: CKPT_EOTHER) and the data's size,
+ * exactly the model's and its slots' floats; only then the rest. 0 with *out
+ * (malloc'd, the whole file) and *len; CKPT_EINVALID, CKPT_EREAD or
+ * CKPT_EOTHER with err. */
+static int read_checkpoint(const char *path, const ring_state *s, void **out, size_t *len, char *err,
+                           size_t errlen)
+{
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        return CKPT_EREAD;
+    }
+    int rc = CKPT_EINVALID;
+    unsigned char *b = NULL;
+    st_file f = {0};
+    int parsed = 0;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "not a regular file");
+        goto out;
+    }
+    uint64_t size = (uint64_t)st.st_size, hl = 0;
+    unsigned char prefix[8] = {0};
+    char why[300];
+    if (size >= 8 && read_at(fd, prefix, 8, 0) != 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    if (st_read_prefix(prefix, size, &hl, why, sizeof(why)) != 0) {
+        snprintf(err, errlen, "%s (file is %llu bytes)", why, (unsigned long long)size);
+        goto out;
+    }
+    if (hl > RING_CKPT_HEADER_MAX) {
+        snprintf(err, errlen, "a header of %llu bytes (a ring checkpoint's is under %llu; file is %llu bytes)",
+                 (unsigned long long)hl, (unsigned long long)RING_CKPT_HEADER_MAX, (unsigned long long)size);
+        goto out;
+    }
+    if (!(b = malloc((size_t)hl))) {
+        snprintf(err, errlen, "out of memory for a header of %llu bytes", (unsigned long long)hl);
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    if (read_at(fd, b, (size_t)hl, 8) != 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    int pr = st_parse_header(b, hl, size - 8 - hl, &f, why, sizeof(why));
+    if (pr != 0) {
+        snprintf(err, errlen, "%s (file is %llu bytes)", why, (unsigned long long)size);
+        rc = pr == ST_ENOMEM ? CKPT_EREAD : CKPT_EINVALID;
+        goto out;
+    }
+    parsed = 1;
+    if ((rc = check_meta(&f, s, err, errlen)) != 0)
+        goto out;
+    rc = CKPT_EINVALID;
+    uint64_t want = (uint64_t)(optim_slots(s->optimizer) + 1) * s->layout->n_params * 4;
+    if (f.data_len != want) {
+        snprintf(err, errlen, "%llu data bytes; the model and its %s slots take %llu", (unsigned long long)f.data_len,
+                 optim_name(s->optimizer), (unsigned long long)want);
+        goto out;
+    }
+    free(b);
+    if (!(b = malloc((size_t)size))) {
+        snprintf(err, errlen, "out of memory for %llu bytes", (unsigned long long)size);
+        rc = CKPT_EREAD;
+        goto out;
+    }
+    if (read_at(fd, b, (size_t)size, 0) != 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        rc = CKPT_EREAD;
+        goto out;
     }
     *out = b;
-    *len = n;
-    return 0;
+    *len = (size_t)size;
+    b = NULL;
+    rc = 0;
+out:
+    if (parsed)
+        st_file_free(&f);
+    free(b);
+    close(fd);
+    return rc;
 }
 
 int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, char *err,
@@ -276,15 +410,14 @@ int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, ch
     int rc = 0;
     for (int i = 0; i < n; i++) {
         snprintf(path, cap, "%s", e[i].path);
-        void *b;
-        size_t len;
-        if (read_all(path, &b, &len) != 0) {
-            fprintf(stderr, "workerd: skipping checkpoint '%s': %s\n", path, strerror(errno));
-            continue;
-        }
+        void *b = NULL;
+        size_t len = 0;
         char e2[400];
-        int d = ring_state_decode(b, len, s, e2, sizeof(e2));
-        free(b);
+        int d = read_checkpoint(path, s, &b, &len, e2, sizeof(e2));
+        if (d == 0) {
+            d = ring_state_decode(b, len, s, e2, sizeof(e2));
+            free(b);
+        }
         if (d == 0) {
             rc = 1;
             break;

@@ -36,19 +36,25 @@ typedef struct ring_state {
 int ring_state_encode(const ring_state *s, void **out, size_t *len, char *err, size_t errlen);
 
 /* Check buf and copy it into s (layout and optimizer set by the caller; step
- * and workers filled). 0; CKPT_EINVALID when it is broken (err says how);
+ * and workers filled). 0; CKPT_EINVALID when it is broken (err says how: a
+ * NaN or Inf in any tensor is broken too);
  * CKPT_EOTHER when it is valid but of another model or optimizer (err says
  * which). s is unchanged unless 0. */
 int ring_state_decode(const void *buf, size_t len, ring_state *s, char *err, size_t errlen);
 
 /* Write s atomically to <dir>/model.ckpt-<step>.safetensors (creating dir),
  * then keep the newest `keep` up to this one (newer ones, not this run's,
- * are left). path receives the file's name. 0 or -1 with err. */
+ * are left). path receives the file's name. 0 or -1 with err; -1, nothing
+ * written and nothing pruned, when a parameter or slot is NaN or Inf (so the
+ * newest finite checkpoint is never pruned for a diverged one). */
 int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, size_t cap,
                     char *err, size_t errlen);
 
 /* Resume from the newest valid checkpoint in dir (ckptdir_list's order),
- * skipping (with a line on stderr) unreadable and broken ones. 1 restored
+ * skipping (with a line on stderr) unreadable and broken ones: what is not a
+ * regular file (a FIFO is opened without blocking), and a file whose prefix,
+ * header (1 MiB at most) or data size (exactly the model's and its slots'
+ * floats) does not fit, before its data is read. 1 restored
  * (path set), 0 none there, -1 error (a valid one of another model or
  * optimizer, or dir unreadable), with err. */
 int ring_ckpt_restore(const char *dir, ring_state *s, char *path, size_t cap, char *err,

@@ -26,6 +26,7 @@
 #include "crc32c.h"
 #include "workerd/progress.h"
 #include "ring/ring.h"
+#include "tensor.h"
 #include "tfevents.h"
 
 #define RING_START_SECS 120.0 /* the first exchange waits this long for everyone to start */
@@ -75,6 +76,7 @@ typedef struct ring_run {
     int64_t step, local, saved_step, rates_step;
     double t_saved, t_rates, t_comm;
     int stopped, broken;
+    int diverged; /* the parameters went non-finite: no checkpoint of them */
     int rc; /* the exit status when a step says leave */
 } ring_run;
 
@@ -104,7 +106,8 @@ static int join_ring(ring_run *rr)
                        .tls_cert = c->ring_tls_cert, .tls_key = c->ring_tls_key, .tls_ca = c->tls_ca,
                        .tls_priorities = c->ring_tls_priorities,
                        .tls_names = {.cert = "--ring_tls_cert", .key = "--ring_tls_key", .ca = "--tls_ca",
-                                     .priorities = "--ring_tls_priorities"}};
+                                     .priorities = "--ring_tls_priorities"},
+                       .first_step = RING_STEP_UNKNOWN /* the chief's state says */};
     rr->r = ring_new(&ro, err, sizeof(err));
     free(peers);
     if (!rr->r) {
@@ -222,6 +225,19 @@ static int compute(ring_run *rr)
         return -1;
     }
     rb->grads[c->layout.n_params] = (float)loss;
+    /* a diverged task says so here: its neighbour would refuse the piece (400) */
+    int64_t bad = tensor_find_nonfinite(rb->grads, c->layout.n_params + 1);
+    if (bad >= 0) {
+        progress_clear(&rb->bar);
+        fprintf(stderr,
+                "workerd: %s: this task's %s at global step %lld is non-finite (%s at float %lld): training "
+                "diverged (a lower --learning_rate?); stopping, nothing applied%s\n",
+                c->name, (size_t)bad == c->layout.n_params ? "loss" : "gradient", (long long)rr->step,
+                isnan(rb->grads[bad]) ? "NaN" : "Inf", (long long)bad,
+                ckpt_on(rr) ? " (the checkpoint of the last finite parameters is written now)" : "");
+        rr->broken = 1;
+        return -1;
+    }
     if (c->step_delay_ms > 0) /* test hook: a slow worker */
         sleep_ms(c->step_delay_ms);
     return 0;
@@ -249,6 +265,43 @@ static int reduce(ring_run *rr)
         return -1;
     }
     return 0;
+}
+
+/* The all-reduce's sum (the gradients and the loss) finite; else 1 after a
+ * message (every task got the same sum, so every task stops alike). */
+static int sum_nonfinite(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    size_t np = c->layout.n_params;
+    int64_t bad = tensor_find_nonfinite(rr->rb.grads, np + 1);
+    if (bad < 0)
+        return 0;
+    progress_clear(&rr->rb.bar);
+    fprintf(stderr,
+            "workerd: %s: the all-reduce at global step %lld summed a non-finite %s (%s at float %lld of %zu): "
+            "a task diverged or sent NaN/Inf; stopping, nothing applied%s\n",
+            c->name, (long long)rr->step, (size_t)bad == np ? "loss" : "gradient",
+            isnan(rr->rb.grads[bad]) ? "NaN" : "Inf", (long long)bad, np + 1,
+            ckpt_on(rr) ? " (the checkpoint of the last finite parameters is written now)" : "");
+    rr->broken = 1;
+    return 1;
+}
+
+/* The parameters after the update finite; else 1 after a message. */
+static int params_nonfinite(ring_run *rr)
+{
+    const train_config *c = rr->c;
+    int64_t bad = tensor_find_nonfinite(rr->rb.params, c->layout.n_params);
+    if (bad < 0)
+        return 0;
+    progress_clear(&rr->rb.bar);
+    fprintf(stderr,
+            "workerd: %s: the parameters went non-finite at global step %lld (%s at float %lld): training "
+            "diverged (a lower --learning_rate?); stopping%s\n",
+            c->name, (long long)rr->step + 1, isnan(rr->rb.params[bad]) ? "NaN" : "Inf", (long long)bad,
+            ckpt_on(rr) ? " (no checkpoint of them: the last finite one is kept)" : "");
+    rr->broken = rr->diverged = 1;
+    return 1;
 }
 
 /* After the update: the counters, the status, the events, the log and the
@@ -294,7 +347,7 @@ static int ring_step(ring_run *rr)
         rr->stopped = 1;
         return -1;
     }
-    if (compute(rr) != 0 || reduce(rr) != 0)
+    if (compute(rr) != 0 || reduce(rr) != 0 || sum_nonfinite(rr))
         return -1;
     /* the next batch now, on its way to the device during the update;
      * after the all-reduce, not before, so as not to delay the ring */
@@ -306,6 +359,8 @@ static int ring_step(ring_run *rr)
     /* every variable, as the ps applies them: the average of the N gradients */
     float scale = 1.0f / (float)rr->n;
     role_bufs_apply(rb, scale, rr->step);
+    if (params_nonfinite(rr))
+        return -1;
     account(rr, (double)rb->grads[c->layout.n_params] / rr->n);
     return 0;
 }
@@ -322,7 +377,7 @@ static int ring_end(ring_run *rr)
     if (rr->tb && step > rr->rates_step) /* the rates since the last point, at the last step */
         write_rates(rr->tb, c, rr->n, step, step - rr->rates_step, clk_mono_secs() - rr->t_rates);
     rr->st.step = step;
-    if (ckpt_on(rr) && step != rr->saved_step && step > 0)
+    if (ckpt_on(rr) && step != rr->saved_step && step > 0 && !rr->diverged)
         save(c, rr->r, &rr->st);
     double secs = clk_mono_secs() - rr->rb.t_start;
     uint64_t sent = ring_bytes_sent(rr->r);
@@ -365,6 +420,8 @@ int train_ring(const train_config *c)
     if (join_ring(&rr) != 0 || (rr.chief ? chief_start(&rr) : fetch_start(&rr)) != 0)
         goto out;
     rr.step = rr.st.step;
+    /* pieces of the first all-reduce (or the next) from now on; until now 503 */
+    ring_expect_first_step(rr.r, rr.step);
     ring_set_progress(rr.r, rr.step, NAN);
     open_events(&rr);
     printf("%s: training ring all-reduce, %s, %d tasks, batch %d, from global step %lld until %lld; "

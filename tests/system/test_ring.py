@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, binary, curl, http
-from procs import finish
+from procs import finish, kill_all
 from test_train import DATA, cluster, free_port, load_model, needs_data, run  # noqa: F401 (fixture)
 
 ASAN = "asan" in BIN
@@ -145,7 +145,8 @@ def test_the_ring_endpoint_refuses_bad_pieces(procs):
         if st != 204:
             break
         time.sleep(0.05)
-    assert st == 409 and b"global step 5, but this worker is at global step 0" in out, (st, out)
+    assert st == 409 and re.search(rb"global step 5, but this worker(?: is at|'s first all-reduce is) global step 0",
+                                   out), (st, out)
     st, _, out = http("POST", base + "/v1/ring/chunk?step=1&k=0&offset=0&from=1&n=2&floats=10", body)
     assert st == 204, out  # the next step is welcome
     assert p.poll() is None, "a bad request stopped the worker"
@@ -1073,3 +1074,146 @@ def test_a_neighbour_that_hangs_up_on_some_handshakes_is_retried_not_taken_for_a
     # which probe came when: the TLS version each answer agreed
     assert fakes["A"].log[2] == ("answer", "TLSv1.2"), fakes["A"].log
     assert fakes["B"].log[3:5] == [("answer", "TLSv1.3"), ("answer", "TLSv1.2")], fakes["B"].log
+
+
+# --- issue 37: NaN pieces, steps before the first all-reduce, hostile restore candidates ---
+
+def chunk_query(step, n_floats, k=0, offset=0, frm=1, n=2):
+    return f"/v1/ring/chunk?step={step}&k={k}&offset={offset}&from={frm}&n={n}&floats={n_floats}"
+
+
+def test_the_ring_endpoint_refuses_non_finite_pieces_as_psd_refuses_pushes(procs):
+    """An open ring (no --auth_token_file) took NaN and Inf pieces with 204,
+    so one request poisoned every replica; now 400 with the JSON error, the
+    slot left unmarked, and the finite piece is still taken after."""
+    h = hosts(2)
+    base = "http://" + h.split(",")[0]
+    p = procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10",
+                     "--piece_bytes=8", "--timeout_secs=30"])
+    wait_healthz(base)
+    for bad in ([np.nan, 1.0], [1.0, np.inf], [-np.inf, 0.0]):
+        st, hd, out = http("POST", base + chunk_query(0, 10), np.array(bad, dtype="<f4").tobytes())
+        assert st == 400, (bad, st, out)
+        assert hd["content-type"] == "application/json", hd
+        err = json.loads(out)["error"]
+        assert "finite float32" in err and ("a NaN" in err or "an Inf" in err), err
+    st, _, out = http("POST", base + chunk_query(0, 10), np.array([1.0, 2.0], dtype="<f4").tobytes())
+    assert st == 204, out
+    assert p.poll() is None
+
+
+@needs_data
+def test_a_ring_task_takes_only_its_first_steps_pieces_before_its_first_all_reduce(procs, tmp_path):
+    """Before its first all-reduce a task took a piece of any global step
+    (step=1000000: 204) into the slot the chief's piece goes to. Now, once it
+    knows its first step, it takes that one and the next (409 otherwise),
+    and while it does not (a worker fetching the chief's state) it answers
+    503, which a sender retries."""
+    n_floats = MODEL_FLOATS + 1
+    body = np.ones(2, dtype="<f4").tobytes()  # --ring_piece_bytes=8
+    h = hosts(2)
+    common = [binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", f"--data_dir={DATA}",
+              "--ring_piece_bytes=8", "--train_steps=5", "--log_every=0"]
+    # worker 1 alone: waiting for the chief's state
+    w = procs.start(common + ["--task_index=1", "--logdir="])
+    base1 = "http://" + h.split(",")[1]
+    wait_healthz(base1)
+    st, hd, out = http("POST", base1 + chunk_query(1000000, n_floats, frm=0), body)
+    assert st == 503 and "does not know its first global step" in json.loads(out)["error"], (st, out)
+    kill_all([w])
+    # the chief alone, in its first step (--step_delay_ms: between its first
+    # gradient and its first all-reduce): first step 0
+    c = procs.start(common + ["--task_index=0", f"--logdir={tmp_path}/ck", "--step_delay_ms=4000"])
+    base0 = "http://" + h.split(",")[0]
+    wait_healthz(base0)
+    deadline = time.time() + 30
+    while time.time() < deadline:  # until it knows its first step
+        st, _, out = http("POST", base0 + chunk_query(1000000, n_floats), body)
+        if st != 503:
+            break
+        time.sleep(0.05)
+    assert st == 409, (st, out)
+    assert "global step 1000000, but this worker's first all-reduce is global step 0" in \
+        json.loads(out)["error"], out
+    for step in (0, 1):
+        st, _, out = http("POST", base0 + chunk_query(step, n_floats), body)
+        assert st == 204, (step, st, out)
+    st, _, out = http("POST", base0 + chunk_query(2, n_floats), body)
+    assert st == 409, (st, out)
+    assert c.poll() is None
+    kill_all([c])
+
+
+def ckpt_files(d):
+    return sorted(f for f in os.listdir(d) if f.startswith("model.ckpt-") and f.endswith(".safetensors"))
+
+
+@needs_data
+@pytest.mark.skipif(ASAN, reason="two ring jobs of 2 tasks; the sanitizer build covers the checks in the "
+                                 "endpoint and restore tests")
+def test_a_diverging_ring_stops_loudly_and_keeps_its_last_finite_checkpoint(procs, tmp_path):
+    """A ring whose parameters went NaN trained on to exit 0 with a NaN
+    export, wrote NaN checkpoints each --save_checkpoint_secs and pruned the
+    last finite one. Now every task stops with a message and exit 1, no
+    checkpoint of non-finite parameters is written, the finite one stays."""
+    args = ["--optimizer=sgd", "--batch_size=20", "--seed=3", "--log_every=0", "--hidden_units=10"]
+    _, _, ps = ring_job(procs, 2, args + ["--learning_rate=0.05", "--train_steps=3"], tmp_path, "div")
+    for rc, out in [finish(p) for p in ps]:
+        assert rc == 0, out[-3000:]
+    logdir = tmp_path / "div-logs"
+    assert ckpt_files(logdir) == ["model.ckpt-3.safetensors"]
+    os.remove(tmp_path / "div.safetensors")
+    _, export, ps = ring_job(procs, 2, args + ["--learning_rate=1e30", "--train_steps=40", "--step_delay_ms=200",
+                                               "--save_checkpoint_secs=1", "--ring_timeout_secs=5"],
+                             tmp_path, "div")
+    outs = [finish(p) for p in ps]
+    for rc, out in outs:
+        assert rc == 1, out[-3000:]
+        # its own gradient, or its neighbour's piece (refused: 400)
+        assert re.search(r"(is non-finite|holds a NaN|holds an Inf).*stopping", out), out[-3000:]
+    assert not os.path.exists(export), "a diverged model was exported"
+    files = ckpt_files(logdir)
+    assert "model.ckpt-3.safetensors" in files, files
+    for f in files:
+        m, _ = load_model(str(logdir / f))
+        assert all(np.isfinite(v).all() for v in m.values()), f
+
+
+@needs_data
+def test_the_chief_passes_over_a_fifo_and_a_huge_junk_file_quickly_with_bounded_memory(procs, tmp_path):
+    """The chief fopen'ed every restore candidate and read it whole: a 1 GiB
+    junk file named like a checkpoint cost 1 GiB of RSS, a FIFO blocked it
+    for good. Now only regular files, prefix and header first."""
+    import threading
+    h = hosts(1)
+    ck = tmp_path / "ck"
+    argv = [binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", "--task_index=0", f"--data_dir={DATA}",
+            f"--logdir={ck}", "--batch_size=20", "--seed=3", "--log_every=0", "--hidden_units=10",
+            "--optimizer=momentum"]
+    rc, out = finish(procs.start(argv + ["--train_steps=2"]))
+    assert rc == 0 and (ck / "model.ckpt-2.safetensors").exists(), out
+    with open(ck / "model.ckpt-300.safetensors", "wb") as f:  # sparse: no disk used
+        f.truncate(1 << 30)
+    good = (ck / "model.ckpt-2.safetensors").read_bytes()
+    with open(ck / "model.ckpt-250.safetensors", "wb") as f:  # a real header, then 1 GiB more
+        f.write(good)
+        f.truncate(1 << 30)
+    os.mkfifo(ck / "model.ckpt-200.safetensors")
+    p = procs.start(argv + ["--train_steps=3"])
+    killer = threading.Timer(60, p.kill)
+    killer.start()
+    t0 = time.time()
+    out = p.stdout.read().decode(errors="replace")
+    _, status, ru = os.wait4(p.pid, 0)
+    took = time.time() - t0
+    killer.cancel()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    assert p.returncode == 0, out[-3000:]
+    peak_mib = ru.ru_maxrss / 1024
+    print(f"restored past a FIFO and two 1 GiB files in {took:.1f} s, peak RSS {peak_mib:.0f} MiB")
+    assert "restored global step 2 from" in out, out
+    assert re.search(r"skipping checkpoint '[^']*model\.ckpt-200\.safetensors': not a regular file", out), out
+    assert re.search(r"skipping checkpoint '[^']*model\.ckpt-300\.safetensors': safetensors: header length 0", out), out
+    assert re.search(r"skipping checkpoint '[^']*model\.ckpt-250\.safetensors': .*file is 1073741824 bytes", out), out
+    assert took < 30, took
+    assert peak_mib < 700, peak_mib
