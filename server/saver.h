@@ -1,7 +1,10 @@
 /* saver.h - the ps task's checkpoints over time, as tf.train.Supervisor's
  * saver: restore the newest valid checkpoint at start, save every
  * --save_checkpoint_secs when something changed, on request (POST
- * /v1/checkpoint) and at a clean stop; keep the newest --keep_checkpoints.
+ * /v1/checkpoint) and at a clean stop; keep the newest --keep_checkpoints
+ * of this task's own (regular files whose header says this ps task, this
+ * cluster shape: ckpt_owned), never the one just written, and leave
+ * whatever else the folder holds alone (said once in the log).
  *
  * A save takes its snapshot under the store's read lock (references to the
  * variables, a copy of the optimizer state) and writes the file outside it,
@@ -39,7 +42,10 @@ void saver_free(saver *sv); /* stops the thread first */
 /* At start, before serving: remove leftover temp files, restore the newest
  * checkpoint that validates into the store, set aside (rename to *.invalid)
  * the newer ones that do not, logging which file was used and why the
- * others were passed over. 1 restored, 0 nothing to restore. */
+ * others were passed over (another task's or cluster's, and what is not a
+ * regular file, are left where they are; a FIFO is never opened in a way
+ * that blocks). A folder that cannot be made or written is logged, and psd
+ * serves anyway. 1 restored, 0 nothing to restore. */
 int saver_restore(saver *sv);
 
 /* Start the saver's thread (periodic saves when interval_secs > 0, and the
