@@ -121,21 +121,42 @@ static enum MHD_Result framing_field(void *cls, enum MHD_ValueKind kind, const c
 }
 
 /* The spans of the request head that libmicrohttpd parsed out of its read
- * buffer (it cuts the head in place, writing NULs), for head_hides_bytes. */
+ * buffer (it cuts the head in place, writing NULs), for head_hides_bytes;
+ * and the NULs it wrote there that a parsed string accounts for. */
 struct cover {
     const char *head;
     size_t size;
-    unsigned char *covered;
+    unsigned char *covered; /* 1: a parsed string's byte; 2: a NUL accounted for */
 };
+
+static int in_head(const struct cover *cv, const char *s)
+{
+    return s && s >= cv->head && s < cv->head + cv->size;
+}
 
 static void cover(struct cover *cv, const char *s, size_t n)
 {
-    if (!s || s < cv->head || s >= cv->head + cv->size)
+    if (!in_head(cv, s))
         return;
     size_t off = (size_t)(s - cv->head);
     if (n > cv->size - off)
         n = cv->size - off;
     memset(cv->covered + off, 1, n);
+}
+
+/* The NUL that ends s (n bytes; past what an escape freed, which is
+ * covered), and with line_end the next one too (a CRLF is two NULs), are
+ * accounted for. */
+static void account_end(struct cover *cv, const char *s, size_t n, int line_end)
+{
+    if (!in_head(cv, s))
+        return;
+    size_t i = (size_t)(s - cv->head) + n;
+    while (i < cv->size && cv->covered[i] == 1)
+        i++;
+    for (int k = 0; k < 1 + !!line_end && i < cv->size; k++, i++)
+        if (!cv->head[i] && !cv->covered[i])
+            cv->covered[i] = 2;
 }
 
 static enum MHD_Result cover_field(void *cls, enum MHD_ValueKind kind, const char *key,
@@ -147,10 +168,57 @@ static enum MHD_Result cover_field(void *cls, enum MHD_ValueKind kind, const cha
     return MHD_YES;
 }
 
+static enum MHD_Result account_field(void *cls, enum MHD_ValueKind kind, const char *key,
+                                     size_t key_size, const char *value, size_t value_size)
+{
+    /* a header's name ends at its ':', its value at its line's end; a query
+     * argument's name at its '=' or '&', its value at its '&' or the space
+     * before the version */
+    account_end(cls, key, key_size, 0);
+    account_end(cls, value, value_size, kind == MHD_HEADER_KIND);
+    return MHD_YES;
+}
+
+#define UNESCAPED_KEY "restps-unescaped"
+#define URI_END_KEY "restps-uri-end"
+
+/* The bytes an escape freed in a URL piece (http_unescape: NULs from the
+ * piece's new end up to end, its old one), covered. */
+static enum MHD_Result cover_freed(void *cls, enum MHD_ValueKind kind, const char *key,
+                                   size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind;
+    (void)key_size;
+    (void)value_size;
+    struct cover *cv = cls;
+    if (strcmp(key, UNESCAPED_KEY) != 0 || !in_head(cv, value))
+        return MHD_YES;
+    for (size_t i = (size_t)(value - cv->head); i > 0 && !cv->head[i - 1] && !cv->covered[i - 1]; i--)
+        cv->covered[i - 1] = 1;
+    return MHD_YES;
+}
+
+void endpoint_note_unescaped(struct MHD_Connection *c, const char *old_end)
+{
+    /* the value is the NUL at old_end itself (""), kept where it lies; a
+     * note that finds no room leaves those NULs unaccounted: refused */
+    if (c)
+        MHD_set_connection_value(c, MHD_FOOTER_KIND, UNESCAPED_KEY, old_end);
+}
+
 /* 1 when the head holds a byte that no parsed string covers and that is not
  * a separator: what followed a NUL libmicrohttpd read a string up to, or a
- * folded line it dropped. A URL piece decoded in place must leave NULs
- * where its escapes shrank (psd's unescape callback does). */
+ * folded line it dropped; or a NUL that is not one libmicrohttpd wrote: it
+ * ends each string it parses with one, written over the separator after it
+ * (the space after the method, the '?', '=' and '&' of the query, the space
+ * before the version, a header's ':', a line's CR and LF), so a NUL the
+ * client sent just before a separator reads as a string's end and a second
+ * NUL follows it. Each parsed string accounts for the NUL after it (a line's
+ * last, the version and a header's value, for two: CR LF), the end of the
+ * head for the empty line's two; the target's end as it was before the query
+ * was cut (endpoint_uri_guard notes it: "/w? HTTP/1.1" and "/w\0 HTTP/1.1"
+ * look alike after); what escapes freed (http_unescape notes it). A NUL
+ * before a bare LF looks like a CR and is not seen. */
 static int head_hides_bytes(struct MHD_Connection *c, const char *method, const char *url,
                             const char *version)
 {
@@ -171,10 +239,22 @@ static int head_hides_bytes(struct MHD_Connection *c, const char *method, const 
     cover(&cv, version, strlen(version));
     MHD_get_connection_values_n(c, MHD_HEADER_KIND, cover_field, &cv);
     MHD_get_connection_values_n(c, MHD_GET_ARGUMENT_KIND, cover_field, &cv);
+    MHD_get_connection_values_n(c, MHD_FOOTER_KIND, cover_freed, &cv);
+    account_end(&cv, method, strlen(method), 0);
+    account_end(&cv, url, strlen(url), 0);
+    account_end(&cv, version, strlen(version), 1);
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, account_field, &cv);
+    MHD_get_connection_values_n(c, MHD_GET_ARGUMENT_KIND, account_field, &cv);
+    const char *uri_end = MHD_lookup_connection_value(c, MHD_FOOTER_KIND, URI_END_KEY);
+    if (in_head(&cv, uri_end) && !*uri_end && !cv.covered[uri_end - method])
+        cv.covered[uri_end - method] = 2;
+    for (size_t i = size >= 2 ? size - 2 : 0; i < size; i++)
+        if (!method[i] && !cv.covered[i])
+            cv.covered[i] = 2;
     int hidden = 0;
     for (size_t i = 0; i < size && !hidden; i++) {
         unsigned char b = (unsigned char)method[i];
-        if (!cv.covered[i] && b && !strchr(" \t\r\n:?&=", b))
+        if (!cv.covered[i] && (b ? !strchr(" \t\r\n:?&=", b) : 1))
             hidden = 1;
     }
     free(cv.covered);
@@ -191,6 +271,8 @@ static const char uri_too_many[] = "the query has over " STR(ENDPOINT_QUERY_ARGS
 void *endpoint_uri_guard(void *cls, const char *uri, struct MHD_Connection *c)
 {
     (void)cls;
+    if (!uri)
+        return NULL;
     size_t n = 0, args = 0;
     const char *q = NULL;
     for (const char *p = uri; *p; p++, n++)
@@ -198,6 +280,10 @@ void *endpoint_uri_guard(void *cls, const char *uri, struct MHD_Connection *c)
             q = p;
         else if (*p == '&' && q)
             args++;
+    /* where the target ends before libmicrohttpd cuts its query off: the
+     * NUL it wrote over the space before the version, unless the target
+     * holds a NUL (head_hides_bytes) */
+    MHD_set_connection_value(c, MHD_FOOTER_KIND, URI_END_KEY, uri + n);
     const char *why = n > ENDPOINT_URI_MAX ? uri_too_long : args >= ENDPOINT_QUERY_ARGS_MAX ? uri_too_many : NULL;
     if (!why)
         return NULL;

@@ -67,6 +67,11 @@ unsigned endpoint_check_framing(struct MHD_Connection *c, const char *method, co
 #define ENDPOINT_QUERY_ARGS_MAX 256
 void *endpoint_uri_guard(void *cls, const char *uri, struct MHD_Connection *c);
 
+/* For an unescape callback (http_unescape): a URL piece that ended at
+ * old_end (its NUL) was decoded shorter, the bytes it freed made NULs, which
+ * endpoint_check_framing then knows for libmicrohttpd's. c NULL: nothing. */
+void endpoint_note_unescaped(struct MHD_Connection *c, const char *old_end);
+
 /* Answer {"error": msg} with status and Connection: close, so that nothing
  * the client sent after this request's head is read as another request. */
 enum MHD_Result endpoint_reply_close(struct MHD_Connection *c, unsigned status, const char *msg);

@@ -823,7 +823,6 @@ static int hexval(char c)
 size_t http_unescape(void *cls, struct MHD_Connection *conn, char *s)
 {
     (void)cls;
-    (void)conn;
     /* %XX decoding, except %00: a NUL would cut the string short (and a name
      * "w%00zz" would reach "w"); left as it is, the '%' makes it invalid. */
     char *w = s;
@@ -840,5 +839,7 @@ size_t http_unescape(void *cls, struct MHD_Connection *conn, char *s)
     /* what the escapes freed is NULs, not stale bytes: the framing check
      * refuses a head holding bytes no parsed string covers */
     memset(w, 0, (size_t)(r - w) + 1);
+    if (r != w) /* the framing check accounts for those NULs */
+        endpoint_note_unescaped(conn, r);
     return (size_t)(w - s);
 }

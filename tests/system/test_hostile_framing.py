@@ -133,3 +133,53 @@ def test_pull_query_integer_out_of_range_is_refused(psd, key):
     st, hd, resp = http("GET", f"{psd.url}/v1/params?worker=0&{key}=9223372036854775807&timeout_ms=0")
     assert_error(st, hd, resp, 400, key)
     assert_unchanged(psd, before)
+
+
+# A NUL just before a separator (issue 37): libmicrohttpd cuts the head in
+# place, writing a NUL over each separator, so a NUL the client sent right
+# before a space, the query's '?', a CRLF or the end of the head read as a
+# string's end; the check skipped every NUL and answered 200.
+NUL_HEADS = {
+    "path-before-space": b"GET /v1/vars/w\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+    "path-before-query": b"GET /v1/vars/w\x00?format=json HTTP/1.1\r\nHost: x\r\n\r\n",
+    "query-before-space": b"GET /v1/vars/w?format=json\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+    "version-before-crlf": b"GET /v1/vars/w HTTP/1.1\x00\r\nHost: x\r\n\r\n",
+    "value-before-crlf": b"GET /v1/vars/w HTTP/1.1\r\nHost: x\x00\r\n\r\n",
+    "value-end-of-head": b"GET /v1/vars/w HTTP/1.1\r\nHost: x\r\nX-A: b\x00\r\n\r\n",
+    "empty-value": b"GET /v1/vars/w HTTP/1.1\r\nHost: x\r\nX-A:\x00\r\n\r\n",
+    "method-before-space": b"GET\x00 /v1/vars/w HTTP/1.1\r\nHost: x\r\n\r\n",
+    "escaped-path": b"GET /v1/vars/%77\x00 HTTP/1.1\r\nHost: x\r\n\r\n",
+}
+
+# what they must not be confused with: the same heads without the NUL
+FINE_HEADS = {
+    "empty-query": b"GET /v1/vars/w? HTTP/1.1\r\nHost: x\r\n\r\n",
+    "query": b"GET /v1/vars/w?offset=0&x=&y&&count=1& HTTP/1.1\r\nHost: x\r\n\r\n",
+    "escapes": b"GET /v1/vars/%77?offs%65t=%30&c%6funt=1 HTTP/1.1\r\nHost: x\r\n\r\n",
+    "empty-value": b"GET /v1/vars/w HTTP/1.1\r\nHost: x\r\nX-A:\r\nX-B: \t\r\n\r\n",
+    "spaces": b"GET /v1/vars/w HTTP/1.1\r\nHost:   x  \r\n\r\n",
+}
+
+
+@pytest.fixture
+def psd_w(psd):
+    st, _, _ = http("PUT", psd.url + "/v1/vars/w", body=b"\x00\x00\x80?",
+                    headers={"X-Shape": "1", "X-Dtype": "float32"})
+    assert st == 201
+    return psd
+
+
+@pytest.mark.parametrize("raw", NUL_HEADS.values(), ids=NUL_HEADS.keys())
+def test_nul_before_a_separator_is_refused_and_closes(psd_w, raw):
+    got, closed = answers(psd_w.port, raw, timeout=3)
+    assert [st for st, _ in got] == [400], got
+    assert closed, "the connection was left open after the refusal"
+
+
+@pytest.mark.parametrize("raw", FINE_HEADS.values(), ids=FINE_HEADS.keys())
+def test_heads_like_them_without_a_nul_are_served(psd_w, raw):
+    s = connect(psd_w.port)
+    s.sendall(raw)
+    st, _, body = read_response(s, timeout=3)
+    s.close()
+    assert st == 200, body

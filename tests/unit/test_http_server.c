@@ -15,6 +15,9 @@
 #include <cmocka.h>
 #include <curl/curl.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
 
 #include "http_server.h"
 
@@ -348,6 +351,79 @@ static void test_escapes_decode_in_a_name_but_percent_00_stays(void **state)
     assert_string_equal(json_str(r.body, "name", v, sizeof(v)), "w%00zz");
 }
 
+/* ---- raw heads ---- */
+
+/* The status of the answer to raw (len bytes) on a new connection, and in
+ * *closed whether the server then closed it; 0 when no answer came. */
+static int raw_status(const char *raw, size_t len, int *closed)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons((uint16_t)port);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    assert_int_equal(send(fd, raw, len, MSG_NOSIGNAL), (ssize_t)len);
+    char buf[4096];
+    size_t got = 0;
+    ssize_t n;
+    *closed = 0;
+    while (got < sizeof(buf) - 1 && (n = recv(fd, buf + got, sizeof(buf) - 1 - got, 0)) > 0)
+        got += (size_t)n;
+    *closed = n == 0;
+    close(fd);
+    buf[got] = '\0';
+    int st = 0;
+    return sscanf(buf, "HTTP/1.%*d %d", &st) == 1 ? st : 0;
+}
+
+#define RAW(s) s, sizeof(s) - 1
+
+/* issue 37: libmicrohttpd writes a NUL over each separator it cuts the head
+ * at, so a NUL the client sent just before a space or a CRLF read as a
+ * string's end (200); a NUL anywhere in a head is 400, and the connection
+ * closes. The same heads without the NUL are served. */
+static void test_a_nul_before_a_separator_is_refused(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *raw;
+        size_t len;
+    } bad[] = {
+        {RAW("GET /b/w\0 HTTP/1.1\r\nHost: x\r\n\r\n")},
+        {RAW("GET /b/w\0?v=1 HTTP/1.1\r\nHost: x\r\n\r\n")},
+        {RAW("GET /b/w?v=1\0 HTTP/1.1\r\nHost: x\r\n\r\n")},
+        {RAW("GET /b/%77\0 HTTP/1.1\r\nHost: x\r\n\r\n")},
+        {RAW("GET /b/w HTTP/1.1\r\nHost: x\0\r\n\r\n")},
+        {RAW("GET /b/w HTTP/1.1\r\nHost: x\r\nX-A: b\0\r\n\r\n")},
+        {RAW("GET /b/w HTTP/1.1\r\nHost: x\r\nX-A:\0\r\n\r\n")},
+        {RAW("GET\0 /b/w HTTP/1.1\r\nHost: x\r\n\r\n")},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int closed;
+        int st = raw_status(bad[i].raw, bad[i].len, &closed);
+        if (st != 400 || !closed)
+            fail_msg("head %zu: %d%s", i, st, closed ? "" : ", left open");
+    }
+    static const char *const fine[] = {
+        "GET /b/w HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET /b/w? HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET /b/w?v=1&x=&y&&z=2& HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET /b/%77%78?%76=%31 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "GET /b/w HTTP/1.1\r\nHost:   x \t\r\nX-A:\r\nConnection: close\r\n\r\n",
+        "GET /b/w HTTP/1.1\nHost: x\nConnection: close\n\n",
+    };
+    for (size_t i = 0; i < sizeof(fine) / sizeof(fine[0]); i++) {
+        int closed;
+        int st = raw_status(fine[i], strlen(fine[i]), &closed);
+        if (st != 200)
+            fail_msg("fine head %zu: %d", i, st);
+    }
+}
+
 int main(void)
 {
     curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -359,6 +435,7 @@ int main(void)
         cmocka_unit_test(test_a_body_into_a_callers_buffer_must_be_whole),
         cmocka_unit_test(test_query_int_is_digits_only_and_range_checked),
         cmocka_unit_test(test_escapes_decode_in_a_name_but_percent_00_stays),
+        cmocka_unit_test(test_a_nul_before_a_separator_is_refused),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
     curl_global_cleanup();
