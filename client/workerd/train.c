@@ -196,10 +196,20 @@ static int ps_failed(worker *w, int prc, const char *what)
     return LEAVE;
 }
 
+/* 1 when a shard that came back came back without the model's variables. */
+static int came_back_empty(const shards *sh)
+{
+    for (int i = 0; i < sh->n; i++)
+        if (sh->s[i].back == 2)
+            return 1;
+    return 0;
+}
+
 /* A pull found shards that came back empty or behind this task (they
  * restarted with no checkpoint, or an older one): the chief puts back what
  * it pulled last from them; the others wait (polling) until the ps is
- * caught up, or, after a while with no change, go on from it. */
+ * caught up, or, after a while with no change, go on from it (in async and
+ * stale-synchronous mode at once, unless a shard is empty). */
 static int ps_came_back(worker *w)
 {
     const train_config *c = w->c;
@@ -213,6 +223,24 @@ static int ps_came_back(worker *w)
                 }
                 return LEAVE;
             }
+        shards_rewind(sh);
+        return PULL_AGAIN;
+    }
+    if (!c->sync && !came_back_empty(sh)) {
+        /* async and stale-synchronous: a push applies to whatever the ps
+         * holds, so there is nothing to wait for (and the bound of
+         * --staleness would hold the chief back while this task waited): go
+         * on from the ps as it is; the chief's put-back raises it again */
+        for (int i = 0; i < sh->n; i++)
+            if (sh->s[i].back) {
+                printf("%s: ps %d came back behind the workers (global step %lld, this task's %lld): going on "
+                       "from there (the chief puts back what it holds)\n",
+                       c->name, i, (long long)sh->s[i].back_step, (long long)sh->s[i].step);
+                sh->s[i].step = sh->s[i].back_step;
+                sh->s[i].back = 0;
+            }
+        fflush(stdout);
+        sh->n_back = 0;
         shards_rewind(sh);
         return PULL_AGAIN;
     }
