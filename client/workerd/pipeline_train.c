@@ -719,8 +719,8 @@ static int pull_params(stage_train *t, int64_t step, double wait)
     int64_t got;
     int e = pipe_ps_pull(&t->pps, t->params, step, wait, stop_or_send_failed, &got, err, sizeof(err));
     t->r.st.idle_secs += clk_mono_secs() - t0;
-    if (e == -2)
-        return 2;
+    if (e == -2) /* a signal, or a queued send that failed (a neighbour died): say which */
+        return stopped_why(t->c, t->link, t->s, t->K);
     if (e) {
         char who[512];
         pipe_ps_missing(&t->pps, t->poff, t->pn, t->K, t->R, step, who, sizeof(who));
