@@ -4,54 +4,195 @@
 #include "workerd/train.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "safetensors.h"
 #include "shards/shards.h"
 
-int train_evaluate_file(const train_config *c, const char *path)
+/* The largest header a model file can have: the model's tensors (at most
+ * MODEL_MAX_TENSORS), a checkpoint's slots and moving averages beside them,
+ * and the metadata (the spec; a psd checkpoint's config, variables and
+ * checksums) take tens of KiB. */
+#define MODEL_FILE_HEADER_MAX ((uint64_t)1 << 20)
+
+/* pread all of len bytes at off; 0, or -1 with errno (EIO for a short file). */
+static int read_at(int fd, void *buf, size_t len, uint64_t off)
 {
-    char err[512];
-    FILE *fp = fopen(path, "rb");
-    if (!fp) {
+    size_t got = 0;
+    while (got < len) {
+        ssize_t k = pread(fd, (char *)buf + got, len - got, (off_t)(off + got));
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0) {
+            if (k == 0)
+                errno = EIO;
+            return -1;
+        }
+        got += (size_t)k;
+    }
+    return 0;
+}
+
+/* Open path, a regular file (opened without blocking: a FIFO or a device is
+ * refused, not waited on), and read its prefix and header into *f, checked
+ * against the file's size and MODEL_FILE_HEADER_MAX before the header is read.
+ * No data is read. 0 with *fd, or the exit status (2 a bad file, 1 out of
+ * memory) with the message printed. */
+static int open_model_file(const char *path, int *fdp, st_file *f)
+{
+    char why[300];
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
         fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
         return 2;
     }
-    unsigned char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len == cap) {
-            cap = cap ? 2 * cap : (size_t)1 << 20;
-            unsigned char *nb = realloc(buf, cap);
-            if (!nb) {
-                fclose(fp);
-                free(buf);
-                fprintf(stderr, "workerd: --evaluate_model=%s: out of memory\n", path);
-                return 1;
-            }
-            buf = nb;
-        }
-        size_t got = fread(buf + len, 1, cap - len, fp);
-        len += got;
-        if (got == 0)
-            break;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        close(fd);
+        return 2;
     }
-    fclose(fp);
+    if (!S_ISREG(st.st_mode)) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: not a regular file (%s)\n", path,
+                S_ISDIR(st.st_mode) ? "a folder" : S_ISFIFO(st.st_mode) ? "a fifo"
+                : S_ISSOCK(st.st_mode) ? "a socket" : "a device");
+        close(fd);
+        return 2;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+        (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    uint64_t size = (uint64_t)st.st_size, hl = 0;
+    unsigned char prefix[8] = {0};
+    if (size >= 8 && read_at(fd, prefix, 8, 0) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        close(fd);
+        return 2;
+    }
+    if (st_read_prefix(prefix, size, &hl, why, sizeof(why)) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: not a safetensors file: %s\n", path, why);
+        close(fd);
+        return 2;
+    }
+    if (hl > MODEL_FILE_HEADER_MAX) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: a header of %llu bytes (a model file's is at most %llu; "
+                        "file is %llu bytes)\n",
+                path, (unsigned long long)hl, (unsigned long long)MODEL_FILE_HEADER_MAX,
+                (unsigned long long)size);
+        close(fd);
+        return 2;
+    }
+    unsigned char *head = malloc((size_t)hl);
+    if (!head) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: out of memory for a header of %llu bytes\n", path,
+                (unsigned long long)hl);
+        close(fd);
+        return 1;
+    }
+    if (read_at(fd, head, (size_t)hl, 8) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        free(head);
+        close(fd);
+        return 2;
+    }
+    int pr = st_parse_header(head, hl, size - 8 - hl, f, why, sizeof(why));
+    free(head);
+    if (pr != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s%s\n", path,
+                pr == ST_ENOMEM ? "" : "not a safetensors file: ", why);
+        close(fd);
+        return pr == ST_ENOMEM ? 1 : 2;
+    }
+    *fdp = fd;
+    return 0;
+}
+
+/* Whether name is "<L's tensor t>:<slot>" (a checkpoint's optimizer slot or
+ * moving average of that variable); t, or -1. */
+static int slot_of(const model_layout *L, const char *name)
+{
+    const char *colon = strchr(name, ':');
+    if (!colon || !colon[1])
+        return -1;
+    for (int t = 0; t < L->n_tensors; t++) {
+        size_t n = strlen(L->tensors[t].name);
+        if ((size_t)(colon - name) == n && strncmp(name, L->tensors[t].name, n) == 0)
+            return t;
+    }
+    return -1;
+}
+
+/* That f's tensors are exactly L's: each of L's by name, F32, of its shape
+ * and size; beside them only what a checkpoint keeps per variable (a
+ * "<name>:<slot>" tensor, F32 of the variable's shape), which is not read.
+ * 0, or -1 with err naming the first tensor that is wrong. */
+static int check_tensors(const st_file *f, const model_layout *L, char *err, size_t errlen)
+{
+    char have[160], want[160];
+    for (int t = 0; t < L->n_tensors; t++) {
+        const model_tensor *mt = &L->tensors[t];
+        int i = st_find(f, mt->name);
+        if (i < 0) {
+            snprintf(err, errlen, "tensor %s is missing (model %s has it)", mt->name, L->spec);
+            return -1;
+        }
+        const st_tensor *ft = &f->tensors[i];
+        if (strcmp(ft->dtype, "F32") != 0) {
+            snprintf(err, errlen, "tensor %s is %s; the model's tensors are F32", mt->name, ft->dtype);
+            return -1;
+        }
+        if (!tensor_shape_equal(&ft->shape, &mt->shape)) {
+            tensor_shape_format(&ft->shape, have, sizeof(have));
+            tensor_shape_format(&mt->shape, want, sizeof(want));
+            snprintf(err, errlen, "tensor %s has shape [%s]; model %s gives it [%s]", mt->name, have, L->spec,
+                     want);
+            return -1;
+        }
+        if (ft->end - ft->begin != (uint64_t)mt->numel * sizeof(float)) {
+            snprintf(err, errlen, "tensor %s holds %llu bytes; its shape takes %llu", mt->name,
+                     (unsigned long long)(ft->end - ft->begin), (unsigned long long)mt->numel * sizeof(float));
+            return -1;
+        }
+    }
+    for (int i = 0; i < f->n_tensors; i++) {
+        const st_tensor *ft = &f->tensors[i];
+        if (model_layout_find(L, ft->name) >= 0)
+            continue;
+        int t = slot_of(L, ft->name);
+        if (t < 0) {
+            snprintf(err, errlen, "tensor %.64s is not one of model %s's (nor a checkpoint's slot of one)",
+                     ft->name, L->spec);
+            return -1;
+        }
+        if (strcmp(ft->dtype, "F32") != 0 || !tensor_shape_equal(&ft->shape, &L->tensors[t].shape)) {
+            snprintf(err, errlen, "tensor %.64s is not F32 of the shape of %s", ft->name, L->tensors[t].name);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int train_evaluate_file(const train_config *c, const char *path)
+{
+    char err[1280]; /* a tensor's name and two shapes beside a spec of MODEL_SPEC_MAX */
     st_file f;
     memset(&f, 0, sizeof(f));
-    int rc = 2;
+    int fd = -1;
+    int rc = open_model_file(path, &fd, &f);
+    if (rc != 0)
+        return rc;
+    rc = 2;
     model *m = NULL;
     float *params = NULL;
     idx_dataset ds;
     int have_ds = 0;
     train_config cc = *c;
-    if (st_parse(buf, len, &f, err, sizeof(err)) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: not a safetensors file: %s\n", path, err);
-        goto out;
-    }
     const char *spec = st_meta_get(&f, "model"), *shape_s = st_meta_get(&f, "input_shape");
     model_shape shape;
     if (!spec || !shape_s) {
@@ -68,6 +209,12 @@ int train_evaluate_file(const train_config *c, const char *path)
         fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, err);
         goto out;
     }
+    /* the tensors against the layout before the model's workspace and
+     * buffers are made: their sizes are the spec's, and the spec is the file's */
+    if (check_tensors(&f, &cc.layout, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, err);
+        goto out;
+    }
     m = model_new(model_device_backend(), &cc.layout, 1000, err, sizeof(err));
     params = model_host_alloc(m, cc.layout.n_params * sizeof(float));
     if (!m || !params) {
@@ -75,17 +222,18 @@ int train_evaluate_file(const train_config *c, const char *path)
         rc = 1;
         goto out;
     }
+    /* exactly the model's data, each tensor straight into its place */
     for (int t = 0; t < cc.layout.n_tensors; t++) {
         const model_tensor *mt = &cc.layout.tensors[t];
-        int i = st_find(&f, mt->name);
-        if (i < 0 || strcmp(f.tensors[i].dtype, "F32") != 0 ||
-            !tensor_shape_equal(&f.tensors[i].shape, &mt->shape)) {
-            fprintf(stderr, "workerd: --evaluate_model=%s: tensor %s is missing or not F32 of the shape %s gives it\n",
-                    path, mt->name, cc.layout.spec);
+        const st_tensor *ft = &f.tensors[st_find(&f, mt->name)];
+        if (read_at(fd, params + mt->offset, mt->numel * sizeof(float), f.data_start + ft->begin) != 0) {
+            fprintf(stderr, "workerd: --evaluate_model=%s: reading tensor %s: %s\n", path, mt->name,
+                    strerror(errno));
             goto out;
         }
-        memcpy(params + mt->offset, buf + f.data_start + f.tensors[i].begin, mt->numel * sizeof(float));
     }
+    close(fd);
+    fd = -1;
     cc.n_trainers = 1;
     if ((rc = train_load(&cc, &ds)) != 0)
         goto out;
@@ -102,12 +250,13 @@ int train_evaluate_file(const train_config *c, const char *path)
     fflush(stdout);
     rc = 0;
 out:
+    if (fd >= 0)
+        close(fd);
     if (have_ds)
         idx_dataset_free(&ds);
     model_host_free(m, params);
     model_free(m);
     st_file_free(&f);
-    free(buf);
     return rc;
 }
 
