@@ -2,6 +2,7 @@
  * optimizer, sync or async, parsed and range-checked) and GET /readyz (200
  * once it is set). */
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <signal.h>
@@ -13,6 +14,7 @@
 #include "history.h"
 #include "log.h"
 #include "routes.h"
+#include "saver.h"
 
 static json_t *config_json(const store_config *c)
 {
@@ -222,6 +224,79 @@ static int parse_config(json_t *j, store_config *c, char *err, size_t errlen)
     return 0;
 }
 
+/* The 409 of a configuration other than the one training started with: what
+ * the shard holds (the job a checkpoint it restored was of, when nothing
+ * trained since: its folder, step, mode, optimizer and model), how the one
+ * sent differs, and what to do. */
+static void describe_conflict(server *srv, const store_config *want, char *err, size_t errlen)
+{
+    store_config have;
+    if (store_get_config(&srv->store, &have) != STORE_OK)
+        return;
+    long long step = (long long)store_global_step(&srv->store);
+    char model[128] = "";
+    char *pl = store_get_placement(&srv->store);
+    json_t *pj = pl ? json_loads(pl, 0, NULL) : NULL;
+    const char *spec = json_string_value(json_object_get(pj, "model"));
+    if (spec)
+        snprintf(model, sizeof(model), ", %.100s", spec);
+    json_decref(pj);
+    free(pl);
+    /* the keys whose values differ, as "sync true (sent: false)" */
+    char diff[160] = "";
+    size_t dn = 0;
+    json_t *a = config_json(&have), *b = config_json(want), *v;
+    const char *key;
+    json_t *keys = json_object();
+    json_object_foreach(a, key, v) json_object_set(keys, key, json_null());
+    json_object_foreach(b, key, v) json_object_set(keys, key, json_null());
+    json_object_foreach(keys, key, v) {
+        json_t *x = json_object_get(a, key), *y = json_object_get(b, key);
+        if (x && y && json_equal(x, y))
+            continue;
+        char *xs = x ? json_dumps(x, JSON_ENCODE_ANY) : NULL, *ys = y ? json_dumps(y, JSON_ENCODE_ANY) : NULL;
+        int k = snprintf(diff + dn, sizeof(diff) - dn, "%s%s %s (sent: %s)", dn ? ", " : "", key,
+                         xs ? xs : "none", ys ? ys : "none");
+        free(xs);
+        free(ys);
+        if (k < 0 || (size_t)k >= sizeof(diff) - dn) {
+            diff[dn] = '\0';
+            break;
+        }
+        dn += (size_t)k;
+    }
+    json_decref(keys);
+    json_decref(a);
+    json_decref(b);
+    char dir[PATH_MAX] = "";
+    long long restored = -1;
+    json_t *ck = srv->saver ? saver_status_json(srv->saver) : NULL;
+    json_t *rf = json_object_get(ck, "restored_from");
+    const char *file = json_string_value(json_object_get(rf, "file"));
+    if (file && json_is_integer(json_object_get(rf, "global_step"))) {
+        restored = (long long)json_integer_value(json_object_get(rf, "global_step"));
+        snprintf(dir, sizeof(dir), "%s", file);
+        char *slash = strrchr(dir, '/');
+        if (slash && slash != dir)
+            *slash = '\0';
+        else
+            snprintf(dir, sizeof(dir), ".");
+    }
+    json_decref(ck);
+    if (restored == step)
+        snprintf(err, errlen,
+                 "%.200s holds a checkpoint of another job: step %lld, %s, %s%s; it differs in %s: "
+                 "give the ps tasks a new --logdir, or remove %.200s",
+                 dir, step, have.sync ? "sync" : "async", optim_name(have.optim.kind), model,
+                 diff[0] ? diff : "a setting", dir);
+    else
+        snprintf(err, errlen,
+                 "training started (global_step %lld) with another configuration: %s, %s%s; it differs in %s: "
+                 "send the same configuration, or restart the ps tasks with a new --logdir",
+                 step, have.sync ? "sync" : "async", optim_name(have.optim.kind), model,
+                 diff[0] ? diff : "a setting");
+}
+
 enum MHD_Result h_config_get(request *r)
 {
     store_config c;
@@ -255,8 +330,13 @@ enum MHD_Result h_config_put(request *r)
     json_decref(j);
     if (bad)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    if (store_configure(&req_srv(r)->store, &c, err, sizeof(err)) != STORE_OK)
-        return http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
+    if (store_configure(&req_srv(r)->store, &c, err, sizeof(err)) != STORE_OK) {
+        char why[1024];
+        snprintf(why, sizeof(why), "%s", err);
+        describe_conflict(req_srv(r), &c, why, sizeof(why));
+        log_info("psd: refused a training configuration: %s", why);
+        return http_reply_error(r, MHD_HTTP_CONFLICT, "%s", why);
+    }
     int64_t was = store_global_step(&req_srv(r)->store);
     if (at_step > was) {
         store_start_at(&req_srv(r)->store, at_step);

@@ -161,6 +161,15 @@ int saver_restore(saver *sv)
         int64_t step = saved.global_step;
         int nv = saved.n;
         uint64_t changes = saved.changes;
+        /* the job it is of, for the log line: mode, optimizer, model */
+        char job[160] = "";
+        if (saved.configured) {
+            json_t *pj = saved.placement ? json_loads(saved.placement, 0, NULL) : NULL;
+            const char *spec = json_string_value(json_object_get(pj, "model"));
+            snprintf(job, sizeof(job), " (%s, %s%s%.100s)", saved.config.sync ? "sync" : "async",
+                     optim_name(saved.config.optim.kind), spec ? ", " : "", spec ? spec : "");
+            json_decref(pj);
+        }
         if (store_restore(sv->st, &saved) != STORE_OK) {
             log_error("psd: checkpoints: out of memory restoring %s", e[i].path);
             store_saved_free(&saved);
@@ -183,8 +192,8 @@ int saver_restore(saver *sv)
         pthread_mutex_unlock(&sv->mu);
         sv->saved_changes = changes;
         sv->has_saved = 1;
-        log_info("psd: checkpoints: restored %s: global step %lld, %d variable%s", e[i].path,
-                 (long long)step, nv, nv == 1 ? "" : "s");
+        log_info("psd: checkpoints: restored %s: global step %lld, %d variable%s%s", e[i].path,
+                 (long long)step, nv, nv == 1 ? "" : "s", job);
         restored = 1;
     }
     if (!restored)

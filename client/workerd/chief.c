@@ -15,6 +15,8 @@
 #include "clock.h"
 #include "shards/shards.h"
 
+static void wait_others(const train_config *c, ps_client *pc, double secs);
+
 /* POST /v1/checkpoint on ps i; a ps whose checkpoints are off (409) is left alone. */
 static void checkpoint_now(const train_config *c, ps_client *pc, int i, const char *when)
 {
@@ -62,6 +64,27 @@ static json_t *config_json(const train_config *c)
     return cfg;
 }
 
+static void chief_leave(const train_config *c, ps_client *pc)
+{
+    json_t *done = json_pack("{s:i}", "worker", c->trainer);
+    for (int i = 0; i < ps_shards(pc); i++)
+        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
+    json_decref(done);
+}
+
+/* The ps tasks hold another job: leave it, give the other tasks a few
+ * seconds to find that out from the ps (they say so and exit), then stop
+ * the ps tasks (unless --keep_ps), as at the end. */
+static void chief_give_up(const train_config *c, ps_client *pc)
+{
+    ps_set_retry_ms(pc, 0);
+    chief_leave(c, pc);
+    if (c->keep_ps)
+        return;
+    wait_others(c, pc, 10);
+    train_chief_stop_ps(c, pc);
+}
+
 int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
 {
     train_wait_for_all(c, pc, "/healthz", "the ps tasks");
@@ -91,7 +114,19 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
     for (int i = 0; i < ps_shards(pc); i++) {
         if (c->ps_replicas) /* the pipeline: each ps counts the pushes it gets */
             json_object_set_new(cfg, "replicas_to_aggregate", json_integer(c->ps_replicas[i]));
-        if (ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL) != PS_OK) {
+        int prc = ps_json(pc, i, "PUT", "/v1/config", cfg, 1, NULL);
+        if (prc == PS_EHTTP && ps_http_status(pc) == 409) {
+            /* the ps holds another job (a checkpoint of it, restored): say
+             * what psd found and what to do, and end the job, so that no
+             * task is left waiting or following that job's configuration */
+            const char *why = strstr(ps_error(pc), "HTTP 409: ");
+            fprintf(stderr, "workerd: %s: ps %d refused this job's training configuration: %s\n", c->name, i,
+                    why ? why + strlen("HTTP 409: ") : ps_error(pc));
+            json_decref(cfg);
+            chief_give_up(c, pc);
+            return 1;
+        }
+        if (prc != PS_OK) {
             fprintf(stderr, "workerd: sending the training configuration: %s\n", ps_error(pc));
             json_decref(cfg);
             return 1;
@@ -145,8 +180,8 @@ int train_chief_put_back(const train_config *c, ps_client *pc, shards *sh, const
     return 0;
 }
 
-/* After the chief's last step: wait (bounded) for the others to finish. */
-void train_chief_wait_others(const train_config *c, ps_client *pc)
+/* Wait up to secs for the other tasks to say they finished. */
+static void wait_others(const train_config *c, ps_client *pc, double secs)
 {
     double start = clk_mono_secs(), said = start;
     for (;;) {
@@ -159,7 +194,7 @@ void train_chief_wait_others(const train_config *c, ps_client *pc)
         done = done > 0 ? done - 1 : 0;
         if (done >= c->n_trainers - 1)
             return;
-        if (clk_mono_secs() - start > 60 || train_stop_requested()) {
+        if (clk_mono_secs() - start > secs || train_stop_requested()) {
             printf("%s: %d of %d other tasks said they finished; not waiting longer\n", c->name,
                    done, c->n_trainers - 1);
             return;
@@ -171,6 +206,9 @@ void train_chief_wait_others(const train_config *c, ps_client *pc)
         train_sleep(0.1);
     }
 }
+
+/* After the chief's last step: wait (bounded) for the others to finish. */
+void train_chief_wait_others(const train_config *c, ps_client *pc) { wait_others(c, pc, 60); }
 
 void train_chief_stop_ps(const train_config *c, ps_client *pc)
 {

@@ -48,6 +48,12 @@ typedef struct worker {
     int64_t step, local, last_step, k, pushes;
     int64_t next_k; /* the batch number bp.x[cur ^ 1] holds (staged), or -1 */
     int stopped, near_end, ran_out;
+    /* what ps 0 restored from its checkpoint (-1: nothing) and where; doubtful:
+     * this task follows a restored configuration its flags differ from,
+     * which the chief may refuse (then the ps tasks stop: leave at once) */
+    int64_t restored_step;
+    char restored_dir[256];
+    int doubtful;
     double loss;   /* this step's */
     int64_t after; /* the global step ps 0 answered this push with */
     int rc;        /* the exit status when a step says leave */
@@ -87,6 +93,39 @@ static int connect_ps(worker *w)
     return 0;
 }
 
+/* What ps 0 restored from its checkpoint when it started (its global step,
+ * or -1: nothing, into w->restored_step and w->restored_dir) and its global
+ * step now (-1 when it does not say). */
+static int64_t ps_restored(worker *w)
+{
+    json_t *st = NULL;
+    int64_t now = -1;
+    w->restored_step = -1;
+    if (ps_status(w->pc, 0, &st) != PS_OK)
+        return -1;
+    json_t *gs = json_object_get(st, "global_step");
+    if (json_is_integer(gs))
+        now = json_integer_value(gs);
+    json_t *rf = json_object_get(json_object_get(st, "checkpoint"), "restored_from");
+    const char *file = json_string_value(json_object_get(rf, "file"));
+    if (file && json_is_integer(json_object_get(rf, "global_step"))) {
+        w->restored_step = json_integer_value(json_object_get(rf, "global_step"));
+        snprintf(w->restored_dir, sizeof(w->restored_dir), "%s", file);
+        char *slash = strrchr(w->restored_dir, '/');
+        if (slash && slash != w->restored_dir)
+            *slash = '\0';
+        else
+            snprintf(w->restored_dir, sizeof(w->restored_dir), ".");
+    }
+    json_decref(st);
+    return now;
+}
+
+/* A job already done: the ps tasks restored a checkpoint at or past
+ * --train_steps (a rerun on the same --logdir). Say so, leave the job (the
+ * chief: once the others left, stop the ps tasks); TRAIN_NOTHING_TO_DO. */
+static int nothing_to_train(worker *w, int64_t now);
+
 /* The chief sets the job up; the others wait for it, check its placement and
  * follow its mode and optimizer; 0, or -1 with w->rc. */
 static int join(worker *w)
@@ -107,8 +146,19 @@ static int join(worker *w)
     if (ps_json(w->pc, 0, "GET", "/v1/config", NULL, 1, &w->cfg) == PS_OK) {
         json_t *js = json_object_get(w->cfg, "sync");
         if (json_is_boolean(js) && json_is_true(js) != w->sync) {
-            printf("%s: the chief chose %s training: following it\n", c->name,
-                   json_is_true(js) ? "sync" : "async");
+            int64_t now = ps_restored(w);
+            if (w->restored_step >= 0 && now == w->restored_step && now < c->train_steps) {
+                /* the configuration may be the checkpoint's, not the chief's */
+                printf("%s: ps 0 holds %s training restored from the checkpoint in %s at global step %lld "
+                       "(this task's flags say %s): following it; if the chief refuses that job, this "
+                       "task ends when the ps tasks stop\n",
+                       c->name, json_is_true(js) ? "sync" : "async", w->restored_dir, (long long)now,
+                       w->sync ? "sync" : "async");
+                w->doubtful = 1;
+            } else if (now < c->train_steps) {
+                printf("%s: the chief chose %s training: following it\n", c->name,
+                       json_is_true(js) ? "sync" : "async");
+            }
             w->sync = json_is_true(js);
         }
         const char *o = json_string_value(json_object_get(w->cfg, "optimizer"));
@@ -124,8 +174,9 @@ static void prepare(worker *w)
 {
     const train_config *c = w->c;
     /* from here on a ps that stops answering is retried for --ps_retry_secs
-     * (it may be restarting from its checkpoint) */
-    ps_set_retry_ms(w->pc, (long)(c->retry_secs * 1000));
+     * (it may be restarting from its checkpoint); following a restored
+     * configuration the chief may refuse, a few seconds, until it trains */
+    ps_set_retry_ms(w->pc, w->doubtful ? 2000 : (long)(c->retry_secs * 1000));
     ps_set_abort(w->pc, train_stop_requested);
     /* async with a staleness bound (the chief's --staleness): stale-synchronous */
     {
@@ -190,6 +241,11 @@ static int ps_failed(worker *w, int prc, const char *what)
     if (prc == PS_ENET && w->near_end) {
         printf("%s: the ps stopped at the end of training\n", w->c->name);
         w->rc = 0;
+    } else if (prc == PS_ENET && w->doubtful) {
+        fprintf(stderr, "workerd: %s: the ps tasks stopped before this job trained past the checkpoint they "
+                        "restored from %s (global step %lld): the chief refused that job, see its message; "
+                        "start the job again with a new --logdir for the ps tasks, or that one removed\n",
+                w->c->name, w->restored_dir, (long long)w->restored_step);
     } else {
         fprintf(stderr, "workerd: %s: %s\n", what, ps_error(w->pc));
     }
@@ -399,6 +455,11 @@ static int step_account(worker *w)
     w->local++;
     if (!sync)
         w->last_step = w->after;
+    if (w->doubtful && (sync ? w->step + 1 : w->after) > w->restored_step + c->n_trainers) {
+        /* the job trains past the checkpoint: the chief took it */
+        w->doubtful = 0;
+        ps_set_retry_ms(w->pc, w->near_end ? 2000 : (long)(c->retry_secs * 1000));
+    }
     role_bufs_step_done(&w->rb, w->local, sync ? w->step + 1 : w->after, 1, sync ? w->step : w->after,
                         w->loss);
     if (!sync && w->after >= c->train_steps)
@@ -497,6 +558,32 @@ static int finish(worker *w)
     return c->is_chief ? chief_end(w) : 0;
 }
 
+static int nothing_to_train(worker *w, int64_t now)
+{
+    const train_config *c = w->c;
+    const char *mode = "", *opt = "", *mine = "";
+    json_t *cfg = NULL;
+    if (ps_json(w->pc, 0, "GET", "/v1/config", NULL, 1, &cfg) == PS_OK) {
+        int sync = json_is_true(json_object_get(cfg, "sync"));
+        mode = sync ? "sync, " : "async, ";
+        opt = json_string_value(json_object_get(cfg, "optimizer"));
+        opt = opt ? opt : "";
+        if (sync != c->sync)
+            mine = sync ? "; this task's flags say async" : "; this task's flags say sync";
+    }
+    printf("%s: already at step %lld: nothing to train (ps 0 restored it from the checkpoint in %s, "
+           "%s%s%s); to train again, give the ps tasks a new --logdir, or remove %s\n",
+           c->name, (long long)now, w->restored_dir, mode, opt, mine, w->restored_dir);
+    fflush(stdout);
+    json_decref(cfg);
+    post_done(w);
+    if (c->is_chief) {
+        train_chief_wait_others(c, w->pc);
+        train_chief_stop_ps(c, w->pc);
+    }
+    return TRAIN_NOTHING_TO_DO;
+}
+
 /* Free what the worker holds; its exit status. */
 static int leave(worker *w)
 {
@@ -517,6 +604,16 @@ int train_worker(const train_config *c)
         return rc;
     if (connect_ps(&w) != 0 || join(&w) != 0)
         return leave(&w);
+    {
+        /* a rerun on a job already done: nothing to train */
+        int doubtful = w.doubtful;
+        int64_t now = ps_restored(&w);
+        w.doubtful = doubtful && w.restored_step >= 0;
+        if (w.restored_step >= c->train_steps && now >= c->train_steps) {
+            w.rc = nothing_to_train(&w, now);
+            return leave(&w);
+        }
+    }
     prepare(&w);
     /* from here on a ps that comes back empty or behind is not read over
      * what this task holds */

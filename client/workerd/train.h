@@ -71,7 +71,10 @@ typedef struct train_config {
 void train_handle_signals(void);
 int train_stop_requested(void);
 
-/* Each returns the process exit status: 0 done, 1 failed, 2 bad input (data). */
+/* Each returns the process exit status: 0 done, 1 failed, 2 bad input (data),
+ * TRAIN_NOTHING_TO_DO (train_worker) the ps tasks restored a checkpoint at or
+ * past --train_steps: nothing trained, nothing reported or exported. */
+#define TRAIN_NOTHING_TO_DO 3
 int train_worker(const train_config *c);
 int train_evaluator(const train_config *c);
 int train_local(const train_config *c);
@@ -123,7 +126,11 @@ void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, 
  * after a message (naming both models when they differ). */
 int train_check_placement(const train_config *c, ps_client *pc, const shards *sh);
 /* The chief (chief.c): create the variables, send the placement and the
- * configuration (0, 1 failed, 2 other flags than the ps have); at the end,
+ * configuration (0, 1 failed, 2 other flags than the ps have; a ps that
+ * refuses the configuration (409: it holds another job, e.g. restored from
+ * a checkpoint) is named with psd's reason and what to do, and the ps tasks
+ * are stopped, unless --keep_ps, after a few seconds for the others to
+ * leave: 1); at the end,
  * wait (bounded) for the other tasks to say they finished. */
 int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params);
 void train_chief_wait_others(const train_config *c, ps_client *pc);

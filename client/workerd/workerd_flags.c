@@ -117,7 +117,10 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
                    "against a plain C product; one that fails is not used. This may re-execute\n"
                    "workerd once per kernel tried, with OPENBLAS_CORETYPE set (same PID and\n"
                    "arguments). An OPENBLAS_CORETYPE already in the environment, even an empty\n"
-                   "one, is used as it is. The training line says which kernel and why.",
+                   "one, is used as it is. The training line says which kernel and why.\n"
+                   "Exit statuses: 0 done, 1 failed, 2 bad flags or input, 3 nothing to train\n"
+                   "(the ps tasks restored a checkpoint at or past --train_steps: a rerun on the\n"
+                   "last run's --logdir; give them a new --logdir, or remove it, to train again).",
                    flags, nflags);
         return 0;
     }
