@@ -203,6 +203,58 @@ static void test_prefix_rejects(void **state)
     assert_int_equal(st_parse(b, 0, &f, err, sizeof(err)), -1);
 }
 
+/* Issue 37: a header that ends 1 to 8 bytes past the body (a bound that
+ * forgot the prefix's 8 bytes) is refused by the prefix reader and by
+ * st_parse, for every body length n from the smallest to past 256 (a
+ * length byte carries): header lengths n - 7 .. n are refused, n - 8 (it
+ * ends exactly at the body's end) is accepted by the prefix reader. */
+static void test_prefix_header_past_the_body_by_up_to_8(void **state)
+{
+    (void)state;
+    char err[256];
+    uint64_t hl;
+    static unsigned char b[8 + 300];
+    for (uint64_t n = 10; n <= sizeof(b); n++) {
+        for (uint64_t h = n - 8; h <= n + 8; h++) {
+            memset(b, ' ', sizeof(b));
+            for (int i = 0; i < 8; i++)
+                b[i] = (unsigned char)(h >> (8 * i));
+            b[8] = '{';
+            b[8 + 1] = '}'; /* "{}" then spaces: a valid empty header */
+            hl = 0;
+            int rc = st_read_prefix(b, n, &hl, err, sizeof(err));
+            if (h + 8 <= n) {
+                if (rc != 0 || hl != h)
+                    fail_msg("body %llu, header %llu (ends at the body's end): refused: %s",
+                             (unsigned long long)n, (unsigned long long)h, err);
+            } else {
+                if (rc != -1)
+                    fail_msg("body %llu, header %llu (ends %llu bytes past it): accepted",
+                             (unsigned long long)n, (unsigned long long)h,
+                             (unsigned long long)(h + 8 - n));
+                if (!strstr(err, "runs past the body"))
+                    fail_msg("body %llu, header %llu: '%s'", (unsigned long long)n,
+                             (unsigned long long)h, err);
+                st_file f;
+                if (st_parse(b, n, &f, err, sizeof(err)) != -1)
+                    fail_msg("st_parse: body %llu, header %llu: accepted", (unsigned long long)n,
+                             (unsigned long long)h);
+            }
+        }
+        /* the largest that fits parses whole: "{}" and n - 10 spaces, no data */
+        uint64_t h = n - 8;
+        for (int i = 0; i < 8; i++)
+            b[i] = (unsigned char)(h >> (8 * i));
+        st_file f;
+        if (st_parse(b, n, &f, err, sizeof(err)) != 0)
+            fail_msg("st_parse: body %llu, header %llu: %s", (unsigned long long)n,
+                     (unsigned long long)h, err);
+        assert_int_equal(f.data_len, 0);
+        assert_int_equal(f.data_start, n);
+        st_file_free(&f);
+    }
+}
+
 static void test_header_rejects(void **state)
 {
     (void)state;
@@ -360,6 +412,7 @@ int main(void)
         cmocka_unit_test(test_empty_and_scalar),
         cmocka_unit_test(test_dtype_sizes),
         cmocka_unit_test(test_prefix_rejects),
+        cmocka_unit_test(test_prefix_header_past_the_body_by_up_to_8),
         cmocka_unit_test(test_header_rejects),
         cmocka_unit_test(test_header_build_bytes),
         cmocka_unit_test(test_header_build_no_padding),

@@ -11,7 +11,9 @@
  * - leases: a worker whose lease ran out (or that left) does not hold the step
  *   (store_sync_tick completes it), and counts again from its next request;
  * - SSP clocks: raised, never lowered; the minimum over live workers;
- * - the hook: the step and the clock level, each when they moved. */
+ * - the hook: the step and the clock level, each when they moved;
+ * - async --max_staleness at its edge: a push exactly that stale is
+ *   applied, one step staler dropped. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -38,8 +40,10 @@ static void nap_ms(int ms)
     nanosleep(&t, NULL);
 }
 
-/* w = [1, 2], configured: sgd, lr 1, the mode and sizes given. */
-static void start(fixture *fx, int sync, int workers, int replicas, int staleness)
+/* w = [1, 2], configured: sgd, lr 1, the mode and sizes given, and
+ * max_staleness (async: drop a gradient staler than it; -1: no limit). */
+static void start_bounded(fixture *fx, int sync, int workers, int replicas, int staleness,
+                          int max_staleness)
 {
     tensor_shape sh = {.ndim = 1, .dims = {2}};
     blob *b = blob_new(fx->pool, 8);
@@ -55,10 +59,15 @@ static void start(fixture *fx, int sync, int workers, int replicas, int stalenes
     c.sync = sync;
     c.workers = workers;
     c.replicas_to_aggregate = replicas;
-    c.max_staleness = -1;
+    c.max_staleness = max_staleness;
     c.staleness = staleness;
     char err[256];
     assert_int_equal(store_configure(&fx->s, &c, err, sizeof(err)), STORE_OK);
+}
+
+static void start(fixture *fx, int sync, int workers, int replicas, int staleness)
+{
+    start_bounded(fx, sync, workers, replicas, staleness, -1);
 }
 
 typedef struct outcome {
@@ -281,6 +290,45 @@ static void test_change_hook(void **state)
     assert_int_equal(h.n, 6); /* a refused and a duplicate push: nothing */
 }
 
+/* Async with --max_staleness: a gradient computed exactly max_staleness
+ * steps ago is applied, one a step staler is dropped (counted, w and the
+ * step unchanged); the bound is global_step - the push's step, so it is
+ * checked at the edge for a bound of 2 and of 0 (only the newest step).
+ * Before, only test_elastic (PyPI venv) looked at it, and only loosely. */
+static void test_async_max_staleness_edge(void **state)
+{
+    fixture *fx = *state;
+    start_bounded(fx, 0, 2, 1, -1, 2);
+    /* steps 0, 1, 2 pushed fresh: global step 3, w = [1 - 3, 2 - 3] */
+    for (int i = 0; i < 3; i++)
+        expect_push(push(fx, 0, i, -1, NULL, 1, 1), STORE_OK, STORE_PUSH_APPLIED, i + 1);
+    expect_w(fx, -2, -1);
+    /* computed at step 1, global step 3: staleness 2 = the bound: applied */
+    expect_push(push(fx, 1, 1, -1, NULL, 1, 0), STORE_OK, STORE_PUSH_APPLIED, 4);
+    expect_w(fx, -3, -1);
+    assert_int_equal(stale_dropped(fx), 0);
+    /* computed at step 1, global step 4: staleness 3 = the bound + 1: dropped */
+    expect_push(push(fx, 1, 1, -1, NULL, 100, 100), STORE_OK, STORE_PUSH_STALE, 4);
+    expect_w(fx, -3, -1);
+    assert_int_equal(stale_dropped(fx), 1);
+    /* step 2 at global step 4: staleness 2 again: applied */
+    expect_push(push(fx, 0, 2, -1, NULL, 0, 1), STORE_OK, STORE_PUSH_APPLIED, 5);
+    expect_w(fx, -3, -2);
+    assert_int_equal(stale_dropped(fx), 1);
+}
+
+static void test_async_max_staleness_zero(void **state)
+{
+    fixture *fx = *state;
+    start_bounded(fx, 0, 2, 1, -1, 0);
+    expect_push(push(fx, 0, 0, -1, NULL, 1, 1), STORE_OK, STORE_PUSH_APPLIED, 1);
+    /* staleness 0 (the step it reads): applied; 1: dropped */
+    expect_push(push(fx, 1, 1, -1, NULL, 1, 1), STORE_OK, STORE_PUSH_APPLIED, 2);
+    expect_push(push(fx, 1, 1, -1, NULL, 100, 100), STORE_OK, STORE_PUSH_STALE, 2);
+    expect_w(fx, -1, 0);
+    assert_int_equal(stale_dropped(fx), 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -290,6 +338,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_leases, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ssp_clocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_change_hook, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_async_max_staleness_edge, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_async_max_staleness_zero, setup, teardown),
     };
     return cmocka_run_group_tests_name("sync", tests, NULL, NULL);
 }
