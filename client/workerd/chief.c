@@ -15,7 +15,7 @@
 #include "clock.h"
 #include "shards/shards.h"
 
-static void wait_others(const train_config *c, ps_client *pc, double secs);
+static void wait_others(const train_config *c, ps_client *pc, double secs, int self_done);
 
 /* POST /v1/checkpoint on ps i; a ps whose checkpoints are off (409) is left alone. */
 static void checkpoint_now(const train_config *c, ps_client *pc, int i, const char *when)
@@ -64,24 +64,16 @@ static json_t *config_json(const train_config *c)
     return cfg;
 }
 
-static void chief_leave(const train_config *c, ps_client *pc)
-{
-    json_t *done = json_pack("{s:i}", "worker", c->trainer);
-    for (int i = 0; i < ps_shards(pc); i++)
-        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
-    json_decref(done);
-}
-
-/* The ps tasks hold another job: leave it, give the other tasks a few
- * seconds to find that out from the ps (they say so and exit), then stop
- * the ps tasks (unless --keep_ps), as at the end. */
+/* The ps tasks hold another job: give the other tasks a few seconds to
+ * find that out from the ps (they say so and exit), then stop the ps tasks
+ * (unless --keep_ps), as at the end. The chief does not say it is done: a
+ * sync step of that job keeps waiting for it meanwhile. */
 static void chief_give_up(const train_config *c, ps_client *pc)
 {
     ps_set_retry_ms(pc, 0);
-    chief_leave(c, pc);
     if (c->keep_ps)
         return;
-    wait_others(c, pc, 10);
+    wait_others(c, pc, 5, 0);
     train_chief_stop_ps(c, pc);
 }
 
@@ -180,8 +172,9 @@ int train_chief_put_back(const train_config *c, ps_client *pc, shards *sh, const
     return 0;
 }
 
-/* Wait up to secs for the other tasks to say they finished. */
-static void wait_others(const train_config *c, ps_client *pc, double secs)
+/* Wait up to secs for the other tasks to say they finished (self_done: the
+ * chief said so too). */
+static void wait_others(const train_config *c, ps_client *pc, double secs, int self_done)
 {
     double start = clk_mono_secs(), said = start;
     for (;;) {
@@ -191,7 +184,7 @@ static void wait_others(const train_config *c, ps_client *pc, double secs)
         int done = (int)json_integer_value(json_object_get(st, "workers_done"));
         json_decref(st);
         /* workers_done counts the chief too: it said so before waiting */
-        done = done > 0 ? done - 1 : 0;
+        done = self_done && done > 0 ? done - 1 : done;
         if (done >= c->n_trainers - 1)
             return;
         if (clk_mono_secs() - start > secs || train_stop_requested()) {
@@ -208,7 +201,7 @@ static void wait_others(const train_config *c, ps_client *pc, double secs)
 }
 
 /* After the chief's last step: wait (bounded) for the others to finish. */
-void train_chief_wait_others(const train_config *c, ps_client *pc) { wait_others(c, pc, 60); }
+void train_chief_wait_others(const train_config *c, ps_client *pc) { wait_others(c, pc, 60, 1); }
 
 void train_chief_stop_ps(const train_config *c, ps_client *pc)
 {

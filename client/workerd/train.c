@@ -50,7 +50,8 @@ typedef struct worker {
     int stopped, near_end, ran_out;
     /* what ps 0 restored from its checkpoint (-1: nothing) and where; doubtful:
      * this task follows a restored configuration its flags differ from,
-     * which the chief may refuse (then the ps tasks stop: leave at once) */
+     * which the chief may refuse (then the ps tasks stop: leave within
+     * seconds, not --ps_retry_secs) */
     int64_t restored_step;
     char restored_dir[256];
     int doubtful;
@@ -175,7 +176,7 @@ static void prepare(worker *w)
     const train_config *c = w->c;
     /* from here on a ps that stops answering is retried for --ps_retry_secs
      * (it may be restarting from its checkpoint); following a restored
-     * configuration the chief may refuse, a few seconds, until it trains */
+     * configuration the chief may refuse, a few seconds only */
     ps_set_retry_ms(w->pc, w->doubtful ? 2000 : (long)(c->retry_secs * 1000));
     ps_set_abort(w->pc, train_stop_requested);
     /* async with a staleness bound (the chief's --staleness): stale-synchronous */
@@ -242,9 +243,9 @@ static int ps_failed(worker *w, int prc, const char *what)
         printf("%s: the ps stopped at the end of training\n", w->c->name);
         w->rc = 0;
     } else if (prc == PS_ENET && w->doubtful) {
-        fprintf(stderr, "workerd: %s: the ps tasks stopped before this job trained past the checkpoint they "
-                        "restored from %s (global step %lld): the chief refused that job, see its message; "
-                        "start the job again with a new --logdir for the ps tasks, or that one removed\n",
+        fprintf(stderr, "workerd: %s: the ps tasks stopped while this task followed the configuration they "
+                        "restored from %s (global step %lld): most likely the chief refused that job, see its "
+                        "message; start the job again with a new --logdir for the ps tasks, or that one removed\n",
                 w->c->name, w->restored_dir, (long long)w->restored_step);
     } else {
         fprintf(stderr, "workerd: %s: %s\n", what, ps_error(w->pc));
@@ -455,11 +456,6 @@ static int step_account(worker *w)
     w->local++;
     if (!sync)
         w->last_step = w->after;
-    if (w->doubtful && (sync ? w->step + 1 : w->after) > w->restored_step + c->n_trainers) {
-        /* the job trains past the checkpoint: the chief took it */
-        w->doubtful = 0;
-        ps_set_retry_ms(w->pc, w->near_end ? 2000 : (long)(c->retry_secs * 1000));
-    }
     role_bufs_step_done(&w->rb, w->local, sync ? w->step + 1 : w->after, 1, sync ? w->step : w->after,
                         w->loss);
     if (!sync && w->after >= c->train_steps)

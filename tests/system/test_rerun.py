@@ -14,7 +14,7 @@ from test_train import accuracy_of
 
 DATA = "/usr/share/datasets/fashion-mnist"
 NOTHING_TO_TRAIN = 3  # workerd's exit status: the job is already done
-ARGS = ["--hidden_units=16", "--train_steps=30", "--batch_size=20", "--seed=3", "--log_every=0"]
+ARGS = ["--hidden_units=16", "--batch_size=20", "--seed=3", "--log_every=0"]
 pytestmark = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
 
@@ -26,10 +26,10 @@ def job(tmp_path):
     j.stop_all()
 
 
-def run(job, mode, bound=60):
+def run(job, mode, bound=60, steps=30):
     """psd and two workers on job's logdir in mode; (rc, output) of worker 1
     and the chief, and psd's exit status, each within bound seconds."""
-    job.args = ARGS + [f"--sync={1 if mode == 'sync' else 0}"]
+    job.args = ARGS + [f"--sync={1 if mode == 'sync' else 0}", f"--train_steps={steps}"]
     job.start_psd()
     w1, chief = job.worker(1), job.worker(0)
     t0 = time.time()
@@ -88,3 +88,20 @@ def test_sync_then_async_names_the_checkpoint_and_every_task_ends(job, tmp_path)
     # a new --logdir trains as a first run does
     job.logdir = str(tmp_path / "new-logs")
     trained(*run(job, "async"))
+
+
+def test_a_longer_job_of_another_mode_ends_every_task_with_the_reason(job):
+    """The checkpoint is short of this run's --train_steps: worker 1 follows
+    the restored (sync) configuration, saying so, and leaves within seconds
+    once the chief refused the job and stopped the ps, saying why."""
+    trained(*run(job, "sync"))
+    t0 = time.time()
+    outs, psd_rc = run(job, "async", bound=30, steps=300)
+    (w1_rc, w1_out), (chief_rc, chief_out) = outs
+    assert chief_rc == 1 and "holds a checkpoint of another job: step 30, sync" in chief_out, chief_out
+    assert w1_rc == 1, w1_out[-3000:]
+    assert "ps 0 holds sync training restored from the checkpoint in" in w1_out, w1_out[-3000:]
+    assert "(this task's flags say async)" in w1_out
+    assert "most likely the chief refused that job" in w1_out, w1_out[-3000:]
+    assert psd_rc == 0
+    print(f"a longer async job on a sync checkpoint: every task ended in {time.time() - t0:.1f} s")
