@@ -36,6 +36,7 @@ struct conntrack {
     int evicted;        /* since the last log line */
     char evicted_peer[64];
     long long evicted_waited_ms;
+    char who[128]; /* the log lines' prefix: the program's ("psd", "workerd: ring endpoint") */
 };
 
 static void peer_name(const entry *e, char *out, size_t cap)
@@ -168,12 +169,12 @@ static void *reap(void *arg)
                 n++;
             }
         if (n)
-            log_info("psd: closed %d connection%s whose request headers did not come within %lld s",
-                     n, n == 1 ? "" : "s", t->timeout_ms / 1000);
+            log_info("%s: closed %d connection%s whose request headers did not come within %lld s",
+                     t->who, n, n == 1 ? "" : "s", t->timeout_ms / 1000);
         if (t->evicted) {
-            log_info("psd: %d connections open, over %d: closed %d that had no request in "
+            log_info("%s: %d connections open, over %d: closed %d that had no request in "
                      "progress, the oldest waiting first (the first from %s, waiting %lld ms)",
-                     t->n, t->cap, t->evicted, t->evicted_peer, t->evicted_waited_ms);
+                     t->who, t->n, t->cap, t->evicted, t->evicted_peer, t->evicted_waited_ms);
             t->evicted = 0;
         }
     }
@@ -181,11 +182,12 @@ static void *reap(void *arg)
     return NULL;
 }
 
-struct conntrack *conntrack_start(int timeout_secs, int max_conns)
+struct conntrack *conntrack_start(const char *who, int timeout_secs, int max_conns)
 {
     struct conntrack *t = calloc(1, sizeof(*t));
     if (!t)
         return NULL;
+    snprintf(t->who, sizeof(t->who), "%s", who && *who ? who : "http");
     t->timeout_ms = (long long)timeout_secs * 1000;
     /* room below libmicrohttpd's limit, so a new connection is always
      * accepted (and can push out an idle one) */

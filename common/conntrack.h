@@ -23,8 +23,10 @@ struct conntrack;
  * that shuts down the one that has waited longest for a request's headers
  * (idle, or with its head half sent), so idle or half-sent connections
  * cannot lock others out; a request being served is never cut. The log
- * says how many were closed, and the first one's address. */
-struct conntrack *conntrack_start(int timeout_secs, int max_conns);
+ * says how many were closed, and the first one's address, each line
+ * beginning "WHO: " (the program's name, as http_server.c words it: "psd",
+ * "workerd: ring endpoint"; NULL: "http"). */
+struct conntrack *conntrack_start(const char *who, int timeout_secs, int max_conns);
 /* After MHD_stop_daemon (every connection closed). */
 void conntrack_stop(struct conntrack *t);
 

@@ -24,6 +24,9 @@
 struct http_server {
     http_server_config cfg;
     char name[64];
+    /* the layer's log lines begin with this: the program, then the
+     * server's name when it says more ("psd"; "workerd: ring endpoint") */
+    char logname[128];
     http_module *mods;
     size_t n_mods;
     size_t ext_max;
@@ -105,6 +108,14 @@ http_server *http_server_new(const http_server_config *cfg, char *err, size_t er
     s->cfg = *cfg;
     snprintf(s->name, sizeof(s->name), "%s", cfg->name ? cfg->name : "http");
     s->cfg.name = s->name;
+    const char *prog = cfg->program && *cfg->program ? cfg->program : program_invocation_short_name;
+    if (!prog || !*prog)
+        prog = s->name;
+    if (strcmp(prog, s->name) == 0)
+        snprintf(s->logname, sizeof(s->logname), "%s", prog);
+    else
+        snprintf(s->logname, sizeof(s->logname), "%.60s: %s", prog, s->name);
+    s->cfg.program = NULL; /* borrowed: the copy in logname is what is kept */
     s->port = -1;
     s->fd_given = cfg->listen_fd >= 0;
     if (cfg->listen_fd < 0 && cfg->bind_addr) {
@@ -299,6 +310,57 @@ static enum MHD_Result body_headers(http_req *r)
     return MHD_YES;
 }
 
+/* The query's argument names, for repeated_arg. */
+typedef struct arg_names {
+    const char **keys;
+    size_t n, cap;
+} arg_names;
+
+static enum MHD_Result note_arg(void *cls, enum MHD_ValueKind kind, const char *key, const char *value)
+{
+    (void)kind;
+    (void)value;
+    arg_names *a = cls;
+    if (a->n < a->cap && key && *key)
+        a->keys[a->n++] = key;
+    return MHD_YES;
+}
+
+static int cmp_arg(const void *x, const void *y)
+{
+    return strcasecmp(*(const char *const *)x, *(const char *const *)y);
+}
+
+/* A query argument given more than once ("?min_step=5&min_step=7": the
+ * lookup takes the first, so the second was ignored in silence), compared
+ * as libmicrohttpd's lookup compares names (without case): the name, or
+ * NULL when there is none, or "" when out of memory to look. Empty names
+ * ("?a=1&&b=2") are none: no lookup can ask for them. Sorted, not pairwise:
+ * a head of --max_header_bytes holds thousands of "&a". */
+static const char *repeated_arg(http_req *r)
+{
+    int n = MHD_get_connection_values(r->conn, MHD_GET_ARGUMENT_KIND, NULL, NULL);
+    if (n < 2)
+        return NULL;
+    const char *local[32];
+    arg_names a = {local, 0, sizeof(local) / sizeof(local[0])};
+    if ((size_t)n > a.cap) {
+        a.keys = malloc((size_t)n * sizeof(*a.keys));
+        if (!a.keys)
+            return "";
+        a.cap = (size_t)n;
+    }
+    MHD_get_connection_values(r->conn, MHD_GET_ARGUMENT_KIND, note_arg, &a);
+    qsort(a.keys, a.n, sizeof(*a.keys), cmp_arg);
+    const char *dup = NULL;
+    for (size_t i = 1; i < a.n && !dup; i++)
+        if (strcasecmp(a.keys[i - 1], a.keys[i]) == 0)
+            dup = a.keys[i];
+    if (a.keys != local)
+        free(a.keys);
+    return dup;
+}
+
 /* Checks that need only the request line and headers. */
 static enum MHD_Result on_headers(http_req *r)
 {
@@ -356,6 +418,14 @@ static enum MHD_Result on_headers(http_req *r)
                                     HTTP_NAME_MAX);
         }
     }
+    /* every route reads an argument once (http_query takes the first):
+     * a second one is refused, not ignored */
+    const char *dup = repeated_arg(r);
+    if (dup && !*dup)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory reading the query");
+    if (dup)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
+                                "query argument '%.64s' is given more than once: give it once", dup);
     r->expect_len = UINT64_MAX;
     if (rt->flags & HTTP_ROUTE_BODY)
         return body_headers(r);
@@ -495,7 +565,7 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         r->bytes_in += n;
         *upload_data_size = 0;
         if (body_too_slow(r)) {
-            log_info("%s: %s %s: the body trickles in (%llu bytes so far): closing the connection", s->name,
+            log_info("%s: %s %s: the body trickles in (%llu bytes so far): closing the connection", s->logname,
                      r->method, r->route ? r->route->path : "?", (unsigned long long)r->bytes_in);
             return MHD_NO;
         }
@@ -571,7 +641,7 @@ int http_server_start(http_server *s, char *err, size_t errlen)
     if (c->threads > 1)
         opts[n++] = (struct MHD_OptionItem){MHD_OPTION_THREAD_POOL_SIZE, c->threads, NULL};
     /* slowloris: a deadline for request heads, beside the idle timeout */
-    if (!(s->conns = conntrack_start((int)c->header_timeout_secs, (int)c->max_conns))) {
+    if (!(s->conns = conntrack_start(s->logname, (int)c->header_timeout_secs, (int)c->max_conns))) {
         snprintf(err, errlen, "cannot start the %s's connection tracker: %s", s->name, strerror(errno));
         return -1;
     }
@@ -671,7 +741,7 @@ int http_query_int(http_req *r, const char *name, long long max, long long *out)
 enum MHD_Result http_reply_response(http_req *r, unsigned status, struct MHD_Response *resp, uint64_t len)
 {
     if (!resp) {
-        log_error("%s: cannot build a response for %s %s", r->server->name, r->method, r->url);
+        log_error("%s: cannot build a response for %s %s", r->server->logname, r->method, r->url);
         return MHD_NO;
     }
     r->bytes_out = len;

@@ -16,7 +16,9 @@
  *   3. the bearer token (common/token.h), when the server has one and the
  *      route needs it: 401 with WWW-Authenticate: Bearer;
  *   4. a route with {name}: the module's check_name hook (or 1 to
- *      HTTP_NAME_MAX bytes: 400);
+ *      HTTP_NAME_MAX bytes: 400); then a query argument given more than
+ *      once (names compared without case, as http_query's lookup does:
+ *      400 naming it; no route takes repeats, http_query reads the first);
  *   5. a body route: one Content-Length at most, digits only (400),
  *      Transfer-Encoding chunked or none (400), the body limit (413 before a
  *      byte is read), then the route's before_body hook, which may answer,
@@ -174,6 +176,12 @@ struct http_req {
 
 typedef struct http_server_config {
     const char *name;           /* "psd", "ring endpoint": log lines */
+    /* The program, for the layer's log lines (the connection tracker's
+     * closes, a body that trickles in): "PROGRAM: " and "NAME: " after it
+     * when the name differs ("psd: closed ..."; "workerd: ring endpoint:
+     * closed ..."). NULL: the process's own name
+     * (program_invocation_short_name: workerd, psd, ring_allreduce). */
+    const char *program;
     /* Where to listen: a bound, listening socket (>= 0; the server closes
      * it when it stops), else bind_addr (an AF_INET or AF_INET6 address
      * with its port; 0: any free port) */

@@ -788,6 +788,28 @@ def test_bad_long_poll_query(srv, query, word):
     check(p, before, r, 400, word)
 
 
+def test_repeated_query_argument(srv):
+    """Issue 37: '?min_step=5&min_step=7' took the first (a pull parked for
+    step 5, the 7 unseen): a repeated argument is 400 naming it, at once, on
+    every route (also a body route, before its body is read); nothing changed."""
+    p, before = srv
+    for path, word in (("/v1/params?min_step=5&min_step=7", "min_step"),
+                       ("/v1/params?timeout_ms=10&min_step=5&TIMEOUT_MS=20", "timeout_ms"),
+                       ("/v1/vars/w?format=json&format=raw", "format"),
+                       ("/v1/history?since=0&since=1", "since")):
+        t0 = time.time()
+        r = curl_req("GET", p.url + path)
+        assert time.time() - t0 < 2, path
+        msg = check(p, before, r, 400, "more than once")
+        assert f"'{word}'" in msg.lower(), (path, msg)
+    body = st_grads([("b", np.ones(4, np.float32))], meta={"worker": "0", "step": "1"})
+    r = curl_req("POST", p.url + "/v1/grads?x=1&x=2", data=body)
+    check(p, before, r, 400, "'x' is given more than once")
+    # once each: served as before
+    st, _, out = http("GET", p.url + "/v1/params?min_step=0&timeout_ms=10")
+    assert st == 200, out
+
+
 def test_server_survives_everything(srv):
     """A burst of mixed bad requests (keep-alive where the server keeps the
     connection, a new one where it closes it): each answered, nothing changed."""

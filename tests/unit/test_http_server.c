@@ -3,7 +3,10 @@
  * each handler with its own module's context; 404, 405 with Allow, 401 with
  * WWW-Authenticate; a body echoed byte for byte; a body refused with 413
  * before it is read; a body into a caller's buffer, and one that ends
- * short; the range-checked query helper; %XX in a {name}. */
+ * short; the range-checked query helper; %XX in a {name}; a chunked body
+ * past its announced length never copied (a canary after a buffer of the
+ * exact size); a repeated query argument refused; the connection
+ * tracker's log lines named for the program. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,7 +19,9 @@
 #include <curl/curl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <fcntl.h>
 #include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "http_server.h"
@@ -66,6 +71,90 @@ static enum MHD_Result h_fixed(http_req *r)
                                0);
 }
 
+/* ---- module C: bodies in buffers of exactly the size asked, a canary after ---- */
+
+#define CANARY 64
+static int canary_broken, canary_allocs;
+
+typedef struct exact_buf {
+    size_t cap;
+    unsigned char data[];
+} exact_buf;
+
+static void *exact_alloc(void *cls, size_t cap, unsigned char **data, size_t *got)
+{
+    (void)cls;
+    exact_buf *b = malloc(sizeof(*b) + cap + CANARY);
+    if (!b)
+        return NULL;
+    b->cap = cap;
+    memset(b->data + cap, 0xA5, CANARY);
+    canary_allocs++;
+    *data = b->data;
+    *got = cap;
+    return b;
+}
+
+static void exact_check(exact_buf *b)
+{
+    for (size_t i = 0; i < CANARY; i++)
+        if (b->data[b->cap + i] != 0xA5)
+            canary_broken++;
+}
+
+static void *exact_grow(void *cls, void *h, size_t used, size_t cap, unsigned char **data, size_t *got)
+{
+    exact_buf *old = h;
+    exact_check(old);
+    unsigned char *d;
+    exact_buf *b = exact_alloc(cls, cap, &d, got);
+    if (!b)
+        return NULL;
+    memcpy(b->data, old->data, used);
+    free(old);
+    *data = b->data;
+    return b;
+}
+
+static void exact_release(void *cls, void *h)
+{
+    (void)cls;
+    exact_check(h);
+    free(h);
+}
+
+static const http_body_ops exact_ops = {exact_alloc, exact_grow, NULL, exact_release, NULL};
+
+static int shaped_hits;
+static unsigned char into_buf[8 + CANARY];
+
+/* as psd's PUT /v1/vars/{name}: X-Shape says 8 bytes, a chunked body has no
+ * Content-Length, so the hook announces the length itself */
+static enum MHD_Result shaped_begin(http_req *r)
+{
+    if (r->expect_len != UINT64_MAX && r->expect_len != 8)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "8 bytes, not %llu", (unsigned long long)r->expect_len);
+    r->expect_len = 8;
+    return MHD_YES;
+}
+
+static enum MHD_Result h_shaped(http_req *r)
+{
+    shaped_hits++;
+    return h_echo(r);
+}
+
+static enum MHD_Result into_begin(http_req *r)
+{
+    http_body_into(r, into_buf, 8);
+    return MHD_YES;
+}
+
+static const http_route routes_c[] = {
+    {"POST", "/c/shaped", HTTP_ROUTE_BODY, 0, shaped_begin, h_shaped, "8 bytes, announced by the hook"},
+    {"POST", "/c/into", HTTP_ROUTE_BODY, HTTP_BODY_UNLIMITED, into_begin, h_shaped, "8 bytes, into a buffer"},
+};
+
 static const http_route routes_a[] = {
     {"GET", "/a", 0, 0, NULL, h_who, "who serves /a"},
     {"GET", "/a/{name}/x", HTTP_ROUTE_AUTH, 0, NULL, h_who, "a name, behind the token"},
@@ -78,7 +167,7 @@ static const http_route routes_b[] = {
     {"POST", "/b/fixed", HTTP_ROUTE_BODY, HTTP_BODY_UNLIMITED, fixed_begin, h_fixed, "8 bytes, into a buffer"},
 };
 
-static mod_ctx ctx_a = {"a", {0}, 0}, ctx_b = {"b", {0}, 0};
+static mod_ctx ctx_a = {"a", {0}, 0}, ctx_b = {"b", {0}, 0}, ctx_c = {"c", {0}, 0};
 static http_server *srv;
 static int port;
 
@@ -107,6 +196,9 @@ static int setup(void **state)
     http_module b = {.name = "b", .routes = routes_b, .n_routes = 3, .ctx = &ctx_b, .max_body = 1 << 20};
     assert_int_equal(http_server_add(srv, &a, err, sizeof(err)), 0);
     assert_int_equal(http_server_add(srv, &b, err, sizeof(err)), 0);
+    http_module c3 = {.name = "c", .routes = routes_c, .n_routes = 2, .ctx = &ctx_c, .max_body = 1 << 20,
+                      .body = &exact_ops, .length_header = "X-Shape"};
+    assert_int_equal(http_server_add(srv, &c3, err, sizeof(err)), 0);
     /* the same method and path twice: refused, naming the module */
     assert_int_equal(http_server_add(srv, &a, err, sizeof(err)), -1);
     assert_non_null(strstr(err, "served by a"));
@@ -353,9 +445,10 @@ static void test_escapes_decode_in_a_name_but_percent_00_stays(void **state)
 
 /* ---- raw heads ---- */
 
-/* The status of the answer to raw (len bytes) on a new connection, and in
- * *closed whether the server then closed it; 0 when no answer came. */
-static int raw_status(const char *raw, size_t len, int *closed)
+/* The answer to raw (len bytes) on a new connection into out (cap bytes,
+ * NUL-terminated), its status returned, and in *closed whether the server
+ * then closed it; 0 when no answer came. */
+static int raw_answer(const char *raw, size_t len, int *closed, char *out, size_t cap)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
@@ -367,17 +460,23 @@ static int raw_status(const char *raw, size_t len, int *closed)
     struct timeval tv = {2, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     assert_int_equal(send(fd, raw, len, MSG_NOSIGNAL), (ssize_t)len);
-    char buf[4096];
+    char *buf = out;
     size_t got = 0;
-    ssize_t n;
+    ssize_t n = -1;
     *closed = 0;
-    while (got < sizeof(buf) - 1 && (n = recv(fd, buf + got, sizeof(buf) - 1 - got, 0)) > 0)
+    while (got < cap - 1 && (n = recv(fd, buf + got, cap - 1 - got, 0)) > 0)
         got += (size_t)n;
     *closed = n == 0;
     close(fd);
     buf[got] = '\0';
     int st = 0;
     return sscanf(buf, "HTTP/1.%*d %d", &st) == 1 ? st : 0;
+}
+
+static int raw_status(const char *raw, size_t len, int *closed)
+{
+    char buf[4096];
+    return raw_answer(raw, len, closed, buf, sizeof(buf));
 }
 
 #define RAW(s) s, sizeof(s) - 1
@@ -424,6 +523,176 @@ static void test_a_nul_before_a_separator_is_refused(void **state)
     }
 }
 
+/* issue 37: a chunked body whose last piece runs past the length announced
+ * (by a before_body hook, as X-Shape does; or a caller's buffer) is refused
+ * before that piece is copied: the bytes past the 8 announced are never
+ * written (a canary right after a buffer of exactly the size asked, and
+ * after the caller's buffer), the handler never runs, 400 says so. The
+ * same body of exactly 8 bytes in two pieces is taken whole. */
+static void test_a_chunked_body_past_its_announced_length_is_never_copied(void **state)
+{
+    (void)state;
+    static const char over[] = "POST /c/shaped HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                               "Transfer-Encoding: chunked\r\n\r\n"
+                               "5\r\nabcde\r\n7\r\nfghijkl\r\n0\r\n\r\n";
+    static const char fits[] = "POST /c/shaped HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                               "Transfer-Encoding: chunked\r\n\r\n"
+                               "5\r\nabcde\r\n3\r\nfgh\r\n0\r\n\r\n";
+    char ans[4096];
+    int closed;
+    canary_broken = canary_allocs = shaped_hits = 0;
+    assert_int_equal(raw_answer(over, sizeof(over) - 1, &closed, ans, sizeof(ans)), 400);
+    if (!strstr(ans, "body is longer than the 8 bytes expected (Content-Length or X-Shape)"))
+        fail_msg("answer: %s", ans);
+    assert_true(canary_allocs > 0);
+    if (canary_broken)
+        fail_msg("%d bytes past the 8 announced were written", canary_broken);
+    assert_int_equal(shaped_hits, 0);
+    /* one piece of 12 at once */
+    static const char one[] = "POST /c/shaped HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                              "Transfer-Encoding: chunked\r\n\r\nc\r\nabcdefghijkl\r\n0\r\n\r\n";
+    assert_int_equal(raw_answer(one, sizeof(one) - 1, &closed, ans, sizeof(ans)), 400);
+    assert_int_equal(canary_broken, 0);
+    assert_int_equal(shaped_hits, 0);
+    assert_int_equal(raw_answer(fits, sizeof(fits) - 1, &closed, ans, sizeof(ans)), 200);
+    assert_int_equal(shaped_hits, 1);
+    assert_non_null(strstr(ans, "\r\n\r\nabcdefgh"));
+    assert_int_equal(canary_broken, 0);
+
+    /* into a caller's buffer: the same */
+    memset(into_buf, 0xA5, sizeof(into_buf));
+    static const char into[] = "POST /c/into HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                               "Transfer-Encoding: chunked\r\n\r\n"
+                               "5\r\nabcde\r\n7\r\nfghijkl\r\n0\r\n\r\n";
+    assert_int_equal(raw_answer(into, sizeof(into) - 1, &closed, ans, sizeof(ans)), 400);
+    if (!strstr(ans, "longer than the 8 bytes expected"))
+        fail_msg("answer: %s", ans);
+    for (size_t i = 8; i < sizeof(into_buf); i++)
+        if (into_buf[i] != 0xA5)
+            fail_msg("byte %zu past the caller's 8 was written", i);
+    assert_int_equal(shaped_hits, 1);
+}
+
+/* issue 37: "?v=5&v=7" read as 5 and the 7 went unseen: a repeated query
+ * argument is 400 naming it, on every route (the lookup is the layer's),
+ * compared as the lookup compares (without case); distinct ones and empty
+ * segments are fine. */
+static void test_a_repeated_query_argument_is_refused(void **state)
+{
+    (void)state;
+    char v[256];
+    static const char *const twice[] = {"/int?v=5&v=7", "/int?v=5&V=7", "/int?v&v=1", "/b/w?x=1&y=2&x=1",
+                                        "/int?a=1&b=2&c=3&d=4&e=5&f=6&g=7&h=8&i=9&j=10&k=11&l=12&m=13&n=14&o=15"
+                                        "&p=16&q=17&r=18&s=19&t=20&u=21&w=22&x=23&y=24&z=25&aa=26&bb=27&cc=28"
+                                        "&dd=29&ee=30&ff=31&gg=32&hh=33&v=1&v=2"};
+    static const char *const named[] = {"'v'", "'v'", "'v'", "'x'", "'v'"};
+    for (size_t i = 0; i < sizeof(twice) / sizeof(twice[0]); i++) {
+        reply r = request("GET", twice[i], NULL, NULL, 0);
+        json_str(r.body, "error", v, sizeof(v));
+        if (r.status != 400 || !strcasestr(v, named[i]) || !strstr(v, "more than once"))
+            fail_msg("%s: %ld %s", twice[i], r.status, v);
+    }
+    /* a body route: refused before the body is read, the handler not run */
+    reply r = request("POST", "/b/fixed?n=1&n=2", NULL, "12345678", 8);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(json_str(r.body, "error", v, sizeof(v)), "'n' is given more than once"));
+    assert_int_equal(ctx_b.fixed_hits, 1);
+    r = request("GET", "/int?v=5&w=7&&x=", NULL, NULL, 0);
+    assert_int_equal(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_non_null(j);
+    assert_int_equal(json_integer_value(json_object_get(j, "v")), 5);
+    json_decref(j);
+}
+
+/* ---- the layer's log lines: the program's name ---- */
+
+/* Starts a server (name, max_conns 4: the tracker makes room past 3),
+ * opens 4 idle connections, and returns what the layer logged meanwhile
+ * (stderr, into out). */
+static void eviction_log(const char *name, const char *program, char *out, size_t cap)
+{
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    http_server_config c = {.name = name, .listen_fd = -1, .bind_addr = (struct sockaddr *)&sa, .threads = 1,
+                            .idle_timeout_secs = 30, .header_timeout_secs = 30, .max_conns = 4,
+                            .conn_memory = 64 * 1024};
+#ifndef TEST_BEFORE_PROGRAM
+    c.program = program;
+#else
+    (void)program;
+#endif
+    char err[256];
+    http_server *s = http_server_new(&c, err, sizeof(err));
+    assert_non_null(s);
+    http_module m = {.name = "a", .routes = routes_a, .n_routes = 1, .ctx = &ctx_a};
+    assert_int_equal(http_server_add(s, &m, err, sizeof(err)), 0);
+    int p = http_server_start(s, err, sizeof(err));
+    assert_true(p > 0);
+    char path[] = "/tmp/test_http_server_log.XXXXXX";
+    int log = mkstemp(path);
+    assert_true(log >= 0);
+    unlink(path);
+    fflush(stderr);
+    int saved = dup(2);
+    assert_true(saved >= 0);
+    assert_true(dup2(log, 2) == 2);
+    int fds[4];
+    sa.sin_port = htons((uint16_t)p);
+    for (int i = 0; i < 4; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        assert_true(fds[i] >= 0);
+        assert_int_equal(connect(fds[i], (struct sockaddr *)&sa, sizeof(sa)), 0);
+        struct timespec t = {0, 20 * 1000000L}; /* accepted in this order */
+        nanosleep(&t, NULL);
+    }
+    ssize_t n = 0;
+    for (int tries = 0; tries < 60; tries++) { /* the tracker logs every 250 ms */
+        struct timespec t = {0, 50 * 1000000L};
+        nanosleep(&t, NULL);
+        n = pread(log, out, cap - 1, 0);
+        if (n > 0 && memchr(out, '\n', (size_t)n))
+            break;
+    }
+    dup2(saved, 2);
+    close(saved);
+    close(log);
+    out[n > 0 ? n : 0] = '\0';
+    for (int i = 0; i < 4; i++)
+        close(fds[i]);
+    http_server_free(s);
+}
+
+/* issue 37: a workerd endpoint's eviction lines said "psd:": the tracker
+ * logs as the program that runs it (here the test's own name, as workerd's
+ * ring endpoint says "workerd: ring endpoint:"). */
+static void test_the_trackers_lines_name_the_program(void **state)
+{
+    (void)state;
+    char out[2048];
+    eviction_log("ring endpoint", NULL, out, sizeof(out));
+    if (!strstr(out, " test_http_server: ring endpoint: ") || !strstr(out, "connections open, over 3: closed 1") ||
+        strstr(out, "psd:"))
+        fail_msg("log: %s", out);
+}
+
+#ifndef TEST_BEFORE_PROGRAM
+/* psd's lines stay as they were: "psd: 3 connections open, ..."; a
+ * program named by the caller comes first, then the server's name */
+static void test_the_trackers_lines_keep_psds_words(void **state)
+{
+    (void)state;
+    char out[2048];
+    eviction_log("psd", "psd", out, sizeof(out));
+    if (!strstr(out, "info psd: ") || !strstr(out, " connections open, over 3: closed 1 that had no request in progress"))
+        fail_msg("log: %s", out);
+    eviction_log("stage", "workerd", out, sizeof(out));
+    if (!strstr(out, "info workerd: stage: ") || !strstr(out, " connections open, over 3"))
+        fail_msg("log: %s", out);
+}
+#endif
+
 int main(void)
 {
     curl_global_init(CURL_GLOBAL_DEFAULT);
@@ -436,6 +705,12 @@ int main(void)
         cmocka_unit_test(test_query_int_is_digits_only_and_range_checked),
         cmocka_unit_test(test_escapes_decode_in_a_name_but_percent_00_stays),
         cmocka_unit_test(test_a_nul_before_a_separator_is_refused),
+        cmocka_unit_test(test_a_chunked_body_past_its_announced_length_is_never_copied),
+        cmocka_unit_test(test_a_repeated_query_argument_is_refused),
+        cmocka_unit_test(test_the_trackers_lines_name_the_program),
+#ifndef TEST_BEFORE_PROGRAM
+        cmocka_unit_test(test_the_trackers_lines_keep_psds_words),
+#endif
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
     curl_global_cleanup();
