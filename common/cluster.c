@@ -77,23 +77,25 @@ int cluster_parse_addr(const char *s, cluster_addr *out, char *err, size_t errle
         snprintf(err, errlen, "malformed address '%.64s...': host too long", s);
         return -1;
     }
+    if (!port) {
+        snprintf(err, errlen, "malformed address '%s': no port (want %s)", s,
+                 s[0] == '[' ? "[v6]:port" : "host:port");
+        return -1;
+    }
     memcpy(out->host, host, hl);
     out->host[hl] = '\0';
-    out->port = CLUSTER_DEFAULT_PORT;
-    if (port) {
-        if (*port < '0' || *port > '9') {
-            snprintf(err, errlen, "malformed address '%s': port is not a number", s);
-            return -1;
-        }
-        errno = 0;
-        char *end;
-        long v = strtol(port, &end, 10);
-        if (*end != '\0' || errno || v < 1 || v > 65535) {
-            snprintf(err, errlen, "malformed address '%s': port must be 1-65535", s);
-            return -1;
-        }
-        out->port = (int)v;
+    if (*port < '0' || *port > '9') {
+        snprintf(err, errlen, "malformed address '%s': port is not a number", s);
+        return -1;
     }
+    errno = 0;
+    char *end;
+    long v = strtol(port, &end, 10);
+    if (*end != '\0' || errno || v < 1 || v > 65535) {
+        snprintf(err, errlen, "malformed address '%s': port must be 1-65535", s);
+        return -1;
+    }
+    out->port = (int)v;
     return 0;
 }
 
@@ -265,10 +267,16 @@ int cluster_spec_build(const cluster_input *in, cluster_spec *out, char *err, si
     }
     out->task_index = in->task_index >= 0 ? in->task_index : tf_index >= 0 ? tf_index : 0;
 
-    /* The single-machine default, as the original example: one ps on localhost. */
-    if (out->jobs[JOB_PS].n == 0 && !(in->tf_config && *in->tf_config) &&
-        job_from_list(&out->jobs[JOB_PS], "localhost:2222", "default ps", err, errlen))
-        goto fail;
+    /* The single-machine default, as the original example: one ps on localhost
+     * (not for a task that needs none: its own address may well be that one). */
+    if (out->jobs[JOB_PS].n == 0 && !in->ps_hosts && !(in->tf_config && *in->tf_config) &&
+        !in->no_default_ps) {
+        char def[32];
+        snprintf(def, sizeof(def), "localhost:%d", CLUSTER_DEFAULT_PORT);
+        if (job_from_list(&out->jobs[JOB_PS], def, "default ps", err, errlen))
+            goto fail;
+        out->ps_default = 1;
+    }
     if (out->jobs[JOB_CHIEF].n > 1) {
         snprintf(err, errlen, "the chief job has %d tasks, at most 1 is allowed",
                  out->jobs[JOB_CHIEF].n);

@@ -193,7 +193,7 @@ static int parse_flags(psd_flags *o, int argc, char **argv)
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
-    int fr = flags_parse(flags, nflags, argc, argv, err, sizeof(err));
+    int fr = flags_parse_prog("psd", flags, nflags, argc, argv, err, sizeof(err));
     if (fr == 1) {
         flags_help(stdout,
                    "usage: psd [flags]\n"
@@ -204,7 +204,7 @@ static int parse_flags(psd_flags *o, int argc, char **argv)
         return 0;
     }
     if (fr < 0) {
-        fprintf(stderr, "psd: %s (see psd --help)\n", err);
+        fprintf(stderr, "psd: %s\n", err); /* the hint is in err */
         return 2;
     }
     if (o->print_routes) {

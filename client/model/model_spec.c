@@ -112,6 +112,8 @@ static int parse_stride_padding(const char *p, int *stride, int *same)
     return *p ? -1 : 0;
 }
 
+#define WANT_AN_ITEM "want conv:KHxKWxC, pool:K, dense:N or dropout:R"
+
 /* One list item (NUL-terminated text) into it; the message says what it wants. */
 static int parse_item(const char *s, item *it, const char **want)
 {
@@ -161,7 +163,7 @@ static int parse_item(const char *s, item *it, const char **want)
         it->rate = (float)r;
         return 0;
     }
-    *want = "want conv:KHxKWxC, pool:K, dense:N or dropout:R";
+    *want = WANT_AN_ITEM;
     return -1;
 }
 
@@ -351,9 +353,17 @@ static int build_list(builder *b, const char *list)
             return errmsg(b->err, b->errlen, "model \"%s\": more than %d items", b->spec,
                           MODEL_MAX_ITEMS);
         const char *want = "";
-        if (parse_item(tok, &items[n], &want) != 0)
+        if (parse_item(tok, &items[n], &want) != 0) {
+            if (n == 0 && strcmp(want, WANT_AN_ITEM) == 0) /* not a spec at all: its forms */
+                return errmsg(b->err, b->errlen,
+                              "model \"%s\": item 1 \"%s\" is not a model: want mlp:H1,H2,... (e.g. mlp:100; "
+                              "mlp: alone is softmax regression), cnn, or a layer list of conv:KHxKWxC[/S][:same|:valid], "
+                              "pool:K[/S][:same|:valid], dense:N and dropout:R ending in dense:%d "
+                              "(e.g. conv:5x5x32,pool:2,dense:128,dense:%d)",
+                              b->spec, tok, b->ly->n_classes, b->ly->n_classes);
             return errmsg(b->err, b->errlen, "model \"%s\": item %d \"%s\": %s", b->spec, n + 1, tok,
                           want);
+        }
         texts[n++] = tok;
     }
     const item *last = &items[n - 1];
@@ -461,8 +471,10 @@ int model_layout_init(model_layout *layout, const char *spec, model_shape input,
     memset(layout, 0, sizeof(*layout));
     if (!spec)
         return errmsg(err, errlen, "model: no spec");
-    if (strlen(spec) >= MODEL_SPEC_MAX)
-        return errmsg(err, errlen, "model: the spec is longer than %d bytes", MODEL_SPEC_MAX - 1);
+    size_t spec_len = strlen(spec);
+    if (spec_len >= MODEL_SPEC_MAX)
+        return errmsg(err, errlen, "model \"%.40s...\": %zu bytes: a spec has at most %d bytes", spec,
+                      spec_len, MODEL_SPEC_MAX - 1);
     for (const char *p = spec; *p; p++)
         if (*p <= ' ' || *p > '~')
             return errmsg(err, errlen, "model \"%s\": a space or control character at byte %d",

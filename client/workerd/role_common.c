@@ -115,7 +115,12 @@ void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, 
                 exit(0);
             }
             if (clk_mono_secs() - last_said > 5) {
-                printf("%s: waiting for %s: %s\n", c->name, what, ps_error(pc));
+                const cluster_addr *d = c->cluster->ps_default ? &c->cluster->jobs[JOB_PS].tasks[0] : NULL;
+                if (d) /* say that nobody asked for this address */
+                    printf("%s: waiting for %s, ps 0 at %s:%d (the default: no --ps_hosts or TF_CONFIG given): %s\n",
+                           c->name, what, d->host, d->port, ps_error(pc));
+                else
+                    printf("%s: waiting for %s: %s\n", c->name, what, ps_error(pc));
                 fflush(stdout);
                 last_said = clk_mono_secs();
             }

@@ -119,6 +119,7 @@ static int configure_model(train_config *c, const workerd_flags *f)
     /* --hidden_units=H is --model=mlp:H; the images are 28 x 28 x 1
      * (train_load checks the data against it) */
     char spec[MODEL_SPEC_MAX];
+    const char *given = f->model_s ? f->model_s : MODEL_DEFAULT_SPEC;
     if (f->hidden_s && f->model_s) {
         fprintf(stderr, "workerd: --hidden_units and --model both given: --hidden_units=H is --model=mlp:H\n");
         return 2;
@@ -129,9 +130,9 @@ static int configure_model(train_config *c, const workerd_flags *f)
     }
     if (f->hidden_s)
         snprintf(spec, sizeof(spec), "mlp:%s", f->hidden_s);
-    else
-        snprintf(spec, sizeof(spec), "%s", f->model_s ? f->model_s : MODEL_DEFAULT_SPEC);
-    if (model_layout_init(&c->layout, spec, (model_shape){28, 28, 1}, IDX_N_CLASSES, err, sizeof(err)) != 0) {
+    /* --model as given: a copy would cut a long one to another model */
+    if (model_layout_init(&c->layout, f->hidden_s ? spec : given, (model_shape){28, 28, 1}, IDX_N_CLASSES, err,
+                          sizeof(err)) != 0) {
         fprintf(stderr, "workerd: --%s: %s\n", f->hidden_s ? "hidden_units" : "model", err);
         return 2;
     }
@@ -307,7 +308,10 @@ static int configure_cluster(train_config *c, const workerd_flags *f, cluster_sp
                         .worker_hosts = f->worker_hosts ? f->worker_hosts : (tf && *tf ? NULL : "localhost:2223"),
                         .chief_hosts = f->chief_hosts,
                         .tf_config = tf,
-                        .default_job = "worker"};
+                        .default_job = "worker",
+                        /* the ring and a pipeline without the ps use no ps: localhost:2222 is
+                         * then no default ps (it may be a worker's own address) */
+                        .no_default_ps = c->ring || (f->pipeline_stages && strcmp(f->pipeline_updates, "ps") != 0)};
     if (cluster_spec_build(&in, cs, err, sizeof(err)) != 0) {
         fprintf(stderr, "workerd: %s\n", err);
         return 2;

@@ -95,7 +95,7 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
     };
     int nflags = (int)(sizeof(flags) / sizeof(flags[0]));
     char err[512];
-    int fr = flags_parse(flags, nflags, argc, argv, err, sizeof(err));
+    int fr = flags_parse_prog("workerd", flags, nflags, argc, argv, err, sizeof(err));
     if (fr == 1) {
         flags_help(stdout,
                    "usage: workerd [flags]\n"
@@ -125,7 +125,7 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
         return 0;
     }
     if (fr < 0) {
-        fprintf(stderr, "workerd: %s (see workerd --help)\n", err);
+        fprintf(stderr, "workerd: %s\n", err); /* the hint is in err */
         return 2;
     }
     o->task_index_given = flags_get(flags, nflags, "task_index")->given;

@@ -1,19 +1,28 @@
 """psd's command line: --help lists every flag of the source's flag table; bad
 cluster input and bad flags stop it with exit 2 and one line on stderr naming
 the problem; TF_CONFIG alone places it; flags win over TF_CONFIG; --port=0
-prints where it listens; SIGTERM and SIGINT stop it with exit 0."""
+prints where it listens; SIGTERM and SIGINT stop it with exit 0.
+
+And what a new user of psd and workerd hits first (issue 37): a misspelt flag
+names the nearest one, with one hint; a --model that is no spec lists the
+forms, one over the limit is refused instead of cut; an address without a
+port is refused (flags and TF_CONFIG); a workerd waiting for the default ps
+says that it is the default; the ring (and a pipeline without the ps) have no
+default ps, so localhost:2222 may be a worker's own address."""
+import errno
 import json
 import os
 import re
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import time
 
 import pytest
 
-from conftest import ROOT, binary, http
+from conftest import ROOT, SANITIZER_MARKS, binary, http
 from procs import free_port
 
 
@@ -128,6 +137,12 @@ CLUSTER_CASES = {
                                   '"task": {"type": "worker", "index": 0}}', ["worker"]),
     "tf_config_duplicate_key": ([], '{"cluster": {"ps": ["localhost:5001"]}, '
                                     '"cluster": {"ps": ["localhost:5002"]}}', ["TF_CONFIG"]),
+    # issue 37: host:port, as docs/training.md says, from the flags as from TF_CONFIG
+    "host_port_no_port": (["--ps_hosts=h1"], None, ["--ps_hosts", "'h1'", "no port", "host:port"]),
+    "host_port_no_port_worker": (["--worker_hosts=localhost:5001,w2"], None, ["'w2'", "no port"]),
+    "tf_config_no_port": ([], '{"cluster": {"ps": ["h1"]}, "task": {"type": "ps", "index": 0}}',
+                          ["cluster.ps[0]", "'h1'", "no port", "host:port"]),
+    "tf_config_no_port_ipv6": ([], '{"cluster": {"ps": ["[::1]"]}}', ["cluster.ps[0]", "[::1]", "no port"]),
 }
 
 
@@ -308,3 +323,185 @@ def test_a_task_on_another_loopback_address_listens_there(start_psd):
             c.connect(("127.0.0.1", port))
     finally:
         c.close()
+
+
+# ------------------------------------------- a new user's first mistakes (issue 37)
+
+def clean_env():
+    e = dict(os.environ)
+    e.pop("TF_CONFIG", None)
+    return e
+
+
+def run_workerd(args, timeout=30):
+    """workerd that must exit by itself: (exit status, stdout, stderr)."""
+    r = subprocess.run([binary("workerd"), *args], capture_output=True, env=clean_env(), timeout=timeout)
+    return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+
+
+def one_line(err, prog):
+    lines = err.rstrip("\n").split("\n")
+    assert len(lines) == 1 and lines[0].startswith(prog + ": "), f"want one '{prog}: ...' line, got {err!r}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("prog,arg,want", [
+    ("workerd", "--trian_steps=5",
+     "workerd: unknown flag '--trian_steps' (did you mean --train_steps? see workerd --help)"),
+    ("workerd", "--batchsize=5", "workerd: unknown flag '--batchsize' (did you mean --batch_size? see workerd --help)"),
+    ("workerd", "--nope=1", "workerd: unknown flag '--nope' (see workerd --help)"),
+    ("psd", "--prot=0", "psd: unknown flag '--prot' (did you mean --port? see psd --help)"),
+    ("psd", "--logdri=x", "psd: unknown flag '--logdri' (did you mean --logdir? see psd --help)"),
+    ("psd", "--nope=1", "psd: unknown flag '--nope' (see psd --help)"),
+], ids=["workerd_near", "workerd_near_2", "workerd_far", "psd_near", "psd_near_2", "psd_far"])
+def test_unknown_flag_names_the_nearest_once(prog, arg, want):
+    if prog == "psd":
+        rc, out, err = run(["--port=0", arg])
+    else:
+        rc, out, err = run_workerd([arg])
+    assert rc == 2, (rc, out, err)
+    assert one_line(err, prog) == want
+
+
+def test_a_bad_value_has_one_hint():
+    rc, _, err = run_workerd(["--train_steps=five"])
+    assert rc == 2 and one_line(err, "workerd") == "workerd: --train_steps: bad value 'five' (see workerd --help)"
+
+
+@pytest.mark.parametrize("spec", ["cnnn", "mlp100", "CNN"])
+def test_model_that_is_no_spec_lists_the_forms(spec):
+    rc, out, err = run_workerd([f"--model={spec}"])
+    assert rc == 2, (rc, out, err)
+    line = one_line(err, "workerd")
+    assert f'"{spec}"' in line and "--model" in line, line
+    for form in ("mlp:H1,H2,...", "cnn", "conv:KHxKWxC", "pool:K", "dense:N", "dropout:R", "dense:10"):
+        assert form in line, f"{line!r} does not list {form!r}"
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """5,100 training images (the validation set takes 5,000) and 20 test
+    images of a pattern as raw IDX files: a run that gets as far as the data
+    needs no more."""
+    d = tmp_path_factory.mktemp("tiny-idx")
+    for kind, n in (("train", 5100), ("t10k", 20)):
+        (d / f"{kind}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) +
+                                                       (bytes(range(0, 256, 3)) * (784 * n // 86 + 1))[:784 * n])
+        (d / f"{kind}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + bytes(i % 10 for i in range(n)))
+    return str(d)
+
+
+def long_mlp(total):
+    """mlp:16,32 in `total` bytes (leading zeros); cut to 511 bytes it reads mlp:16."""
+    head = "mlp:" + "0" * 505 + "16"
+    assert len(head) == 511
+    return head + "," + "0" * (total - len(head) - 3) + "32"
+
+
+def test_model_over_the_limit_is_refused_not_cut(tiny_data, tmp_path):
+    spec = long_mlp(600)
+    assert len(spec) == 600
+    rc, out, err = run_workerd(["--local", f"--model={spec}", f"--data_dir={tiny_data}", "--train_steps=1",
+                                "--batch_size=10", "--log_every=0"])
+    assert rc == 2, f"a 600-byte --model ran (cut to another model?): {rc} {out[-500:]} {err}"
+    line = one_line(err, "workerd")
+    assert "--model" in line and "600 bytes" in line and "at most 511" in line, line
+    # the limit itself is allowed: 511 bytes train mlp:16 (the export says which model)
+    export = tmp_path / "m.safetensors"
+    rc, out, err = run_workerd(["--local", f"--model={spec[:511]}", f"--data_dir={tiny_data}", "--train_steps=1",
+                                "--batch_size=10", "--log_every=0", f"--export={export}"], timeout=60)
+    assert rc == 0, (out[-1000:], err)
+    raw = export.read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header["__metadata__"]["model"] == "mlp:16", header["__metadata__"]
+
+
+def read_until(proc, marker, timeout):
+    """proc's stdout until a line with marker (returned), EOF or timeout (AssertionError)."""
+    out = b""
+    deadline = time.time() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.time() < deadline:
+            if sel.select(timeout=0.05):
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                out += chunk
+                for line in out.decode(errors="replace").splitlines(True):
+                    if marker in line and line.endswith("\n"):
+                        return line
+                if not chunk:
+                    break
+    raise AssertionError(f"no line with {marker!r} in {timeout} s (exit {proc.poll()}): "
+                         f"{out.decode(errors='replace')[-2000:]!r}")
+
+
+def stop(proc):
+    """SIGKILL by PID; its stderr, checked for sanitizer reports."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=20)
+    for mark in SANITIZER_MARKS:
+        assert mark not in (out + err).decode(errors="replace")
+    return err.decode(errors="replace")
+
+
+@pytest.fixture
+def port_2222_refused():
+    """Nobody answers on localhost:2222 while the test runs: the port held by
+    sockets bound there that never listen (a connection is refused)."""
+    held = []
+    try:
+        for fam, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            try:
+                s = socket.socket(fam, socket.SOCK_STREAM)
+            except OSError:
+                continue  # no IPv6 here
+            held.append(s)
+            try:
+                s.bind((addr, 2222))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    pytest.skip(f"{addr}:2222 is in use here: the default ps's address cannot be held")
+                # no ::1 here: nothing can answer there either
+        yield
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["default", "given"])
+def test_waiting_for_the_default_ps_says_so(tiny_data, port_2222_refused, given):
+    args = [f"--worker_hosts=localhost:{free_port()}", f"--data_dir={tiny_data}", "--batch_size=10",
+            "--recovery_wait_secs=0.1", "--timeout_ms=500"]
+    if given:
+        args.append("--ps_hosts=localhost:2222")  # the same address, asked for
+    p = subprocess.Popen([binary("workerd"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=clean_env())
+    try:
+        line = read_until(p, "waiting for", 30)
+    finally:
+        stop(p)
+    assert "waiting for the ps tasks" in line and "ps 0 (localhost:2222)" in line, line
+    default = "ps 0 at localhost:2222 (the default: no --ps_hosts or TF_CONFIG given)"
+    assert (default in line) == (not given), line
+
+
+@pytest.mark.parametrize("mode", [["--allreduce=ring"], ["--pipeline_stages=2", "--micro_batches=2", "--model=mlp:8"]],
+                         ids=["ring", "pipeline_local"])
+def test_no_default_ps_without_the_ps(tiny_data, tmp_path, mode):
+    """docs/ring.md and docs/pipeline.md: the ps flags are ignored there, so
+    localhost:2222 (the default ps's) may be worker 0's address. Worker 1 starts
+    (its start line) and waits for worker 0; it is killed then."""
+    me = free_port()
+    p = subprocess.Popen([binary("workerd"), *mode, "--task_index=1", f"--worker_hosts=localhost:2222,localhost:{me}",
+                          f"--data_dir={tiny_data}", "--batch_size=10", f"--logdir={tmp_path}", "--train_steps=2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+    err = ""
+    try:
+        line = read_until(p, "serving the ring on" if "--allreduce=ring" in mode else "pipeline stage 1 of 2", 30)
+    except AssertionError:
+        err = stop(p)
+        raise AssertionError(f"worker 1 did not start: {err!r}")
+    err = stop(p)
+    assert "worker 1" in line, line
+    assert "given twice" not in err, err

@@ -92,7 +92,7 @@ static void test_flags_only(void **state)
     in.job_name = "worker";
     in.task_index = 1;
     in.ps_hosts = "ps0.example.com:2222,ps1.example.com:2222";
-    in.worker_hosts = "10.0.0.1:2222,10.0.0.2:2223,w3";
+    in.worker_hosts = "10.0.0.1:2222,10.0.0.2:2223,w3:2222";
     in.chief_hosts = "chief:2224";
     cluster_spec c;
     build_ok(&in, &c);
@@ -104,7 +104,7 @@ static void test_flags_only(void **state)
     assert_int_equal(c.jobs[JOB_WORKER].n, 3);
     expect_addr(&c.jobs[JOB_WORKER].tasks[0], "10.0.0.1", 2222);
     expect_addr(&c.jobs[JOB_WORKER].tasks[1], "10.0.0.2", 2223);
-    expect_addr(&c.jobs[JOB_WORKER].tasks[2], "w3", 2222); /* no port = 2222 */
+    expect_addr(&c.jobs[JOB_WORKER].tasks[2], "w3", 2222);
     assert_int_equal(c.jobs[JOB_CHIEF].n, 1);
     expect_addr(&c.jobs[JOB_CHIEF].tasks[0], "chief", 2224);
     expect_addr(cluster_self(&c), "10.0.0.2", 2223);
@@ -259,6 +259,9 @@ static void test_errors(void **state)
         "[::1]:0",        /* port 0 */
         "[fe80::1%eth0]:1", /* not an IPv6 literal character */
         "a:1,a:1",        /* the same address twice */
+        "h1",             /* no port (issue 37): host:port, as the docs say */
+        "a:1,h1",         /* no port, the second entry */
+        "[::1]",          /* no port after an IPv6 literal */
     };
     for (size_t i = 0; i < sizeof(bad_lists) / sizeof(bad_lists[0]); i++) {
         in = none("ps");
@@ -298,6 +301,10 @@ static void test_errors(void **state)
         "{\"cluster\": {\"worker\": [\"w:1\"]}}",
         /* duplicate keys */
         "{\"cluster\": {\"ps\": [\"a:1\"], \"ps\": [\"b:1\"]}}",
+        /* an entry without a port (issue 37), in any job */
+        "{\"cluster\": {\"ps\": [\"h1\"]}, \"task\": {\"type\": \"ps\", \"index\": 0}}",
+        "{\"cluster\": {\"ps\": [\"a:1\"], \"worker\": [\"w:2\", \"w3\"]}}",
+        "{\"cluster\": {\"ps\": [\"[::1]\"]}}",
     };
     for (size_t i = 0; i < sizeof(bad_tf) / sizeof(bad_tf[0]); i++) {
         in = none("ps");
@@ -327,8 +334,6 @@ static void test_parse_addr(void **state)
     char err[256];
     assert_int_equal(cluster_parse_addr("[::1]:2222", &a, err, sizeof(err)), 0);
     expect_addr(&a, "::1", 2222);
-    assert_int_equal(cluster_parse_addr("[::1]", &a, err, sizeof(err)), 0);
-    expect_addr(&a, "::1", 2222);
     assert_int_equal(cluster_parse_addr("[2001:db8::a:B]:65535", &a, err, sizeof(err)), 0);
     expect_addr(&a, "2001:db8::a:B", 65535);
     assert_int_equal(cluster_parse_addr("[::ffff:127.0.0.1]:1", &a, err, sizeof(err)), 0);
@@ -337,8 +342,6 @@ static void test_parse_addr(void **state)
     expect_addr(&a, "127.0.0.1", 80);
     assert_int_equal(cluster_parse_addr("my-host_1.local:8080", &a, err, sizeof(err)), 0);
     expect_addr(&a, "my-host_1.local", 8080);
-    assert_int_equal(cluster_parse_addr("localhost", &a, err, sizeof(err)), 0);
-    expect_addr(&a, "localhost", 2222);
     assert_int_equal(cluster_parse_addr("h:007", &a, err, sizeof(err)), 0);
     expect_addr(&a, "h", 7);
 
@@ -402,6 +405,69 @@ static void test_job_names_and_self(void **state)
     assert_null(cluster_self(&c));
 }
 
+/* issue 37: an address without a port is refused alike from --ps_hosts and
+ * from TF_CONFIG, with a message naming the entry and what is wanted */
+static void test_no_port_names_the_entry(void **state)
+{
+    (void)state;
+    cluster_spec c;
+    char err[512] = "";
+    cluster_input in = none("ps");
+    in.tf_config = "{\"cluster\":{\"ps\":[\"h1\"],\"worker\":[\"w:1\"]},\"task\":{\"type\":\"ps\",\"index\":0}}";
+    assert_int_equal(cluster_spec_build(&in, &c, err, sizeof(err)), -1);
+    assert_string_equal(err, "TF_CONFIG: cluster.ps[0]: malformed address 'h1': no port (want host:port)");
+    in = none("ps");
+    in.ps_hosts = "a:1,h1";
+    assert_int_equal(cluster_spec_build(&in, &c, err, sizeof(err)), -1);
+    assert_string_equal(err, "--ps_hosts: malformed address 'h1': no port (want host:port)");
+    in = none("worker");
+    in.worker_hosts = "[::1]";
+    assert_int_equal(cluster_spec_build(&in, &c, err, sizeof(err)), -1);
+    assert_string_equal(err, "--worker_hosts: malformed address '[::1]': no port (want [v6]:port)");
+}
+
+/* issue 37: the ps job from the default is marked so (workerd's wait says
+ * so), and a task that needs no ps (the ring) gets no default ps, so that
+ * localhost:2222 may be its own address */
+static void test_default_ps(void **state)
+{
+    (void)state;
+    cluster_spec c;
+    cluster_input in = none("worker");
+    in.worker_hosts = "localhost:2223";
+    build_ok(&in, &c);
+    assert_int_equal(c.ps_default, 1);
+    expect_addr(&c.jobs[JOB_PS].tasks[0], "localhost", 2222);
+    cluster_spec_free(&c);
+
+    in.ps_hosts = "localhost:2222"; /* the same address, given */
+    build_ok(&in, &c);
+    assert_int_equal(c.ps_default, 0);
+    cluster_spec_free(&c);
+
+    in = none("worker");
+    in.tf_config = "{\"cluster\":{\"ps\":[\"localhost:2222\"],\"worker\":[\"localhost:2223\"]}}";
+    build_ok(&in, &c);
+    assert_int_equal(c.ps_default, 0);
+    cluster_spec_free(&c);
+
+    /* a ring whose worker 0 is at the default ps's address */
+    in = none("worker");
+    in.worker_hosts = "localhost:2222,localhost:2223";
+    build_fails(&in, "worker 0 at the default ps's address, with a ps");
+    in.no_default_ps = 1;
+    build_ok(&in, &c);
+    assert_int_equal(c.jobs[JOB_PS].n, 0);
+    assert_int_equal(c.ps_default, 0);
+    expect_addr(cluster_self(&c), "localhost", 2222);
+    cluster_spec_free(&c);
+    /* a ps list given is still the cluster's, and still checked */
+    in.ps_hosts = "localhost:2223";
+    build_fails(&in, "a given ps on a worker's address");
+    in.ps_hosts = "h1";
+    build_fails(&in, "a given ps without a port");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -413,6 +479,8 @@ int main(void)
         cmocka_unit_test(test_negative_flag_index),
         cmocka_unit_test(test_parse_addr),
         cmocka_unit_test(test_job_names_and_self),
+        cmocka_unit_test(test_no_port_names_the_entry),
+        cmocka_unit_test(test_default_ps),
     };
     return cmocka_run_group_tests_name("cluster", tests, NULL, NULL);
 }

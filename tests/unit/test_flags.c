@@ -272,6 +272,60 @@ static void test_get(void **state)
     assert_null(flags_get(f, NFLAGS, "nope"));
 }
 
+/* issue 37: an unknown flag's message carries one hint, with the nearest
+ * known flag when one is close (workerd --trian_steps=5) */
+static void parse_prog_at(const char *file, int line, const char *prog, const char *arg, const char *want)
+{
+    flag f[NFLAGS];
+    vals v;
+    char err[256] = "";
+    table(f, &v);
+    char *argv[] = {"prog", (char *)arg};
+    int rc = prog ? flags_parse_prog(prog, f, NFLAGS, 2, argv, err, sizeof(err))
+                  : flags_parse(f, NFLAGS, 2, argv, err, sizeof(err));
+    if (rc != -1 || strcmp(err, want) != 0) {
+        print_error("%s %s: got %d '%s', want -1 '%s'\n", prog ? prog : "(flags_parse)", arg, rc, err, want);
+        _fail(file, line);
+    }
+}
+#define parse_prog(...) parse_prog_at(__FILE__, __LINE__, __VA_ARGS__)
+
+static void test_unknown_flag_suggests(void **state)
+{
+    (void)state;
+    /* a swap, a letter missing, one too many, one wrong, a dash, case, two edits */
+    parse_prog("workerd", "--job_nmae=ps", "unknown flag '--job_nmae' (did you mean --job_name? see workerd --help)");
+    parse_prog("workerd", "--coun=1", "unknown flag '--coun' (did you mean --count? see workerd --help)");
+    parse_prog("workerd", "--counts=1", "unknown flag '--counts' (did you mean --count? see workerd --help)");
+    parse_prog("psd", "--rote=1", "unknown flag '--rote' (did you mean --rate? see psd --help)");
+    parse_prog("psd", "--max-bytes=1", "unknown flag '--max-bytes' (did you mean --max_bytes? see psd --help)");
+    parse_prog("psd", "--COUNT=1", "unknown flag '--COUNT' (did you mean --count? see psd --help)");
+    parse_prog("psd", "--verbsoe", "unknown flag '--verbsoe' (did you mean --verbose? see psd --help)");
+    parse_prog("psd", "--mx_byte=1", "unknown flag '--mx_byte' (did you mean --max_bytes? see psd --help)");
+    /* nothing close: the hint alone, once */
+    parse_prog("workerd", "--nope=1", "unknown flag '--nope' (see workerd --help)");
+    parse_prog("workerd", "--job=ps", "unknown flag '--job' (see workerd --help)");
+    parse_prog("workerd", "--xy", "unknown flag '--xy' (see workerd --help)");
+    parse_prog("workerd", "--", "unknown flag '--' (see workerd --help)");
+    parse_prog("workerd", "--max_bytes_of_the_body=1", "unknown flag '--max_bytes_of_the_body' (see workerd --help)");
+    /* the other errors end with the hint too, once */
+    parse_prog("psd", "--count=x", "--count: bad value 'x' (see psd --help)");
+    parse_prog("psd", "--count", "--count needs a value (see psd --help)");
+    /* flags_parse, without a program's name */
+    parse_prog(NULL, "--trian=1", "unknown flag '--trian' (see --help)");
+    parse_prog(NULL, "--rat=1", "unknown flag '--rat' (did you mean --rate? see --help)");
+    parse_prog(NULL, "--count=x", "--count: bad value 'x'");
+
+    flag f[NFLAGS];
+    vals v;
+    table(f, &v);
+    assert_ptr_equal(flags_nearest(f, NFLAGS, "rat", 3), &f[3]);
+    assert_ptr_equal(flags_nearest(f, NFLAGS, "rate=9", 4), &f[3]); /* only len bytes count */
+    assert_ptr_equal(flags_nearest(f, NFLAGS, "job_name", 8), &f[0]);
+    assert_null(flags_nearest(f, NFLAGS, "", 0));
+    assert_null(flags_nearest(f, NFLAGS, "zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz", 72));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -282,6 +336,7 @@ int main(void)
         cmocka_unit_test(test_help),
         cmocka_unit_test(test_help_text),
         cmocka_unit_test(test_get),
+        cmocka_unit_test(test_unknown_flag_suggests),
     };
     return cmocka_run_group_tests_name("flags", tests, NULL, NULL);
 }
