@@ -939,7 +939,10 @@ def test_with_the_ps_a_killed_stage_stops_the_other_and_the_restarted_job_ends_w
         assert wait_all(procs, logs) == [0, 0], "".join(lg.read_text()[-1500:] for lg in logs)
         start = logs[0].read_text()
         s0 = int(start.split("from global step ", 1)[1].split()[0])
-        assert 40 <= s0 < steps, start[-2000:]
+        # stage 1 logs step 40 once its step 39 (from 0) is done, its sends
+        # of that step's gradients still queued: stage 0 can die before it
+        # finishes step 39, so the ps may stand at 39
+        assert 39 <= s0 < steps, start[-2000:]
         assert open(ref, "rb").read() == open(tmp_path / "got.safetensors", "rb").read()
         print(f"restarted at global step {s0} of {steps}: the same file as the uninterrupted run")
     finally:
