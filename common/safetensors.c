@@ -11,6 +11,26 @@
 #include <stdlib.h>
 #include <string.h>
 
+int st_pread_all(int fd, void *buf, size_t len, uint64_t off, char *err, size_t errlen)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = pread(fd, (unsigned char *)buf + got, len - got, (off_t)(off + got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            int e = r < 0 ? errno : EIO;
+            if (err)
+                snprintf(err, errlen, "read failed at byte %llu: %s", (unsigned long long)(off + got),
+                         r < 0 ? strerror(e) : "end of file");
+            errno = e;
+            return -1;
+        }
+        got += (size_t)r;
+    }
+    return 0;
+}
+
 static const struct {
     const char *name;
     size_t size;

@@ -39,6 +39,11 @@ typedef struct st_file {
 /* Bytes per element of a safetensors dtype name, or 0 when unknown. */
 size_t st_dtype_size(const char *dtype);
 
+/* All of len bytes at offset off of fd into buf (pread, EINTR retried). 0, or
+ * -1 with errno (EIO when the file ended early) and, when err is not NULL,
+ * err ("read failed at byte N: ..."). */
+int st_pread_all(int fd, void *buf, size_t len, uint64_t off, char *err, size_t errlen);
+
 /* Read the 8-byte prefix: header length, or -1 with err when it cannot fit in
  * `total_len` bytes or exceeds ST_MAX_HEADER. */
 int st_read_prefix(const void *buf8, uint64_t total_len, uint64_t *header_len, char *err,

@@ -221,25 +221,6 @@ out:
     return rc;
 }
 
-/* len bytes at offset off of fd into dst. 0, or -1 with err (an I/O error, or
- * the file ended early: it shrank while being read). */
-static int read_at(int fd, void *dst, size_t len, uint64_t off, char *err, size_t errlen)
-{
-    size_t got = 0;
-    while (got < len) {
-        ssize_t r = pread(fd, (unsigned char *)dst + got, len - got, (off_t)(off + got));
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0) {
-            snprintf(err, errlen, "read failed at byte %llu: %s",
-                     (unsigned long long)(off + got), r < 0 ? strerror(errno) : "end of file");
-            return -1;
-        }
-        got += (size_t)r;
-    }
-    return 0;
-}
-
 /* Read tensor ti of f (in the file fd) into dst and check it against its
  * CRC-32C in crcs. 0, CKPT_EREAD (err) when it could not be read, or
  * CKPT_EINVALID (err) when its checksum does not match. */
@@ -248,7 +229,7 @@ static int read_tensor(int fd, const st_file *f, const st_tensor *ti, json_t *cr
 {
     size_t nb = (size_t)(ti->end - ti->begin);
     char why[256];
-    if (read_at(fd, dst, nb, f->data_start + ti->begin, why, sizeof(why)) != 0) {
+    if (st_pread_all(fd, dst, nb, f->data_start + ti->begin, why, sizeof(why)) != 0) {
         snprintf(err, errlen, "tensor '%s': %s", ti->name, why);
         return CKPT_EREAD;
     }
@@ -415,7 +396,7 @@ static int read_header(ckpt_reader *rd)
     char why[256];
     uint64_t len = rd->len, hl = 0;
     unsigned char prefix[8] = {0};
-    if (len >= 8 && read_at(rd->fd, prefix, 8, 0, why, sizeof(why)) != 0) {
+    if (len >= 8 && st_pread_all(rd->fd, prefix, 8, 0, why, sizeof(why)) != 0) {
         snprintf(rd->err, rd->errlen, "%s", why);
         return CKPT_EREAD;
     }
@@ -428,7 +409,7 @@ static int read_header(ckpt_reader *rd)
         snprintf(rd->err, rd->errlen, "out of memory for a header of %llu bytes", (unsigned long long)hl);
         return CKPT_EREAD;
     }
-    if (read_at(rd->fd, head, (size_t)hl, 8, why, sizeof(why)) != 0) {
+    if (st_pread_all(rd->fd, head, (size_t)hl, 8, why, sizeof(why)) != 0) {
         snprintf(rd->err, rd->errlen, "%s", why);
         free(head);
         return CKPT_EREAD;

@@ -287,24 +287,6 @@ int ring_ckpt_write(const char *dir, const ring_state *s, int keep, char *path, 
  * variable at most) and metadata (the model's spec) take a few KiB. */
 #define RING_CKPT_HEADER_MAX ((uint64_t)1 << 20)
 
-/* pread all of len bytes at off; 0, or -1 with errno (EIO for a short file). */
-static int read_at(int fd, void *buf, size_t len, uint64_t off)
-{
-    size_t got = 0;
-    while (got < len) {
-        ssize_t k = pread(fd, (char *)buf + got, len - got, (off_t)(off + got));
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0) {
-            if (k == 0)
-                errno = EIO;
-            return -1;
-        }
-        got += (size_t)k;
-    }
-    return 0;
-}
-
 /* Read the checkpoint at path for s, bounded by what s's model needs: a
  * regular file (opened without blocking: a FIFO is passed over), its prefix
  * and header (at most RING_CKPT_HEADER_MAX) read and checked first, then the
@@ -337,7 +319,7 @@ static int read_checkpoint(const char *path, const ring_state *s, void **out, si
     uint64_t size = (uint64_t)st.st_size, hl = 0;
     unsigned char prefix[8] = {0};
     char why[300];
-    if (size >= 8 && read_at(fd, prefix, 8, 0) != 0) {
+    if (size >= 8 && st_pread_all(fd, prefix, 8, 0, NULL, 0) != 0) {
         snprintf(err, errlen, "%s", strerror(errno));
         rc = CKPT_EREAD;
         goto out;
@@ -356,7 +338,7 @@ static int read_checkpoint(const char *path, const ring_state *s, void **out, si
         rc = CKPT_EREAD;
         goto out;
     }
-    if (read_at(fd, b, (size_t)hl, 8) != 0) {
+    if (st_pread_all(fd, b, (size_t)hl, 8, NULL, 0) != 0) {
         snprintf(err, errlen, "%s", strerror(errno));
         rc = CKPT_EREAD;
         goto out;
@@ -383,7 +365,7 @@ static int read_checkpoint(const char *path, const ring_state *s, void **out, si
         rc = CKPT_EREAD;
         goto out;
     }
-    if (read_at(fd, b, (size_t)size, 0) != 0) {
+    if (st_pread_all(fd, b, (size_t)size, 0, NULL, 0) != 0) {
         snprintf(err, errlen, "%s", strerror(errno));
         rc = CKPT_EREAD;
         goto out;

@@ -21,24 +21,6 @@
  * checksums) take tens of KiB. */
 #define MODEL_FILE_HEADER_MAX ((uint64_t)1 << 20)
 
-/* pread all of len bytes at off; 0, or -1 with errno (EIO for a short file). */
-static int read_at(int fd, void *buf, size_t len, uint64_t off)
-{
-    size_t got = 0;
-    while (got < len) {
-        ssize_t k = pread(fd, (char *)buf + got, len - got, (off_t)(off + got));
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0) {
-            if (k == 0)
-                errno = EIO;
-            return -1;
-        }
-        got += (size_t)k;
-    }
-    return 0;
-}
-
 /* Open path, a regular file (opened without blocking: a FIFO or a device is
  * refused, not waited on), and read its prefix and header into *f, checked
  * against the file's size and MODEL_FILE_HEADER_MAX before the header is read.
@@ -70,7 +52,7 @@ static int open_model_file(const char *path, int *fdp, st_file *f)
         (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     uint64_t size = (uint64_t)st.st_size, hl = 0;
     unsigned char prefix[8] = {0};
-    if (size >= 8 && read_at(fd, prefix, 8, 0) != 0) {
+    if (size >= 8 && st_pread_all(fd, prefix, 8, 0, NULL, 0) != 0) {
         fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
         close(fd);
         return 2;
@@ -95,7 +77,7 @@ static int open_model_file(const char *path, int *fdp, st_file *f)
         close(fd);
         return 1;
     }
-    if (read_at(fd, head, (size_t)hl, 8) != 0) {
+    if (st_pread_all(fd, head, (size_t)hl, 8, NULL, 0) != 0) {
         fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
         free(head);
         close(fd);
@@ -226,7 +208,8 @@ int train_evaluate_file(const train_config *c, const char *path)
     for (int t = 0; t < cc.layout.n_tensors; t++) {
         const model_tensor *mt = &cc.layout.tensors[t];
         const st_tensor *ft = &f.tensors[st_find(&f, mt->name)];
-        if (read_at(fd, params + mt->offset, mt->numel * sizeof(float), f.data_start + ft->begin) != 0) {
+        if (st_pread_all(fd, params + mt->offset, mt->numel * sizeof(float), f.data_start + ft->begin, NULL,
+                         0) != 0) {
             fprintf(stderr, "workerd: --evaluate_model=%s: reading tensor %s: %s\n", path, mt->name,
                     strerror(errno));
             goto out;
