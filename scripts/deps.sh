@@ -8,6 +8,7 @@
 # valgrind: tests/system/test_valgrind.py.
 # python3-pytest-xdist: the system tests' parallel workers (tests/run.sh);
 # gcovr: line coverage of the C code (make coverage).
+# protobuf-c-compiler, libprotobuf-c-dev: workerd's ONNX export (client/onnx: protoc-c on onnx.proto).
 # Arguments name more packages: make bench passes its own (python3-torch, the
 # peer of bench/train.sh and bench/cnn_compare.py), which make test does not need.
 # nginx (make bench's peer) is not installed, which would enable a server on
@@ -20,7 +21,7 @@ dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \
 clang-14 libclang-rt-14-dev \
 wrk valgrind \
-python3-pytest-xdist gcovr $*"
+python3-pytest-xdist gcovr protobuf-c-compiler libprotobuf-c-dev $*"
 missing=""
 for p in $PKGS; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

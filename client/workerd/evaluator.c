@@ -1,4 +1,5 @@
-/* evaluator.c - the evaluations: --evaluate_model=FILE (the model rebuilt from the file's metadata alone),
+/* evaluator.c - the evaluations: --evaluate_model=FILE (the model rebuilt from the file's metadata alone;
+ * --evaluate_logits writes its logits, --convert_model=FILE turns it into ONNX),
  * and the evaluator task, which evaluates what the ps hold every --eval_secs
  * and reports to ps 0. */
 #include "workerd/train.h"
@@ -12,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "onnx/onnx_export.h"
 #include "safetensors.h"
 #include "shards/shards.h"
 
@@ -26,22 +28,22 @@
  * against the file's size and MODEL_FILE_HEADER_MAX before the header is read.
  * No data is read. 0 with *fd, or the exit status (2 a bad file, 1 out of
  * memory) with the message printed. */
-static int open_model_file(const char *path, int *fdp, st_file *f)
+static int open_model_file(const char *flag, const char *path, int *fdp, st_file *f)
 {
     char why[300];
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
     if (fd < 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        fprintf(stderr, "workerd: --%s=%s: %s\n", flag, path, strerror(errno));
         return 2;
     }
     struct stat st;
     if (fstat(fd, &st) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        fprintf(stderr, "workerd: --%s=%s: %s\n", flag, path, strerror(errno));
         close(fd);
         return 2;
     }
     if (!S_ISREG(st.st_mode)) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: not a regular file (%s)\n", path,
+        fprintf(stderr, "workerd: --%s=%s: not a regular file (%s)\n", flag, path,
                 S_ISDIR(st.st_mode) ? "a folder" : S_ISFIFO(st.st_mode) ? "a fifo"
                 : S_ISSOCK(st.st_mode) ? "a socket" : "a device");
         close(fd);
@@ -53,32 +55,32 @@ static int open_model_file(const char *path, int *fdp, st_file *f)
     uint64_t size = (uint64_t)st.st_size, hl = 0;
     unsigned char prefix[8] = {0};
     if (size >= 8 && st_pread_all(fd, prefix, 8, 0, NULL, 0) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        fprintf(stderr, "workerd: --%s=%s: %s\n", flag, path, strerror(errno));
         close(fd);
         return 2;
     }
     if (st_read_prefix(prefix, size, &hl, why, sizeof(why)) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: not a safetensors file: %s\n", path, why);
+        fprintf(stderr, "workerd: --%s=%s: not a safetensors file: %s\n", flag, path, why);
         close(fd);
         return 2;
     }
     if (hl > MODEL_FILE_HEADER_MAX) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: a header of %llu bytes (a model file's is at most %llu; "
+        fprintf(stderr, "workerd: --%s=%s: a header of %llu bytes (a model file's is at most %llu; "
                         "file is %llu bytes)\n",
-                path, (unsigned long long)hl, (unsigned long long)MODEL_FILE_HEADER_MAX,
+                flag, path, (unsigned long long)hl, (unsigned long long)MODEL_FILE_HEADER_MAX,
                 (unsigned long long)size);
         close(fd);
         return 2;
     }
     unsigned char *head = malloc((size_t)hl);
     if (!head) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: out of memory for a header of %llu bytes\n", path,
+        fprintf(stderr, "workerd: --%s=%s: out of memory for a header of %llu bytes\n", flag, path,
                 (unsigned long long)hl);
         close(fd);
         return 1;
     }
     if (st_pread_all(fd, head, (size_t)hl, 8, NULL, 0) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, strerror(errno));
+        fprintf(stderr, "workerd: --%s=%s: %s\n", flag, path, strerror(errno));
         free(head);
         close(fd);
         return 2;
@@ -86,7 +88,7 @@ static int open_model_file(const char *path, int *fdp, st_file *f)
     int pr = st_parse_header(head, hl, size - 8 - hl, f, why, sizeof(why));
     free(head);
     if (pr != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s%s\n", path,
+        fprintf(stderr, "workerd: --%s=%s: %s%s\n", flag, path,
                 pr == ST_ENOMEM ? "" : "not a safetensors file: ", why);
         close(fd);
         return pr == ST_ENOMEM ? 1 : 2;
@@ -160,63 +162,128 @@ static int check_tensors(const st_file *f, const model_layout *L, char *err, siz
     return 0;
 }
 
-int train_evaluate_file(const train_config *c, const char *path)
+/* A model file as --evaluate_model and --convert_model read it: its model
+ * from its metadata alone (into *L), its tensors checked to be exactly the
+ * model's, then only their data, each straight into its place in *params
+ * (malloc'ed, L->n_params floats). f keeps the header (its metadata). 0, or
+ * the exit status (2 a bad file, 1 out of memory) with the message printed. */
+static int load_model_file(const char *flag, const char *path, model_layout *L, float **params, st_file *f)
 {
     char err[1280]; /* a tensor's name and two shapes beside a spec of MODEL_SPEC_MAX */
-    st_file f;
-    memset(&f, 0, sizeof(f));
+    memset(f, 0, sizeof(*f));
+    *params = NULL;
     int fd = -1;
-    int rc = open_model_file(path, &fd, &f);
+    int rc = open_model_file(flag, path, &fd, f);
     if (rc != 0)
         return rc;
     rc = 2;
-    model *m = NULL;
-    float *params = NULL;
-    idx_dataset ds;
-    int have_ds = 0;
-    train_config cc = *c;
-    const char *spec = st_meta_get(&f, "model"), *shape_s = st_meta_get(&f, "input_shape");
+    const char *spec = st_meta_get(f, "model"), *shape_s = st_meta_get(f, "input_shape");
     model_shape shape;
     if (!spec || !shape_s) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: the file has no model and input_shape in its "
+        fprintf(stderr, "workerd: --%s=%s: the file has no model and input_shape in its "
                         "__metadata__ (exported by an older workerd?): cannot rebuild the model\n",
-                path);
+                flag, path);
         goto out;
     }
     if (model_shape_parse(shape_s, &shape) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: input_shape \"%.64s\" is not H,W,C\n", path, shape_s);
+        fprintf(stderr, "workerd: --%s=%s: input_shape \"%.64s\" is not H,W,C\n", flag, path, shape_s);
         goto out;
     }
-    if (model_layout_init(&cc.layout, spec, shape, IDX_N_CLASSES, err, sizeof(err)) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, err);
+    if (model_layout_init(L, spec, shape, IDX_N_CLASSES, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --%s=%s: %s\n", flag, path, err);
         goto out;
     }
     /* the tensors against the layout before the model's workspace and
      * buffers are made: their sizes are the spec's, and the spec is the file's */
-    if (check_tensors(&f, &cc.layout, err, sizeof(err)) != 0) {
-        fprintf(stderr, "workerd: --evaluate_model=%s: %s\n", path, err);
+    if (check_tensors(f, L, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --%s=%s: %s\n", flag, path, err);
         goto out;
     }
-    m = model_new(model_device_backend(), &cc.layout, 1000, err, sizeof(err));
-    params = model_host_alloc(m, cc.layout.n_params * sizeof(float));
-    if (!m || !params) {
-        fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
+    *params = malloc(L->n_params * sizeof(float));
+    if (!*params) {
+        fprintf(stderr, "workerd: out of memory\n");
         rc = 1;
         goto out;
     }
-    /* exactly the model's data, each tensor straight into its place */
-    for (int t = 0; t < cc.layout.n_tensors; t++) {
-        const model_tensor *mt = &cc.layout.tensors[t];
-        const st_tensor *ft = &f.tensors[st_find(&f, mt->name)];
-        if (st_pread_all(fd, params + mt->offset, mt->numel * sizeof(float), f.data_start + ft->begin, NULL,
+    for (int t = 0; t < L->n_tensors; t++) {
+        const model_tensor *mt = &L->tensors[t];
+        const st_tensor *ft = &f->tensors[st_find(f, mt->name)];
+        if (st_pread_all(fd, *params + mt->offset, mt->numel * sizeof(float), f->data_start + ft->begin, NULL,
                          0) != 0) {
-            fprintf(stderr, "workerd: --evaluate_model=%s: reading tensor %s: %s\n", path, mt->name,
-                    strerror(errno));
+            fprintf(stderr, "workerd: --%s=%s: reading tensor %s: %s\n", flag, path, mt->name, strerror(errno));
             goto out;
         }
     }
+    rc = 0;
+out:
     close(fd);
-    fd = -1;
+    if (rc != 0) {
+        free(*params);
+        *params = NULL;
+        st_file_free(f);
+    }
+    return rc;
+}
+
+/* --evaluate_logits=FILE: the logits of the n test examples (no dropout), in
+ * batches of m's max_batch, and their labels, as a safetensors file. 0 or -1. */
+static int write_logits(const train_config *c, model *m, const float *params, const idx_split *test)
+{
+    const model_layout *L = &c->layout;
+    int nc = L->n_classes, mb = m->max_batch;
+    float *logits = malloc((size_t)test->n * nc * sizeof(float));
+    if (!logits) {
+        fprintf(stderr, "workerd: --evaluate_logits: out of memory\n");
+        return -1;
+    }
+    model_ctx ctx = {0};
+    ctx.inference = 1;
+    for (int64_t i = 0; i < test->n; i += mb) {
+        int b = test->n - i < mb ? (int)(test->n - i) : mb;
+        if (model_forward_range(m, 0, L->n_layers - 1, params, test->images + (size_t)i * L->n_in, b, &ctx,
+                                logits + (size_t)i * nc) != 0) {
+            fprintf(stderr, "workerd: --evaluate_logits: the forward pass failed\n");
+            free(logits);
+            return -1;
+        }
+    }
+    tensor_shape ls = {2, {test->n, nc}}, ys = {1, {test->n}};
+    st_desc d[2] = {{"labels", "U8", &ys}, {"logits", "F32", &ls}};
+    size_t lb = (size_t)test->n * nc * sizeof(float);
+    unsigned char *data = malloc(lb + (size_t)test->n);
+    char err[512];
+    int rc = -1;
+    if (data) {
+        /* safetensors' data in the header's order: labels first, then logits */
+        memcpy(data, test->labels, (size_t)test->n);
+        memcpy(data + test->n, logits, lb);
+        const char *meta[] = {"model", L->spec};
+        rc = st_write_file(c->logits_path, d, 2, meta, 1, data, lb + (size_t)test->n, err, sizeof(err));
+        if (rc != 0)
+            fprintf(stderr, "workerd: --evaluate_logits: %s\n", err);
+    }
+    free(data);
+    free(logits);
+    return rc == 0 ? 0 : -1;
+}
+
+int train_evaluate_file(const train_config *c, const char *path)
+{
+    char err[512];
+    st_file f;
+    train_config cc = *c;
+    float *params = NULL;
+    int rc = load_model_file("evaluate_model", path, &cc.layout, &params, &f);
+    if (rc != 0)
+        return rc;
+    model *m = model_new(model_device_backend(), &cc.layout, 1000, err, sizeof(err));
+    idx_dataset ds;
+    int have_ds = 0;
+    if (!m) {
+        fprintf(stderr, "workerd: %s\n", err);
+        rc = 1;
+        goto out;
+    }
     cc.n_trainers = 1;
     if ((rc = train_load(&cc, &ds)) != 0)
         goto out;
@@ -232,13 +299,43 @@ int train_evaluate_file(const train_config *c, const char *path)
            c->name, path, cc.layout.spec, gs ? gs : "?", loss, acc, (long long)ds.test.n);
     fflush(stdout);
     rc = 0;
+    if (c->logits_path && write_logits(&cc, m, params, &ds.test) != 0)
+        rc = 1;
 out:
-    if (fd >= 0)
-        close(fd);
     if (have_ds)
         idx_dataset_free(&ds);
-    model_host_free(m, params);
+    free(params);
     model_free(m);
+    st_file_free(&f);
+    return rc;
+}
+
+int train_convert_file(const train_config *c, const char *path, const char *onnx_path)
+{
+    char err[512];
+    st_file f;
+    model_layout *L = malloc(sizeof(*L));
+    float *params = NULL;
+    if (!L) {
+        fprintf(stderr, "workerd: out of memory\n");
+        return 1;
+    }
+    int rc = load_model_file("convert_model", path, L, &params, &f);
+    if (rc != 0) {
+        free(L);
+        return rc;
+    }
+    const char *gs = st_meta_get(&f, "global_step"), *decay = st_meta_get(&f, "moving_average_decay");
+    onnx_export_meta meta = {gs ? strtoll(gs, NULL, 10) : -1, decay ? strtof(decay, NULL) : 0, NULL};
+    if (onnx_export_write(L, params, &meta, onnx_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --convert_model=%s: %s\n", path, err);
+        rc = 1;
+    } else {
+        printf("%s: %s (model %s, global step %s) as ONNX (opset %d) in %s\n", c->name, path, L->spec,
+               gs ? gs : "?", ONNX_EXPORT_OPSET, onnx_path);
+    }
+    free(params);
+    free(L);
     st_file_free(&f);
     return rc;
 }

@@ -60,7 +60,7 @@ int train_local(const train_config *c)
     printf("%s: %lld steps in %.2f s: %.1f steps/s\n", c->name, (long long)c->train_steps, secs,
            (double)c->train_steps / secs);
     rc = final_report(c, rb.m, rb.params, &rb.ds, c->train_steps) != 0;
-    if (c->export_path && export_model(c, rb.params, c->train_steps) != 0)
+    if ((c->export_path || c->onnx_path) && export_model(c, rb.params, c->train_steps) != 0)
         rc = 1;
 out:
     role_bufs_free(&rb);

@@ -1,11 +1,12 @@
 /* model_file.c - the model as a file: the metadata every model file carries
  * (the export, psd's and the ring's checkpoints name the model they hold) and
- * --export. */
+ * --export and --export_onnx. */
 #include "workerd/train.h"
 
 #include <stdio.h>
 #include <string.h>
 
+#include "onnx/onnx_export.h"
 #include "safetensors.h"
 
 void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char *layers,
@@ -20,8 +21,26 @@ void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char 
         }
 }
 
+/* --export_onnx: the same parameters as an ONNX graph (onnx/onnx_export.h). */
+static int export_onnx(const train_config *c, const float *params, int64_t step)
+{
+    char err[512];
+    onnx_export_meta meta = {step, c->moving_average_decay, NULL};
+    if (onnx_export_write(&c->layout, params, &meta, c->onnx_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --export_onnx: %s\n", err);
+        return -1;
+    }
+    printf("%s: exported the model (global step %lld) as ONNX (opset %d) to %s\n", c->name, (long long)step,
+           ONNX_EXPORT_OPSET, c->onnx_path);
+    return 0;
+}
+
 int export_model(const train_config *c, const float *params, int64_t step)
 {
+    if (c->onnx_path && export_onnx(c, params, step) != 0)
+        return -1;
+    if (!c->export_path)
+        return 0;
     const model_layout *L = &c->layout;
     st_desc d[MODEL_MAX_TENSORS];
     for (int t = 0; t < L->n_tensors; t++)

@@ -447,7 +447,7 @@ static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds
     rc = 0;
     if (final_report(c, eval, whole, ds, fs) != 0)
         rc = 1;
-    if (c->export_path && export_model(c, whole, fs) != 0)
+    if ((c->export_path || c->onnx_path) && export_model(c, whole, fs) != 0)
         rc = 1;
     train_chief_stop_ps(c, pc);
 out:
@@ -1019,7 +1019,7 @@ static int gather_and_report(stage_train *t, int64_t fin)
     int rc = 0;
     if (final_report(c, t->eval, t->whole, &t->ds, c->train_steps) != 0)
         rc = 1;
-    if (c->export_path && export_model(c, t->whole, c->train_steps) != 0)
+    if ((c->export_path || c->onnx_path) && export_model(c, t->whole, c->train_steps) != 0)
         rc = 1;
     return rc;
 }

@@ -401,7 +401,7 @@ static int ring_end(ring_run *rr)
     if (rr->chief) {
         if (final_report(c, rr->rb.m, rr->rb.params, &rr->rb.ds, step) != 0)
             rc = 1;
-        if (c->export_path && export_model(c, rr->rb.params, step) != 0)
+        if ((c->export_path || c->onnx_path) && export_model(c, rr->rb.params, step) != 0)
             rc = 1;
     }
     return rc;

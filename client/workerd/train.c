@@ -518,7 +518,7 @@ static int chief_end(worker *w)
     }
     if (final_report(c, w->rb.m, w->rb.params, &w->rb.ds, final_step) != 0)
         rc = 1;
-    if (c->export_path && export_model(c, w->rb.params, final_step) != 0)
+    if ((c->export_path || c->onnx_path) && export_model(c, w->rb.params, final_step) != 0)
         rc = 1;
     train_chief_stop_ps(c, w->pc);
     return rc;

@@ -31,6 +31,8 @@ typedef struct train_config {
     double recovery_wait_secs;
     double eval_secs;
     const char *export_path;
+    const char *onnx_path;  /* --export_onnx: the model as ONNX too (or alone) */
+    const char *logits_path; /* --evaluate_logits (with --evaluate_model) */
     int keep_ps;
     const char *token;
     int tls;                /* HTTPS to the ps tasks */
@@ -112,6 +114,9 @@ void model_file_meta(const model_layout *L, char *shape, size_t shape_len, char 
 /* --evaluate_model=FILE: rebuild the model from the file's metadata alone and
  * print its test loss and accuracy; 0, 1 failed, 2 bad file or data. */
 int train_evaluate_file(const train_config *c, const char *path);
+/* --convert_model=FILE --export_onnx=OUT: the same model file as ONNX; 0, 1
+ * failed, 2 bad file. */
+int train_convert_file(const train_config *c, const char *path, const char *onnx_path);
 
 /* Shared by the role files (train.c, chief.c, evaluator.c, local.c). */
 /* Sleep secs, or less when a stop was requested. */

@@ -151,6 +151,8 @@ static int configure_ps_flags(train_config *c, const workerd_flags *f)
     c->recovery_wait_secs = f->recovery_wait;
     c->eval_secs = f->eval_secs;
     c->export_path = f->export_path;
+    c->onnx_path = f->onnx_path;
+    c->logits_path = f->logits_path;
     c->keep_ps = f->keep_ps;
     c->timeout_ms = f->timeout_ms;
     c->tls = f->tls || f->tls_ca;
@@ -359,6 +361,15 @@ static int configure_cluster(train_config *c, const workerd_flags *f, cluster_sp
  * exit status. */
 static int run_role(train_config *c, const workerd_flags *f)
 {
+    if (f->convert_path) {
+        c->name = "workerd";
+        if (!f->onnx_path) {
+            fprintf(stderr, "workerd: --convert_model=%s needs --export_onnx=FILE, the ONNX file to write\n",
+                    f->convert_path);
+            return 2;
+        }
+        return train_convert_file(c, f->convert_path, f->onnx_path);
+    }
     if (f->evaluate_path) {
         c->name = "workerd";
         return train_evaluate_file(c, f->evaluate_path);

@@ -11,6 +11,7 @@ typedef struct workerd_flags {
     const char *ring_tls_cert, *ring_tls_key, *ring_tls_prio;
     const char *token_file, *tls_ca, *data_dir;
     const char *hidden_s, *model_s, *evaluate_path, *optimizer, *export_path, *placement_s;
+    const char *onnx_path, *convert_path, *logits_path; /* --export_onnx, --convert_model, --evaluate_logits */
     uint64_t partition_bytes;
     int task_index, timeout_ms, batch, sync, issync, replicas;
     int log_every, keep_ps, local, threads, tls;
