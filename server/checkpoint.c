@@ -90,19 +90,81 @@ static char *dump(json_t *j)
     return s;
 }
 
+/* The sparse variables' tensors, from d[*k] on: "NAME:ids" (I64 [n]),
+ * "NAME:values" (F32 [n, dim]) and the slots "NAME:<slot>" (F32 [n, dim]),
+ * rows least recently updated first; *s_sparse the metadata 'sparse' (JSON:
+ * name -> declaration, version, updates, evicted, slots). 0, -1 (err), -2
+ * out of memory. */
+static int write_sparse(const store_saved *sv, st_desc *d, st_part *parts, char **names, tensor_shape *shapes,
+                        int *k, json_t *crcs, char **s_sparse, char *err, size_t errlen)
+{
+    json_t *all = json_object();
+    if (!all)
+        return -2;
+    for (int i = 0; i < sv->n_sparse; i++) {
+        const store_saved_sparse *t = &sv->sparse[i];
+        tensor_shape *ids_shape = &shapes[2 * i], *val_shape = &shapes[2 * i + 1];
+        *ids_shape = (tensor_shape){.ndim = 1, .dims = {t->n}};
+        *val_shape = (tensor_shape){.ndim = 2, .dims = {t->n, t->decl.dim}};
+        size_t vb = (size_t)t->n * (size_t)t->decl.dim * 4;
+        json_t *slots = json_array();
+        for (int j = -2; j < t->n_slots; j++) {
+            const char *sn = j == -2 ? "ids" : j == -1 ? "values"
+                           : sv->configured ? slot_names[sv->config.optim.kind][j] : NULL;
+            if (!sn) {
+                json_decref(slots);
+                json_decref(all);
+                snprintf(err, errlen, "sparse variable '%s' has optimizer state its optimizer does not use", t->name);
+                return -1;
+            }
+            if (asprintf(&names[*k], "%s:%s", t->name, sn) < 0) {
+                names[*k] = NULL;
+                json_decref(slots);
+                json_decref(all);
+                return -2;
+            }
+            const void *p = j == -2 ? (const void *)t->ids : j == -1 ? (const void *)t->values
+                                                                   : (const void *)(t->slots + (size_t)j * (vb / 4));
+            size_t nb = j == -2 ? (size_t)t->n * 8 : vb;
+            d[*k] = (st_desc){names[*k], j == -2 ? "I64" : "F32", j == -2 ? ids_shape : val_shape};
+            parts[*k] = (st_part){p, nb};
+            char hex[9];
+            snprintf(hex, sizeof(hex), "%08x", crc32c(p, nb));
+            json_object_set_new(crcs, names[*k], json_string(hex));
+            if (j >= 0)
+                json_array_append_new(slots, json_string(sn));
+            (*k)++;
+        }
+        json_object_set_new(all, t->name,
+                            json_pack("{s:I,s:i,s:I,s:s,s:f,s:I,s:i,s:i,s:I,s:I,s:I,s:I,s:o}", "rows",
+                                      (json_int_t)t->decl.rows, "dim", t->decl.dim, "max_rows",
+                                      (json_int_t)t->decl.max_rows, "init",
+                                      t->decl.init == SPARSE_INIT_UNIFORM ? "uniform" : "zeros", "init_scale",
+                                      (double)t->decl.init_scale, "seed", (json_int_t)t->decl.seed, "shard",
+                                      t->decl.shard, "shards", t->decl.shards, "held", (json_int_t)t->n, "version",
+                                      (json_int_t)t->version, "updates", (json_int_t)t->updates, "evicted",
+                                      (json_int_t)t->evicted, "slots", slots));
+    }
+    return (*s_sparse = dump(all)) ? 0 : -2;
+}
+
 int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
                void (*after_part)(void *ctx, int i), void *ctx, char *err, size_t errlen)
 {
     int nt = 0;
     for (int i = 0; i < sv->n; i++)
         nt += 1 + sv->vars[i].n_slots + (sv->vars[i].shadow != NULL);
+    for (int i = 0; i < sv->n_sparse; i++)
+        nt += 2 + sv->sparse[i].n_slots;
+    tensor_shape *shapes = calloc((size_t)(2 * sv->n_sparse + 1), sizeof(tensor_shape));
+    char *s_sparse = NULL;
     st_desc *d = calloc((size_t)(nt ? nt : 1), sizeof(st_desc));
     st_part *parts = calloc((size_t)(nt ? nt : 1), sizeof(st_part));
     char **names = calloc((size_t)(nt ? nt : 1), sizeof(char *));
     json_t *vars = json_object(), *crcs = json_object(), *placed = json_array();
     char *s_config = NULL, *s_vars = NULL, *s_place = NULL, *s_state = NULL, *s_crc = NULL;
     int rc = -1;
-    if (!d || !parts || !names || !vars || !crcs || !placed)
+    if (!d || !parts || !names || !vars || !crcs || !placed || !shapes)
         goto oom;
     int k = 0;
     for (int i = 0; i < sv->n; i++) {
@@ -160,6 +222,13 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
         json_object_set_new(vars, v->name, vinfo);
         json_array_append_new(placed, json_string(v->name));
     }
+    if (sv->n_sparse > 0) {
+        int sr = write_sparse(sv, d, parts, names, shapes, &k, crcs, &s_sparse, err, errlen);
+        if (sr == -2)
+            goto oom;
+        if (sr != 0)
+            goto out;
+    }
     s_config = dump(config_to_json(sv));
     s_vars = dump(vars);
     vars = NULL;
@@ -196,8 +265,13 @@ int ckpt_write(const char *path, const store_saved *sv, const ckpt_info *info,
                           "global_step", step, "task", task, "ps_tasks", nps, "saved_at", when,
                           "config", s_config, "variables", s_vars, "placement", s_place,
                           "state", s_state, "crc32c", s_crc, "meta_crc32c", mcrc,
-                          "model", model_s, "input_shape", shape_s};
-    int n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2) - (model_s[0] ? 0 : 2);
+                          "model", model_s, "input_shape", shape_s, "sparse", s_sparse};
+    int n_meta = (int)(sizeof(meta) / sizeof(meta[0]) / 2) - 1 - (model_s[0] ? 0 : 2);
+    if (s_sparse) { /* after model and input_shape, or in their place */
+        meta[2 * n_meta] = "sparse";
+        meta[2 * n_meta + 1] = s_sparse;
+        n_meta++;
+    }
     snprintf(mcrc, sizeof(mcrc), "%08x", meta_crc(meta, n_meta));
     rc = st_write_file_parts(path, d, nt, meta, n_meta, parts, nt, after_part, ctx, err, errlen);
     goto out;
@@ -212,6 +286,8 @@ out:
     free(s_place);
     free(s_state);
     free(s_crc);
+    free(s_sparse);
+    free(shapes);
     if (names)
         for (int i = 0; i < nt; i++)
             free(names[i]);
@@ -515,7 +591,9 @@ static int read_meta_objects(ckpt_reader *rd)
                      ti->name);
             return CKPT_EINVALID;
         }
-        if (strcmp(ti->dtype, "F32") != 0) {
+        const char *colon = strrchr(ti->name, ':');
+        int sparse_ids = colon && strcmp(colon, ":ids") == 0 && strcmp(ti->dtype, "I64") == 0;
+        if (strcmp(ti->dtype, "F32") != 0 && !sparse_ids) {
             snprintf(err, errlen, "tensor '%s' has dtype %s, checkpoints hold F32", ti->name,
                      ti->dtype);
             return CKPT_EINVALID;
@@ -648,6 +726,133 @@ static int read_variable(ckpt_reader *rd, const char *name, json_t *info)
     return read_moving_average(rd, v, name, json_object_get(info, "moving_average"));
 }
 
+/* Tensor NAME:suffix with dtype and shape [n] or [n, dim] into dst
+ * (bytes). 0, CKPT_EREAD or CKPT_EINVALID (err). */
+static int read_sparse_tensor(ckpt_reader *rd, const char *name, const char *suffix, const char *dtype, int64_t n,
+                              int dim, void *dst)
+{
+    char tn[TENSOR_NAME_MAX + 32];
+    snprintf(tn, sizeof(tn), "%s:%s", name, suffix);
+    int t = st_find(&rd->f, tn);
+    const st_tensor *ti = t >= 0 ? &rd->f.tensors[t] : NULL;
+    if (!ti || strcmp(ti->dtype, dtype) != 0 || ti->shape.ndim != (dim ? 2 : 1) || ti->shape.dims[0] != n ||
+        (dim && ti->shape.dims[1] != dim)) {
+        snprintf(rd->err, rd->errlen, "sparse variable '%.64s': tensor '%s' is missing or not %s of %lld rows", name,
+                 tn, dtype, (long long)n);
+        return CKPT_EINVALID;
+    }
+    rd->used++;
+    return read_tensor(rd->fd, &rd->f, ti, rd->crcs, dst, rd->err, rd->errlen);
+}
+
+static int64_t sp_int(json_t *o, const char *key, int64_t lo, int64_t hi, int *bad)
+{
+    json_t *v = json_object_get(o, key);
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > hi) {
+        *bad = 1;
+        return 0;
+    }
+    return json_integer_value(v);
+}
+
+/* One sparse variable (info: its metadata) into the next of out->sparse. */
+static int read_sparse_one(ckpt_reader *rd, const char *name, json_t *info)
+{
+    store_saved *out = rd->out;
+    store_saved_sparse *t = &out->sparse[out->n_sparse];
+    int bad = 0;
+    char nerr[128];
+    sparse_decl d = {.rows = sp_int(info, "rows", 0, SPARSE_ROWS_MAX, &bad),
+                     .dim = (int)sp_int(info, "dim", 1, SPARSE_DIM_MAX, &bad),
+                     .max_rows = sp_int(info, "max_rows", 1, SPARSE_ROWS_MAX, &bad),
+                     .seed = (uint64_t)sp_int(info, "seed", 0, INT64_MAX, &bad),
+                     .shard = (int)sp_int(info, "shard", 0, 4095, &bad),
+                     .shards = (int)sp_int(info, "shards", 1, 4096, &bad)};
+    const char *init = json_string_value(json_object_get(info, "init"));
+    json_t *scale = json_object_get(info, "init_scale"), *slots = json_object_get(info, "slots");
+    d.init = init && strcmp(init, "uniform") == 0 ? SPARSE_INIT_UNIFORM : SPARSE_INIT_ZEROS;
+    d.init_scale = (float)json_number_value(scale);
+    int64_t held = sp_int(info, "held", 0, d.max_rows, &bad);
+    if (bad || !init || !json_is_number(scale) || !json_is_array(slots) || tensor_name_check(name, nerr, sizeof(nerr)) ||
+        sparse_decl_check(&d, nerr, sizeof(nerr)) != 0) {
+        snprintf(rd->err, rd->errlen, "sparse variable '%.64s': its metadata is not a declaration", name);
+        return CKPT_EINVALID;
+    }
+    int ns = (int)json_array_size(slots), need = out->configured ? optim_slots(out->config.optim.kind) : 0;
+    if (ns != 0 && ns != need) {
+        snprintf(rd->err, rd->errlen, "sparse variable '%.64s' has %d optimizer slots, the optimizer needs %d", name,
+                 ns, need);
+        return CKPT_EINVALID;
+    }
+    snprintf(t->name, sizeof(t->name), "%s", name);
+    t->decl = d;
+    t->n = held;
+    t->n_slots = ns;
+    t->version = (uint64_t)sp_int(info, "version", 0, INT64_MAX, &bad);
+    t->updates = sp_int(info, "updates", 0, INT64_MAX, &bad);
+    t->evicted = sp_int(info, "evicted", 0, INT64_MAX, &bad);
+    out->n_sparse++;
+    size_t rows = (size_t)(held ? held : 1), vb = rows * (size_t)d.dim * 4;
+    t->ids = malloc(rows * 8);
+    t->values = malloc(vb);
+    t->slots = ns ? malloc(vb * (size_t)ns) : NULL;
+    if (!t->ids || !t->values || (ns && !t->slots)) {
+        snprintf(rd->err, rd->errlen, "out of memory");
+        return CKPT_EREAD;
+    }
+    int rc = bad ? CKPT_EINVALID : read_sparse_tensor(rd, name, "ids", "I64", held, 0, t->ids);
+    if (bad)
+        snprintf(rd->err, rd->errlen, "sparse variable '%.64s': its metadata is not a declaration", name);
+    if (rc == 0)
+        rc = read_sparse_tensor(rd, name, "values", "F32", held, d.dim, t->values);
+    for (int j = 0; rc == 0 && j < ns; j++) {
+        const char *want = slot_names[out->config.optim.kind][j];
+        const char *sn = json_string_value(json_array_get(slots, (size_t)j));
+        if (!sn || strcmp(sn, want) != 0) {
+            snprintf(rd->err, rd->errlen, "sparse variable '%.64s': slot %d is not '%s'", name, j, want);
+            return CKPT_EINVALID;
+        }
+        rc = read_sparse_tensor(rd, name, want, "F32", held, d.dim, t->slots + (size_t)j * (vb / 4));
+    }
+    for (int64_t i = 0; rc == 0 && i < held; i++) {
+        int64_t id = t->ids[i];
+        if (id < 0 || (d.rows > 0 && id >= d.rows) || id % d.shards != d.shard) {
+            snprintf(rd->err, rd->errlen, "sparse variable '%.64s': id %lld is not one of its ids", name, (long long)id);
+            rc = CKPT_EINVALID;
+        }
+    }
+    return rc;
+}
+
+/* The metadata's 'sparse' (absent: none) into out->sparse. */
+static int read_sparse(ckpt_reader *rd)
+{
+    if (!st_meta_get(&rd->f, "sparse"))
+        return 0;
+    json_t *all = meta_json(&rd->f, "sparse", rd->err, rd->errlen);
+    if (!json_is_object(all)) {
+        if (all)
+            snprintf(rd->err, rd->errlen, "metadata 'sparse' must be a JSON object");
+        json_decref(all);
+        return CKPT_EINVALID;
+    }
+    size_t n = json_object_size(all);
+    if (!(rd->out->sparse = calloc(n ? n : 1, sizeof(store_saved_sparse)))) {
+        json_decref(all);
+        snprintf(rd->err, rd->errlen, "out of memory");
+        return CKPT_EREAD;
+    }
+    const char *name;
+    json_t *info;
+    int rc = 0;
+    json_object_foreach(all, name, info) {
+        if ((rc = read_sparse_one(rd, name, info)) != 0)
+            break;
+    }
+    json_decref(all);
+    return rc;
+}
+
 /* Every variable of the metadata into out->vars (sorted by name), and no
  * tensor left over. 0, CKPT_EREAD or CKPT_EINVALID (err). */
 static int read_variables(ckpt_reader *rd)
@@ -666,6 +871,9 @@ static int read_variables(ckpt_reader *rd)
         if (rc != 0)
             return rc;
     }
+    int rc = read_sparse(rd);
+    if (rc != 0)
+        return rc;
     if (rd->used != rd->f.n_tensors) {
         snprintf(rd->err, rd->errlen, "%d tensors are neither a variable nor a slot of one",
                  rd->f.n_tensors - rd->used);

@@ -282,6 +282,31 @@ static void put_secs(out *o, uint64_t ns)
 
 static const char *route_label(const slot *s) { return s->rt ? s->rt->path : "unmatched"; }
 
+/* The sparse variables: rows held, their bytes, rows evicted, by variable. */
+static void put_sparse(out *o, server *srv)
+{
+    store_sparse_stat *st;
+    int n;
+    if (store_sparse_stats(&srv->store, &st, &n) != STORE_OK || n == 0)
+        return;
+    static const struct {
+        const char *name, *type, *help;
+    } fam[] = {{"restps_sparse_rows", "gauge", "Rows a sparse variable holds on this shard."},
+               {"restps_sparse_bytes", "gauge", "Bytes of a sparse variable's rows and optimizer slots on this shard."},
+               {"restps_sparse_evicted_rows_total", "counter", "Rows evicted from a sparse variable (least recently updated)."}};
+    for (int f = 0; f < 3; f++) {
+        family(o, fam[f].name, fam[f].type, fam[f].help);
+        for (int i = 0; i < n; i++) {
+            put(o, "%s{var=\"", fam[f].name);
+            put_label_value(o, st[i].name);
+            put(o, "\"} ");
+            put_double(o, f == 0 ? (double)st[i].held : f == 1 ? (double)st[i].bytes : (double)st[i].evicted);
+            put(o, "\n");
+        }
+    }
+    free(st);
+}
+
 /* The shard's state: step, loss, evaluation, sizes, waits, workers and
  * checkpoints. */
 static void put_shard(out *o, server *srv)
@@ -313,6 +338,7 @@ static void put_shard(out *o, server *srv)
     gauge(o, "restps_variables", "Variables held by this shard.", n_vars);
     gauge(o, "restps_stored_bytes", "Bytes of variable values held by this shard.",
           (double)bytes);
+    put_sparse(o, srv);
     gauge(o, "restps_uptime_seconds", "Seconds since psd started.", up);
     gauge(o, "restps_waiting_pulls", "Long polls on /v1/params waiting now.",
           waiters_count(srv->waiters, WAIT_STEP) + waiters_count(srv->waiters, WAIT_CLOCK));

@@ -153,7 +153,7 @@ typedef struct psd_flags {
     int task_index, task_index_given, port, http_threads, conn_timeout, max_conns;
     int auth_reads, print_routes, sndbuf_kib, save_secs, keep_ckpts;
     float lease_secs, lr;
-    uint64_t max_body, pool_mib;
+    uint64_t max_body, pool_mib, max_rows;
 } psd_flags;
 
 /* The command line into o: -1 to go on, else the exit status (--help and
@@ -163,7 +163,7 @@ static int parse_flags(psd_flags *o, int argc, char **argv)
     *o = (psd_flags){.logdir = "./logs", .task_index = -1, .port = -1, .http_threads = 2,
                      .conn_timeout = 60, .max_conns = 1024, .sndbuf_kib = -1, .save_secs = 60,
                      .keep_ckpts = 5, .lease_secs = 10, .lr = 0.01f, .max_body = 1ULL << 30,
-                     .pool_mib = 256};
+                     .pool_mib = 256, .max_rows = 1u << 20};
     flag flags[] = {
         {"job_name", FLAG_STRING, &o->job_name, "this task's job: ps (default) or another job in the cluster", 0},
         {"task_index", FLAG_INT, &o->task_index, "this task's index in its job (default 0)", 0},
@@ -179,6 +179,7 @@ static int parse_flags(psd_flags *o, int argc, char **argv)
         {"max_connections", FLAG_INT, &o->max_conns, "most connections served at once; more wait in the listen queue (default 1024)", 0},
         {"auth_token_file", FLAG_STRING, &o->auth_file, "file holding a bearer token that every PUT/POST must carry (default: none, writes are open)", 0},
         {"auth_reads", FLAG_BOOL, &o->auth_reads, "require the token for reads too, except /healthz (default false)", 0},
+        {"max_rows", FLAG_U64, &o->max_rows, "a dynamic sparse variable (rows 0) declared without max_rows holds at most this many rows; past it the least recently updated rows are evicted (default 1048576)", 0},
         {"buffer_pool_mib", FLAG_U64, &o->pool_mib, "MiB of idle buffers kept for reuse (default 256)", 0},
         {"sndbuf_kib", FLAG_INT, &o->sndbuf_kib, "socket send buffer in KiB; 0 = the kernel's autotuning (default: 256 when bound to loopback, where autotuned buffers slow small answers after large ones, else 0)", 0},
         {"tls_cert", FLAG_STRING, &o->tls_cert, "serve HTTPS with this PEM certificate (chain); needs --tls_key", 0},
@@ -289,6 +290,10 @@ static int configure(server *srv, const psd_flags *o)
         fprintf(stderr, "psd: --save_checkpoint_secs must be >= 0 and --keep_checkpoints >= 1\n");
         return 2;
     }
+    if (o->max_rows < 1 || o->max_rows > ((uint64_t)1 << 40)) {
+        fprintf(stderr, "psd: --max_rows must be 1 to 2^40\n");
+        return 2;
+    }
     if (o->auth_reads && !o->auth_file) {
         fprintf(stderr, "psd: --auth_reads needs --auth_token_file\n");
         return 2;
@@ -314,6 +319,7 @@ static int configure(server *srv, const psd_flags *o)
     cfg->conn_timeout_secs = o->conn_timeout;
     cfg->max_connections = o->max_conns;
     cfg->pool_bytes = (size_t)o->pool_mib << 20;
+    cfg->max_rows = o->max_rows;
     return 0;
 }
 

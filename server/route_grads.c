@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "routes.h"
+#include "sparse_set.h"
 #include "workers.h"
 
 static int push_id_ok(const char *s)
@@ -93,7 +94,7 @@ enum MHD_Result h_grads_post(request *r)
         goto out;
     }
     for (int k = 0; k < f.n_tensors; k++)
-        if (strcmp(f.tensors[k].dtype, "F32") != 0) {
+        if (strcmp(f.tensors[k].dtype, "F32") != 0 && !sparse_ids_tensor(&f.tensors[k])) {
             rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                   "gradient '%s' has dtype %s, only F32 is accepted",
                                   f.tensors[k].name, f.tensors[k].dtype);
@@ -104,6 +105,8 @@ enum MHD_Result h_grads_post(request *r)
     meta.in_body = store_push_in_body(&req_srv(r)->store);
     for (int k = 0; !meta.in_body && k < f.n_tensors; k++) {
         const st_tensor *t = &f.tensors[k];
+        if (sparse_ids_tensor(t))
+            continue; /* a sparse gradient's ids (I64) */
         const float *g = (const float *)(data + t->begin);
         int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));
         if (bad >= 0) {

@@ -1,4 +1,5 @@
 /* route_status.c - GET /healthz and GET /v1/status. */
+#include <stdlib.h>
 #include <time.h>
 
 #include "clock.h"
@@ -12,6 +13,25 @@
 enum MHD_Result h_healthz(request *r)
 {
     return http_reply_json(r, MHD_HTTP_OK, json_pack("{s:s}", "status", "ok"));
+}
+
+/* {name: {rows, dim, max_rows, held_rows, bytes, evicted_rows, updates}} of the sparse variables. */
+static json_t *sparse_status(server *srv)
+{
+    store_sparse_stat *st;
+    int n;
+    if (store_sparse_stats(&srv->store, &st, &n) != STORE_OK)
+        return NULL;
+    json_t *o = json_object();
+    for (int i = 0; i < n; i++)
+        json_object_set_new(o, st[i].name,
+                            json_pack("{s:I,s:i,s:I,s:I,s:I,s:I,s:I,s:i,s:i}", "rows", (json_int_t)st[i].decl.rows,
+                                      "dim", st[i].decl.dim, "max_rows", (json_int_t)st[i].decl.max_rows, "held_rows",
+                                      (json_int_t)st[i].held, "bytes", (json_int_t)st[i].bytes, "evicted_rows",
+                                      (json_int_t)st[i].evicted, "updates", (json_int_t)st[i].updates, "shard",
+                                      st[i].decl.shard, "shards", st[i].decl.shards));
+    free(st);
+    return o;
 }
 
 json_t *status_json(server *srv)
@@ -63,6 +83,12 @@ json_t *status_json(server *srv)
     json_object_set_new(o, "sync", sync);
     json_object_set_new(o, "staleness", store_staleness_json(&srv->store));
     json_object_set_new(o, "checkpoint", srv->saver ? saver_status_json(srv->saver) : json_null());
+    json_t *sp = sparse_status(srv);
+    if (!sp) {
+        json_decref(o);
+        return NULL;
+    }
+    json_object_set_new(o, "sparse", sp);
     workers_status(srv->workers, &srv->store, o);
     history_status(srv->history, o);
     shard_view_status(srv->shards, o);

@@ -34,6 +34,10 @@ enum MHD_Result h_var_get(request *r);
 enum MHD_Result h_var_put_check(request *r);
 enum MHD_Result h_var_put(request *r);
 enum MHD_Result h_var_stats(request *r);
+enum MHD_Result h_sparse_put(request *r);
+enum MHD_Result h_rows_get(request *r);
+enum MHD_Result h_rows_post(request *r);
+enum MHD_Result h_rows_grad(request *r);
 enum MHD_Result h_var_grad_check(request *r);
 enum MHD_Result h_var_grad(request *r);
 /* route_params.c, route_grads.c */

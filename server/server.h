@@ -31,6 +31,7 @@ typedef struct server_config {
     char *auth_token;     /* NULL = writes are open */
     int auth_reads;
     size_t pool_bytes;
+    uint64_t max_rows;    /* a dynamic sparse variable's default row limit (--max_rows) */
 } server_config;
 
 typedef struct server {

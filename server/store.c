@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "clock.h"
+#include "sparse_set.h"
 #include "sync_agg.h"
 #include "worker_state.h"
 
@@ -53,6 +54,7 @@ struct store_state {
     worker_state workers;     /* leases, clocks, staleness (worker_state.h) */
     int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
     char *placement;          /* the chief's placement map (JSON text), or NULL */
+    sparse_set sparse;        /* the row-sparse variables (sparse_set.h) */
 };
 
 static int replicas_needed(const store_state *s);
@@ -133,6 +135,7 @@ void store_destroy(store *h)
     }
     free(s->vars);
     sync_agg_free(&s->agg);
+    sparse_set_free(&s->sparse);
     free(s->placement);
     pthread_rwlock_destroy(&s->lock);
     pthread_mutex_destroy(&s->write_mu);
@@ -472,6 +475,10 @@ static int check_grads(const store_state *s, const st_file *f, int *idx, char *e
 {
     for (int k = 0; k < f->n_tensors; k++) {
         const st_tensor *t = &f->tensors[k];
+        if (sparse_tensor_name(t->name)) { /* a sparse variable's (sparse_set_pieces) */
+            idx[k] = -1;
+            continue;
+        }
         int i = find(s, t->name);
         if (i < 0) {
             snprintf(err, errlen, "gradient for unknown variable '%s'", t->name);
@@ -509,8 +516,46 @@ static int prepare(store_state *s, const int *idx, int n, blob **dst)
 /* Sync: the step has its replicas. Sum each variable's gradients in worker
  * order, average, apply once; out of memory changes nothing. Caller holds
  * the write lock. */
+/* The step's sparse update: every kept gradient's pieces, in worker order. */
+static int sparse_of_step(store_state *s, sparse_batch *sb, char *err, size_t errlen)
+{
+    memset(sb, 0, sizeof(*sb));
+    if (s->sparse.n == 0)
+        return STORE_OK;
+    sparse_piece *all = NULL;
+    int n_all = 0, rc = STORE_OK;
+    for (int w = 0; w < s->agg.n && rc == STORE_OK; w++) {
+        sparse_piece *p;
+        int np;
+        const sync_grad *g = &s->agg.grads[w];
+        int pr = sparse_set_pieces(&s->sparse, &g->f, g->data, &p, &np, err, errlen);
+        if (pr != 0) { /* checked when it came: only a table's change can do this */
+            rc = pr == -2 ? STORE_ENOMEM : STORE_EINVAL;
+            break;
+        }
+        if (np) {
+            sparse_piece *na = realloc(all, sizeof(*na) * (size_t)(n_all + np));
+            if (!na)
+                rc = STORE_ENOMEM;
+            else {
+                all = na;
+                memcpy(all + n_all, p, sizeof(*p) * (size_t)np);
+                n_all += np;
+            }
+        }
+        free(p);
+    }
+    if (rc == STORE_OK) {
+        int pr = sparse_set_prepare(&s->sparse, all, n_all, &s->config.optim, sb, err, errlen);
+        rc = pr == 0 ? STORE_OK : pr == -1 ? STORE_ENOMEM : STORE_EINVAL;
+    }
+    free(all);
+    return rc;
+}
+
 static int aggregate(store_state *s)
 {
+    sparse_batch sb;
     int *idx = malloc(sizeof(int) * (size_t)(s->n ? s->n : 1));
     blob **dst = calloc((size_t)(s->n ? s->n : 1), sizeof(blob *));
     int rc = STORE_OK, n = 0;
@@ -529,14 +574,23 @@ static int aggregate(store_state *s)
         rc = STORE_ENOMEM;
         goto out;
     }
-    if ((rc = prepare(s, idx, n, dst)) != STORE_OK)
+    char err[256];
+    if ((rc = sparse_of_step(s, &sb, err, sizeof(err))) != STORE_OK)
         goto out;
+    if ((rc = prepare(s, idx, n, dst)) != STORE_OK) {
+        sparse_batch_free(&sb);
+        goto out;
+    }
     for (int k = 0; k < n; k++) {
         store_var *v = &s->vars[idx[k]];
         int cnt;
         const float *sum = sync_agg_sum(&s->agg, v->name, &v->shape, v->numel, &cnt);
         update_into(s, v, dst[k], sum, 1.0f / (float)cnt);
     }
+    /* the sparse rows: summed by id in worker order, over every kept gradient */
+    if (sb.n)
+        s->changes++;
+    sparse_set_commit(&s->sparse, &sb, &s->config.optim, 1.0f / (float)s->agg.n, s->global_step);
     double loss;
     if (sync_agg_mean_loss(&s->agg, &loss)) {
         s->last_loss = loss;
@@ -584,8 +638,34 @@ typedef struct push_result {
 
 /* Sync: keep the gradient for the current step; complete the step once it
  * has its replicas. Caller holds the write lock. */
+/* Sync: would the step's rows of every table this push touches still fit
+ * its max_rows (counting the kept gradients' rows, duplicates included)?
+ * So that a step, once its replicas are in, can always be applied. */
+static int sparse_step_fits(store_state *s, const sparse_piece *p, int np, char *err, size_t errlen)
+{
+    for (int i = 0; i < np; i++) {
+        const sparse_table *t = &s->sparse.t[p[i].table];
+        int64_t rows = 0;
+        for (int k = 0; k < np; k++)
+            rows += p[k].table == p[i].table ? p[k].n : 0;
+        for (int w = 0; w < s->agg.n; w++) {
+            char buf[TENSOR_NAME_MAX + 16];
+            snprintf(buf, sizeof(buf), "%s:ids", t->name);
+            int k = st_find(&s->agg.grads[w].f, buf);
+            rows += k >= 0 ? s->agg.grads[w].f.tensors[k].shape.dims[0] : 0;
+        }
+        if (rows > t->d.max_rows) {
+            snprintf(err, errlen, "'%s': this sync step's pushes hold %lld rows, max_rows is %lld", t->name,
+                     (long long)rows, (long long)t->d.max_rows);
+            return STORE_EINVAL;
+        }
+    }
+    return STORE_OK;
+}
+
 static int push_sync(store_state *s, const st_file *f, const unsigned char *data,
-                     const store_push_meta *meta, push_result *out, char *err, size_t errlen)
+                     const store_push_meta *meta, const sparse_piece *pieces, int np, push_result *out,
+                     char *err, size_t errlen)
 {
     if (meta->worker < 0 || meta->step < 0) {
         snprintf(err, errlen, "sync training needs metadata 'worker' and 'step' with every push");
@@ -607,6 +687,8 @@ static int push_sync(store_state *s, const st_file *f, const unsigned char *data
                  meta->step, (long long)s->global_step);
         return STORE_EAHEAD;
     }
+    if (!sync_agg_has(&s->agg, (int)meta->worker) && sparse_step_fits(s, pieces, np, err, errlen) != STORE_OK)
+        return STORE_EINVAL;
     int added = sync_agg_add(&s->agg, (int)meta->worker, meta->body, f, data, meta->has_loss,
                              meta->loss);
     if (added == 1) {
@@ -632,6 +714,8 @@ static int check_finite(const st_file *f, const unsigned char *data, char *err, 
 {
     for (int k = 0; k < f->n_tensors; k++) {
         const st_tensor *t = &f->tensors[k];
+        if (sparse_ids_tensor(t))
+            continue;
         const float *g = (const float *)(data + t->begin);
         int64_t bad = tensor_find_nonfinite(g, (size_t)((t->end - t->begin) / 4));
         if (bad >= 0) {
@@ -801,8 +885,8 @@ out:
  * is refused for a NaN or Inf, which must change nothing (the clock
  * included). */
 static int push_async(store_state *s, const st_file *f, const unsigned char *data,
-                      const store_push_meta *meta, const int *idx, push_result *out, int in_body,
-                      size_t off, int *nonfinite, char *err, size_t errlen)
+                      const store_push_meta *meta, const int *idx, const sparse_piece *pieces, int np,
+                      push_result *out, int in_body, size_t off, int *nonfinite, char *err, size_t errlen)
 {
     /* the worker completed this iteration, whether its gradient is applied
      * or dropped below (the stale-synchronous clocks) */
@@ -832,13 +916,32 @@ static int push_async(store_state *s, const st_file *f, const unsigned char *dat
         if (clocks)
             out->clocked = worker_state_clock_done(&s->workers, (int)meta->worker, meta->clock + 1);
     } else {
+        /* the dense variables' indices (a sparse piece's tensors have -1) */
+        int nd = 0, *di = malloc(sizeof(int) * (size_t)f->n_tensors);
         blob **dst = calloc((size_t)f->n_tensors, sizeof(blob *));
-        if (!dst || prepare(s, idx, f->n_tensors, dst) != STORE_OK) {
+        sparse_batch sb;
+        int sr = di && dst ? sparse_set_prepare(&s->sparse, pieces, np, &s->config.optim, &sb, err, errlen) : -1;
+        if (sr != 0) {
+            free(di);
+            free(dst);
+            return sr == -2 ? STORE_EINVAL : STORE_ENOMEM;
+        }
+        for (int k = 0; k < f->n_tensors; k++)
+            if (idx[k] >= 0)
+                di[nd++] = idx[k];
+        if (prepare(s, di, nd, dst) != STORE_OK) {
+            sparse_batch_free(&sb);
+            free(di);
             free(dst);
             return STORE_ENOMEM;
         }
-        for (int k = 0; k < f->n_tensors; k++)
-            update_into(s, &s->vars[idx[k]], dst[k], (const float *)(data + f->tensors[k].begin), 1.0f);
+        for (int k = 0, j = 0; k < f->n_tensors; k++)
+            if (idx[k] >= 0)
+                update_into(s, &s->vars[idx[k]], dst[j++], (const float *)(data + f->tensors[k].begin), 1.0f);
+        if (sb.n)
+            s->changes++;
+        sparse_set_commit(&s->sparse, &sb, &s->config.optim, 1.0f, s->global_step);
+        free(di);
         free(dst);
     }
     if (meta->step >= 0)
@@ -864,12 +967,15 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
         snprintf(err, errlen, "push holds no gradients");
         return STORE_EINVAL;
     }
-    for (int k = 0; k < f->n_tensors; k++)
-        if (strcmp(f->tensors[k].dtype, "F32") != 0) {
+    int has_sparse = 0;
+    for (int k = 0; k < f->n_tensors; k++) {
+        has_sparse |= sparse_tensor_name(f->tensors[k].name);
+        if (strcmp(f->tensors[k].dtype, "F32") != 0 && !sparse_ids_tensor(&f->tensors[k])) {
             snprintf(err, errlen, "gradient '%s' has dtype %s, only F32 is accepted",
                      f->tensors[k].name, f->tensors[k].dtype);
             return STORE_EINVAL;
         }
+    }
     /* in_body: the data section lies in the body */
     const blob *b = meta->body;
     int in_body = meta->in_body && b && data >= b->data && (uint64_t)(data - b->data) <= b->len &&
@@ -887,7 +993,9 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
     /* ... and only a body that is mostly gradients becomes the variables'
      * data: a 4-byte gradient behind a 100 MiB header (ST_MAX_HEADER) would
      * otherwise keep the whole body as long as its variable stays */
-    int fused = in_body && fuses(s) && (uint64_t)f->data_len * 4 + PIN_SLACK >= b->cap;
+    int fused = in_body && !has_sparse && fuses(s) && (uint64_t)f->data_len * 4 + PIN_SLACK >= b->cap;
+    sparse_piece *pieces = NULL;
+    int np = 0;
     if (in_body && !fused && (rc = check_finite(f, data, err, errlen)) != STORE_OK) {
         nonfinite = 1;
     } else {
@@ -904,11 +1012,16 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
                 rc = STORE_EINVAL;
                 nonfinite = 1;
             }
+        } else if (has_sparse &&
+                   (rc = sparse_set_pieces(&s->sparse, f, data, &pieces, &np, err, errlen)) != 0) {
+            rc = rc == -2 ? STORE_ENOMEM : STORE_EINVAL;
         } else {
-            rc = s->config.sync ? push_sync(s, f, data, meta, &r, err, errlen)
-                                : push_async(s, f, data, meta, idx, &r, fused, off, &nonfinite, err, errlen);
+            rc = s->config.sync ? push_sync(s, f, data, meta, pieces, np, &r, err, errlen)
+                                : push_async(s, f, data, meta, idx, pieces, np, &r, fused, off, &nonfinite,
+                                             err, errlen);
         }
     }
+    free(pieces);
     int64_t step = s->global_step;
     write_unlock(s);
     free(idx);
@@ -994,6 +1107,76 @@ int64_t store_global_step(store *h)
     return step;
 }
 
+/* Copies of the sparse tables' rows, least recently updated first. Caller
+ * holds the lock. */
+static int save_sparse(const store_state *s, store_saved *out)
+{
+    if (s->sparse.n == 0)
+        return STORE_OK;
+    if (!(out->sparse = calloc((size_t)s->sparse.n, sizeof(store_saved_sparse))))
+        return STORE_ENOMEM;
+    for (int i = 0; i < s->sparse.n; i++) {
+        const sparse_table *t = &s->sparse.t[i];
+        store_saved_sparse *o = &out->sparse[i];
+        out->n_sparse = i + 1;
+        memcpy(o->name, t->name, sizeof(o->name));
+        o->decl = t->d;
+        o->n = t->n;
+        o->updates = t->updates;
+        o->evicted = t->evicted;
+        o->version = t->version;
+        o->n_slots = t->n_slots;
+        const size_t dim = (size_t)t->d.dim, rows = (size_t)(t->n ? t->n : 1);
+        o->ids = malloc(sizeof(int64_t) * rows);
+        o->values = malloc(sizeof(float) * rows * dim);
+        o->slots = t->n_slots ? malloc(sizeof(float) * rows * dim * (size_t)t->n_slots) : NULL;
+        if (!o->ids || !o->values || (t->n_slots && !o->slots))
+            return STORE_ENOMEM;
+        size_t k = 0;
+        for (int64_t r = sparse_oldest(t); r >= 0; r = sparse_newer(t, r), k++) {
+            o->ids[k] = t->ids[r];
+            memcpy(o->values + k * dim, t->values + (size_t)r * dim, sizeof(float) * dim);
+            if (t->n_slots > 0)
+                memcpy(o->slots + k * dim, t->slot0 + (size_t)r * dim, sizeof(float) * dim);
+            if (t->n_slots > 1)
+                memcpy(o->slots + ((size_t)t->n + k) * dim, t->slot1 + (size_t)r * dim, sizeof(float) * dim);
+        }
+    }
+    return STORE_OK;
+}
+
+/* The tables of a checkpoint, built apart (nothing of the store changes on
+ * failure). */
+static int restore_sparse(const store_saved *sv, const optim_config *c, sparse_set *out)
+{
+    memset(out, 0, sizeof(*out));
+    for (int i = 0; i < sv->n_sparse; i++) {
+        const store_saved_sparse *o = &sv->sparse[i];
+        int created;
+        char err[256];
+        if (sparse_set_declare(out, o->name, &o->decl, &created, err, sizeof(err)) != 0)
+            goto fail;
+        sparse_table *t = &out->t[sparse_set_find(out, o->name)];
+        int with_slots = o->n_slots > 0 && o->n_slots == optim_slots(c->kind);
+        if (with_slots && sparse_ensure_slots(t, c) != 0)
+            goto fail;
+        const size_t dim = (size_t)o->decl.dim;
+        for (int64_t k = 0; k < o->n; k++) {
+            const float *s0 = with_slots ? o->slots + (size_t)k * dim : NULL;
+            const float *s1 = with_slots && o->n_slots > 1 ? o->slots + ((size_t)o->n + (size_t)k) * dim : NULL;
+            if (sparse_restore_row(t, o->ids[k], o->values + (size_t)k * dim, s0, s1) != 0)
+                goto fail;
+        }
+        t->updates = o->updates;
+        t->evicted = o->evicted;
+        t->version = o->version;
+    }
+    return STORE_OK;
+fail:
+    sparse_set_free(out);
+    return STORE_ENOMEM;
+}
+
 int store_save(store *h, store_saved *out)
 {
     store_state *s = h->st;
@@ -1034,6 +1217,11 @@ int store_save(store *h, store_saved *out)
             memcpy(o->shadow, v->shadow, nb);
         }
     }
+    if (save_sparse(s, out) != STORE_OK) {
+        pthread_rwlock_unlock(&s->lock);
+        store_saved_free(out);
+        return STORE_ENOMEM;
+    }
     out->global_step = s->global_step;
     out->config = s->config;
     out->configured = s->configured;
@@ -1059,6 +1247,12 @@ void store_saved_free(store_saved *sv)
         free(sv->vars[i].shadow);
     }
     free(sv->vars);
+    for (int i = 0; i < sv->n_sparse; i++) {
+        free(sv->sparse[i].ids);
+        free(sv->sparse[i].values);
+        free(sv->sparse[i].slots);
+    }
+    free(sv->sparse);
     free(sv->placement);
     memset(sv, 0, sizeof(*sv));
 }
@@ -1075,9 +1269,14 @@ uint64_t store_changes(store *h)
 int store_restore(store *h, store_saved *sv)
 {
     store_state *s = h->st;
-    store_var *vars = calloc((size_t)(sv->n ? sv->n : 1), sizeof(store_var));
-    if (!vars)
+    sparse_set sparse;
+    if (restore_sparse(sv, sv->configured ? &sv->config.optim : &s->config.optim, &sparse) != STORE_OK)
         return STORE_ENOMEM;
+    store_var *vars = calloc((size_t)(sv->n ? sv->n : 1), sizeof(store_var));
+    if (!vars) {
+        sparse_set_free(&sparse);
+        return STORE_ENOMEM;
+    }
     uint64_t bytes = 0;
     for (int i = 0; i < sv->n; i++) {
         store_saved_var *o = &sv->vars[i];
@@ -1107,6 +1306,8 @@ int store_restore(store *h, store_saved *sv)
     }
     free(s->vars);
     sync_agg_clear(&s->agg);
+    sparse_set_free(&s->sparse);
+    s->sparse = sparse;
     s->vars = vars;
     s->cap = sv->n ? sv->n : 1;
     s->n = sv->n;
@@ -1248,4 +1449,80 @@ int store_get_sync_view(store *h, store_sync_view *v)
     v->waiting_secs = s->agg.first_ms ? (double)(now - s->agg.first_ms) / 1000.0 : 0.0;
     pthread_rwlock_unlock(&s->lock);
     return STORE_OK;
+}
+
+int store_sparse_declare(store *h, const char *name, const sparse_decl *d, int *created, char *err,
+                         size_t errlen)
+{
+    store_state *s = h->st;
+    if (sparse_decl_check(d, err, errlen) != 0)
+        return STORE_EINVAL;
+    write_lock(s);
+    int rc = STORE_OK;
+    if (find(s, name) >= 0) {
+        snprintf(err, errlen, "'%s' is a dense variable", name);
+        rc = STORE_ECONFLICT;
+    } else {
+        int dr = sparse_set_declare(&s->sparse, name, d, created, err, errlen);
+        rc = dr == 0 ? STORE_OK : dr == -1 ? STORE_ENOMEM : STORE_ECONFLICT;
+        if (rc == STORE_OK && *created)
+            s->changes++;
+    }
+    write_unlock(s);
+    return rc;
+}
+
+int store_sparse_peek(store *h, const char *name, sparse_decl *d)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    int i = sparse_set_find(&s->sparse, name);
+    if (i >= 0)
+        *d = s->sparse.t[i].d;
+    pthread_rwlock_unlock(&s->lock);
+    return i >= 0 ? STORE_OK : STORE_ENOENT;
+}
+
+int store_sparse_lookup(store *h, const char *name, const unsigned char *ids, int64_t n, float *out,
+                        int64_t *global_step, char *err, size_t errlen)
+{
+    store_state *s = h->st;
+    pthread_rwlock_rdlock(&s->lock);
+    int i = sparse_set_find(&s->sparse, name), rc = STORE_OK;
+    if (i < 0) {
+        snprintf(err, errlen, "no sparse variable '%s'", name);
+        rc = STORE_ENOENT;
+    } else if (sparse_check_ids(&s->sparse.t[i], ids, n, err, errlen) != 0) {
+        rc = STORE_EINVAL;
+    } else {
+        sparse_lookup(&s->sparse.t[i], ids, n, out);
+    }
+    *global_step = s->global_step;
+    pthread_rwlock_unlock(&s->lock);
+    return rc;
+}
+
+int store_sparse_stats(store *h, store_sparse_stat **out, int *n)
+{
+    store_state *s = h->st;
+    *out = NULL;
+    *n = 0;
+    pthread_rwlock_rdlock(&s->lock);
+    int rc = STORE_OK;
+    if (s->sparse.n > 0 && !(*out = calloc((size_t)s->sparse.n, sizeof(store_sparse_stat))))
+        rc = STORE_ENOMEM;
+    for (int i = 0; rc == STORE_OK && i < s->sparse.n; i++) {
+        const sparse_table *t = &s->sparse.t[i];
+        store_sparse_stat *o = &(*out)[i];
+        memcpy(o->name, t->name, sizeof(o->name));
+        o->decl = t->d;
+        o->held = t->n;
+        o->evicted = t->evicted;
+        o->updates = t->updates;
+        o->bytes = sparse_table_bytes(t);
+        o->version = t->version;
+        *n = i + 1;
+    }
+    pthread_rwlock_unlock(&s->lock);
+    return rc;
 }

@@ -17,6 +17,7 @@
 #include "bufpool.h"
 #include "optim.h"
 #include "safetensors.h"
+#include "sparse_table.h"
 #include "tensor.h"
 
 enum {
@@ -84,6 +85,20 @@ typedef struct store_saved_var {
     float *shadow; /* the moving average, numel floats, malloc'd (a copy), or NULL (= data) */
 } store_saved_var;
 
+/* One sparse variable as a checkpoint holds it: its rows held, least
+ * recently updated first (a restore keeps the eviction order). */
+typedef struct store_saved_sparse {
+    char name[TENSOR_NAME_MAX + 1];
+    sparse_decl decl;
+    int64_t n;       /* rows held */
+    int64_t updates, evicted;
+    uint64_t version;
+    int64_t *ids;    /* n, malloc'd */
+    float *values;   /* n * dim, malloc'd */
+    float *slots;    /* n_slots arrays of n * dim, malloc'd, or NULL */
+    int n_slots;
+} store_saved_sparse;
+
 /* What a checkpoint of the shard holds: taken at one instant, or read back. */
 typedef struct store_saved {
     int64_t global_step;
@@ -96,6 +111,8 @@ typedef struct store_saved {
     char *placement;       /* the chief's placement map (JSON text, malloc'd), or NULL */
     int n;
     store_saved_var *vars; /* sorted by name */
+    int n_sparse;
+    store_saved_sparse *sparse; /* sorted by name */
 } store_saved;
 
 int store_init(store *s, float learning_rate, bufpool *pool);
@@ -258,6 +275,33 @@ typedef struct store_sync_view {
 } store_sync_view;
 /* 0, or STORE_ENOMEM. */
 int store_get_sync_view(store *s, store_sync_view *v);
+
+/* Row-sparse variables (sparse_table.h): pulled and pushed by ids. A push's
+ * part for table NAME is "NAME:ids" (I64 [n]) and "NAME:values" (F32 [n,
+ * dim]) beside the dense gradients of store_apply_grads' body, applied (or
+ * kept for the sync step, then summed by id in worker order and averaged
+ * over the step's gradients) with the dense ones, all or nothing. */
+/* Declare name (create-only, idempotent): STORE_OK and *created; the same
+ * name dense or declared otherwise: STORE_ECONFLICT (err says);
+ * STORE_EINVAL a bad declaration. */
+int store_sparse_declare(store *s, const char *name, const sparse_decl *d, int *created, char *err,
+                         size_t errlen);
+/* STORE_OK and its declaration when name is a sparse variable, else STORE_ENOENT. */
+int store_sparse_peek(store *s, const char *name, sparse_decl *d);
+/* The rows of ids (n raw little-endian int64) into out (n * dim floats),
+ * rows not held as their initial value, and *global_step: STORE_OK,
+ * STORE_ENOENT, STORE_EINVAL (an id that is not this table's: err). */
+int store_sparse_lookup(store *s, const char *name, const unsigned char *ids, int64_t n, float *out,
+                        int64_t *global_step, char *err, size_t errlen);
+/* What /v1/status and /metrics show of each sparse variable. */
+typedef struct store_sparse_stat {
+    char name[TENSOR_NAME_MAX + 1];
+    sparse_decl decl;
+    int64_t held, evicted, updates;
+    uint64_t bytes, version;
+} store_sparse_stat;
+/* *out malloc'd (n entries, NULL when none); STORE_OK or STORE_ENOMEM. */
+int store_sparse_stats(store *s, store_sparse_stat **out, int *n);
 
 /* Counters for /v1/status. */
 void store_totals(store *s, int *n_vars, uint64_t *bytes, int64_t *global_step, int *has_loss,

@@ -1114,6 +1114,50 @@ def exercise_checkpoint_failure(rec, p):
         b"restps_checkpoint_age_seconds" not in b, b
 
 
+def exercise_sparse(rec, p):
+    """Row-sparse variables (issue 34), on a psd with --max_body_bytes=4096."""
+    decl = json.dumps({"rows": 0, "dim": 2, "init": "uniform", "seed": 3}).encode()
+    rec(p, "PUT", "/v1/vars/emb/sparse", body=decl, expect=201)
+    rec(p, "PUT", "/v1/vars/emb/sparse", body=decl, expect=200)
+    rec(p, "PUT", "/v1/vars/emb/sparse", body=b'{"rows":0,"dim":3}', expect=409)
+    rec(p, "PUT", "/v1/vars/dense", body=f32(1, 2), headers={"X-Shape": "2"}, expect=201)
+    rec(p, "PUT", "/v1/vars/dense/sparse", body=b'{"rows":0,"dim":2}', expect=409)
+    rec(p, "PUT", "/v1/vars/z/sparse", body=b'{"rows":0}', expect=400)
+    rec(p, "PUT", "/v1/vars/z/sparse", body=b'{"rows":0,"dim":2,"init":"normal"}', expect=400)
+    rec(p, "PUT", "/v1/vars/z/sparse", body=b"[]", expect=400)
+    rec(p, "PUT", "/v1/vars/z/sparse", headers={"Content-Length": "8000"}, headers_only=True, expect=413)
+    rec(p, "GET", "/v1/vars/emb/rows", query={"ids": "3,17,99"}, expect=200)
+    _, h, b = rec(p, "GET", "/v1/vars/emb/rows", query={"ids": "3,17,99", "format": "json"}, expect=200)
+    assert json.loads(b)["ids"] == [3, 17, 99]
+    rec(p, "GET", "/v1/vars/emb/rows", query={"ids": "1", "format": "raw"}, expect=200)
+    rec(p, "GET", "/v1/vars/emb/rows", query={"ids": "1,x"}, expect=400)
+    rec(p, "GET", "/v1/vars/emb/rows", expect=400)
+    rec(p, "GET", "/v1/vars/emb/rows", query={"ids": "1", "format": "xml"}, expect=400)
+    rec(p, "GET", "/v1/vars/missing/rows", query={"ids": "1"}, expect=404)
+    rec(p, "HEAD", "/v1/vars/emb/rows", query={"ids": "1"}, expect=200)
+    rec(p, "HEAD", "/v1/vars/emb/rows", query={"ids": "-1"}, expect=400)
+    rec(p, "HEAD", "/v1/vars/missing/rows", query={"ids": "1"}, expect=404)
+    ids = struct.pack("<3q", 3, 17, 3)
+    rec(p, "POST", "/v1/vars/emb/rows", body=safetensors({"ids": ("I64", [3], ids)}), expect=200)
+    rec(p, "POST", "/v1/vars/emb/rows", body=safetensors({"ids": ("F32", [2], f32(1, 2))}), expect=400)
+    rec(p, "POST", "/v1/vars/missing/rows", body=safetensors({"ids": ("I64", [3], ids)}), expect=404)
+    rec(p, "POST", "/v1/vars/emb/rows", headers={"Content-Length": "8000"}, headers_only=True, expect=413)
+    grad = safetensors({"ids": ("I64", [3], ids), "values": ("F32", [3, 2], f32(1, 2, 3, 4, 5, 6))})
+    _, _, b = rec(p, "POST", "/v1/vars/emb/rows/grad", body=grad, expect=200)
+    assert json.loads(b)["global_step"] == 1
+    rec(p, "POST", "/v1/vars/emb/rows/grad",
+        body=safetensors({"ids": ("I64", [3], ids), "values": ("F32", [3, 1], f32(1, 2, 3))}), expect=400)
+    rec(p, "POST", "/v1/vars/missing/rows/grad", body=grad, expect=404)
+    rec(p, "POST", "/v1/vars/emb/rows/grad", headers={"Content-Length": "8000"}, headers_only=True,
+        expect=413)
+    push = safetensors({"emb:ids": ("I64", [3], ids), "emb:values": ("F32", [3, 2], f32(1, 2, 3, 4, 5, 6))})
+    rec(p, "POST", "/v1/grads", body=push, expect=200)
+    _, _, b = rec(p, "GET", "/v1/status", expect=200)
+    assert json.loads(b)["sparse"]["emb"]["held_rows"] == 2
+    rec(p, "PUT", "/v1/config", body=b'{"sync":true}', expect=200)
+    rec(p, "POST", "/v1/vars/emb/rows/grad", body=grad, expect=409)
+
+
 def exercise_token(rec, p):
     """--auth_token_file: writes need the token, reads do not."""
     w = f32(1, 2)
@@ -1131,6 +1175,10 @@ def exercise_token(rec, p):
     rec(p, "POST", "/v1/grads", body=push, expect=401)
     rec(p, "POST", "/v1/grads", body=push, token="nope", expect=401)
     rec(p, "POST", "/v1/grads", body=push, token=TOKEN, expect=200)
+    rec(p, "PUT", "/v1/vars/e/sparse", body=b'{"rows":0,"dim":1}', expect=401)
+    rec(p, "PUT", "/v1/vars/e/sparse", body=b'{"rows":0,"dim":1}', token=TOKEN, expect=201)
+    rec(p, "POST", "/v1/vars/e/rows/grad", body=b"", expect=401)
+    rec(p, "GET", "/v1/vars/e/rows", query={"ids": "1"}, expect=200)
     rec(p, "GET", "/readyz", expect=503)
     for method, path, body in (("PUT", "/v1/config", b"{}"),
                                ("POST", "/v1/eval", b'{"loss":1,"accuracy":0.5}'),
@@ -1195,6 +1243,9 @@ def exercise_auth_reads(rec, p):
     exercise_web(rec, p, token=TOKEN)
     rec(p, "GET", "/v1/vars/w", token="bad", expect=401)
     rec(p, "GET", "/v1/vars/missing", token=TOKEN, expect=404)
+    rec(p, "GET", "/v1/vars/e/rows", query={"ids": "1"}, expect=401)
+    rec(p, "HEAD", "/v1/vars/e/rows", query={"ids": "1"}, expect=401)
+    rec(p, "POST", "/v1/vars/e/rows", body=b"", expect=401)
     rec(p, "POST", "/v1/checkpoint", expect=401)
     rec(p, "POST", "/v1/heartbeat", body=b'{"worker":0}', expect=401)
     rec(p, "POST", "/v1/heartbeat", body=b'{"worker":0}', token=TOKEN, expect=200)
@@ -1604,6 +1655,7 @@ def test_live_responses_match_spec(start_psd, tmp_path):
     exercise_sync(rec, start_psd("--logdir="))
     exercise_leases(rec, start_psd("--logdir=", "--worker_lease_secs=1"))
     exercise_staleness(rec, start_psd("--logdir="))
+    exercise_sparse(rec, start_psd("--logdir=", "--max_body_bytes=4096"))
     exercise_token(rec, start_psd(f"--auth_token_file={token_file}"))
     exercise_auth_reads(rec, start_psd(f"--auth_token_file={token_file}", "--auth_reads"))
 
