@@ -9,8 +9,10 @@
 # python3-pytest-xdist: the system tests' parallel workers (tests/run.sh);
 # gcovr: line coverage of the C code (make coverage).
 # protobuf-c-compiler, libprotobuf-c-dev: workerd's ONNX export (client/onnx: protoc-c on onnx.proto).
-# Arguments name more packages: make bench passes its own (python3-torch, the
-# peer of bench/train.sh and bench/cnn_compare.py), which make test does not need.
+# python3-torch (Debian's CPU build, ~160 packages, ~50 MB to download): the PyTorch worker
+# beside C workers (client/python/examples/torch_worker.py, tests/system/test_torch_worker.py),
+# and make bench's peer (bench/train.sh, bench/cnn_compare.py).
+# Arguments name more packages (make bench passes its own).
 # nginx (make bench's peer) is not installed, which would enable a server on
 # port 80: scripts/nginx.sh takes its binary from Debian's package.
 set -eu
@@ -21,7 +23,7 @@ dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \
 clang-14 libclang-rt-14-dev \
 wrk valgrind \
-python3-pytest-xdist gcovr protobuf-c-compiler libprotobuf-c-dev $*"
+python3-pytest-xdist gcovr protobuf-c-compiler libprotobuf-c-dev python3-torch $*"
 missing=""
 for p in $PKGS; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
