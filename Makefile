@@ -119,7 +119,7 @@ ENDPOINT_OBJ = $(BUILD)/common/endpoint.o $(BUILD)/common/conntrack.o $(BUILD)/c
 
 ASAN_FLAGS = -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 
-.PHONY: all asan test coverage hostile deps demo clean
+.PHONY: all asan test coverage hostile deps demo hosts-demo clean
 all: $(BIN)/psd $(BIN)/workerd $(BUILD)/libps.a
 
 # client/ never includes server/ (common/ holds what both use)
@@ -209,6 +209,11 @@ hostile: all
 # MODEL=cnn make demo trains the CNN instead (deploy/local/demo.sh says how long)
 demo: deps all
 	RESTPS_BIN_DIR=$(BIN) sh deploy/local/demo.sh
+
+# A small job on three hosts of this machine (network namespaces: root), a
+# cable pulled and plugged back in; the hosts are removed at the end
+hosts-demo: deps all
+	RESTPS_BIN_DIR=$(BIN) sh deploy/netns/demo.sh
 
 clean:
 	rm -rf build bin
