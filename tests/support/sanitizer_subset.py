@@ -54,6 +54,10 @@ TESTS = {
     ("test_pipeline.py", "test_with_the_ps_one_seed_one_file"): "two more runs (9 s under ASan) of the ps "
         "paths the ps equivalence matrix runs under the sanitizer; determinism is a property of the normal "
         "build's floats",
+    ("test_python_client.py", "test_bodies_are_what_pypi_safetensors_reads_and_writes"): "the Python "
+        "package's safetensors codec against PyPI's: no C code runs",
+    ("test_python_client.py", "test_pip_installs_the_package_into_a_fresh_venv"): "pip installs the Python "
+        "package: no C code runs",
 }
 
 # matrices: (file name, function name) -> (keep(params) -> bool, reason)
