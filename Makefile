@@ -149,6 +149,7 @@ $(BUILD)/common/web_assets_table.o: $(BUILD)/common/web_assets_table.c
 PROTOC_C ?= protoc-c
 $(BUILD)/client/onnx/onnx.pb-c.c $(BUILD)/client/onnx/onnx.pb-c.h &: client/onnx/onnx.proto
 	@mkdir -p $(dir $@)
+	@command -v $(PROTOC_C) >/dev/null 2>&1 || { echo "$(PROTOC_C) is missing: make deps installs protobuf-c-compiler and libprotobuf-c-dev" >&2; exit 1; }
 	$(PROTOC_C) --proto_path=client/onnx --c_out=$(BUILD)/client/onnx client/onnx/onnx.proto
 
 $(BUILD)/client/onnx/onnx.pb-c.o: $(BUILD)/client/onnx/onnx.pb-c.c
