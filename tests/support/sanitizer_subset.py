@@ -58,6 +58,8 @@ TESTS = {
         "package's safetensors codec against PyPI's: no C code runs",
     ("test_python_client.py", "test_pip_installs_the_package_into_a_fresh_venv"): "pip installs the Python "
         "package: no C code runs",
+    ("test_python_client.py", "test_the_package_type_checks_with_mypy"): "mypy on the Python package: no C "
+        "code runs",
 }
 
 # matrices: (file name, function name) -> (keep(params) -> bool, reason)

@@ -239,3 +239,15 @@ def test_pip_installs_the_package_into_a_fresh_venv(tmp_path):
     assert r.returncode == 0, r.stderr
     version, where = r.stdout.split()
     assert version == "0.1.0" and where.startswith(str(venv)), r.stdout
+
+
+def test_the_package_type_checks_with_mypy(tmp_path):
+    """mypy (PyPI, build/venv) on restps with client/python/pyproject.toml's
+    settings (strict, numpy arrays without type arguments)."""
+    if not os.access(VENV_PY, os.X_OK):
+        pytest.skip(f"{VENV_PY} is missing: run make deps (PyPI mypy into build/venv)")
+    pkg = os.path.join(ROOT, "client", "python")
+    r = subprocess.run([VENV_PY, "-m", "mypy", "--config-file", os.path.join(pkg, "pyproject.toml"),
+                        "--cache-dir", str(tmp_path / "cache"), os.path.join(pkg, "restps")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Success" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

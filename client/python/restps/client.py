@@ -123,7 +123,10 @@ class Client:
         body = safetensors_io.encode({k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}, meta)
         _, _, data = self.transport.request("POST", "/v1/grads", body=body, headers={"X-Push-Id": push_id},
                                             idempotent=True)
-        return json.loads(data.decode("utf-8"))
+        out = json.loads(data.decode("utf-8"))
+        if not isinstance(out, dict):
+            raise ProtocolError(f"{self.host}: POST /v1/grads: the answer is not a JSON object")
+        return out
 
     # ------------------------------------------------------------ the rest of the contract
 

@@ -147,8 +147,12 @@ class Cluster:
             for i, piece, rows in self._where[name]:
                 per_ps[i][piece] = g if len(self._where[name]) == 1 else g[row:row + rows]
                 row += rows
-        steps = list(step) if isinstance(step, (list, tuple)) else \
-            [self.steps[i] if step is None else int(step) for i in range(len(self.clients))]
+        if step is None:
+            steps = list(self.steps)
+        elif isinstance(step, int):
+            steps = [step] * len(self.clients)
+        else:
+            steps = [int(s) for s in step]
 
         def one(c: Client, i: int) -> Optional[Dict[str, Any]]:
             if not per_ps[i]:

@@ -60,13 +60,14 @@ def decode(body: bytes, copy: bool = True) -> Tuple[Dict[str, np.ndarray], Dict[
         try:
             dt = np.dtype(DTYPES[d["dtype"]])
             shape = tuple(int(s) for s in d["shape"])
-            b, e = (int(x) for x in d["data_offsets"])
+            begin, end = (int(x) for x in d["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ProtocolError(f"safetensors tensor {name!r}: bad entry {d!r}") from None
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if not 0 <= b <= e <= len(data) or e - b != n * dt.itemsize:
-            raise ProtocolError(f"safetensors tensor {name!r}: offsets [{b}, {e}) do not hold {d['dtype']} {list(shape)}")
-        arr = np.frombuffer(data[b:e], dtype=dt).reshape(shape)
+        if not 0 <= begin <= end <= len(data) or end - begin != n * dt.itemsize:
+            raise ProtocolError(f"safetensors tensor {name!r}: offsets [{begin}, {end}) do not hold "
+                                f"{d['dtype']} {list(shape)}")
+        arr = np.frombuffer(data[begin:end], dtype=dt).reshape(shape)
         out[name] = arr.astype(dt.newbyteorder("="), copy=True) if copy else arr
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ProtocolError("safetensors __metadata__ is not a map of strings")

@@ -107,8 +107,8 @@ class Transport:
             body = json.loads(data.decode("utf-8")) if data else None
         except ValueError:
             pass
-        msg = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), str) else \
-            data.decode("utf-8", "replace").strip()[:500]
+        err = body.get("error") if isinstance(body, dict) else None
+        msg = err if isinstance(err, str) else data.decode("utf-8", "replace").strip()[:500]
         return http_error(status, msg, host=self.host, method=method, path=path,
                           body=body if isinstance(body, dict) else None)
 
