@@ -1,5 +1,5 @@
-/* sparse_table.h - one row-sparse variable of a ps shard (an embedding
- * table): rows of `dim` floats by int64 id, held only once pushed, with
+/* sparse_table.h - one row-sparse variable (an embedding table) of a ps
+ * shard, or of workerd's --local training: rows of `dim` floats by int64 id, held only once pushed, with
  * per-row optimizer slots, a row limit with least-recently-updated eviction
  * and a deterministic initializer for rows not held.
  *

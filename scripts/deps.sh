@@ -8,6 +8,7 @@
 # valgrind: tests/system/test_valgrind.py.
 # python3-pytest-xdist: the system tests' parallel workers (tests/run.sh);
 # gcovr: line coverage of the C code (make coverage).
+# wamerican wngerman wfrench ... wpolish: the word lists of workerd --data=langid (/usr/share/dict).
 # protobuf-c-compiler, libprotobuf-c-dev: workerd's ONNX export (client/onnx: protoc-c on onnx.proto).
 # python3-torch (Debian's CPU build, ~160 packages, ~50 MB to download): the PyTorch worker
 # beside C workers (client/python/examples/torch_worker.py, tests/system/test_torch_worker.py),
@@ -23,7 +24,8 @@ dataset-fashion-mnist yamllint \
 chromium chromium-driver python3-selenium \
 clang-14 libclang-rt-14-dev \
 wrk valgrind \
-python3-pytest-xdist gcovr protobuf-c-compiler libprotobuf-c-dev python3-torch $*"
+python3-pytest-xdist gcovr protobuf-c-compiler libprotobuf-c-dev python3-torch \
+wamerican wngerman wfrench wspanish witalian wdutch wportuguese wswedish wnorwegian wdanish wpolish $*"
 missing=""
 for p in $PKGS; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

@@ -6,5 +6,6 @@
 
 #include "data/batcher.h"
 #include "data/idx.h"
+#include "data/langid.h"
 
 #endif

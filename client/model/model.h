@@ -283,6 +283,20 @@ struct model_backend {
      * its own over them). */
     int (*backward_range_add)(model *m, int first, int last, const float *params, const float *dout,
                               int batch, float *din, float *grads);
+    /* The embedding bag (embed:ROWSxDIM[,mean|sum], embed_bag.c; the CUDA
+     * mirror in model_cuda.cu). rows [n_rows, dim]: the rows a batch
+     * touches, gathered into one buffer; example b's bag is rows idx[j] for
+     * j in off[b]..off[b+1] (idx [off[batch]] in 0..n_rows-1).
+     * bag_forward: out [batch, dim] = the sum of its bag's rows, or their
+     *   mean (mean 1; an empty bag gives 0).
+     * bag_backward: drows [n_rows, dim] (overwritten) = the gradient of the
+     *   loss with respect to the rows, from dout [batch, dim]: dout[b] (over
+     *   the bag's size for the mean) added to each of b's rows (a row twice
+     *   in a bag gets it twice). */
+    int (*bag_forward)(model *m, const float *rows, int64_t n_rows, int dim, const int32_t *idx,
+                       const int64_t *off, int batch, int mean, float *out);
+    int (*bag_backward)(model *m, const float *dout, int64_t n_rows, int dim, const int32_t *idx,
+                        const int64_t *off, int batch, int mean, float *drows);
 };
 
 /* The OpenBLAS backend (model_cpu.c). */
@@ -344,6 +358,17 @@ int model_backward_range_add(model *m, int first, int last, const float *params,
                              int batch, float *din, float *sum, float *scratch);
 int model_loss_head(model *m, const float *logits, const uint8_t *labels, int batch,
                     float *dlogits, double *loss);
+/* The backend's bag_forward and bag_backward (above), the arguments checked
+ * (idx within n_rows, off non-decreasing from 0): 0, or -1. */
+int model_bag_forward(model *m, const float *rows, int64_t n_rows, int dim, const int32_t *idx,
+                      const int64_t *off, int batch, int mean, float *out);
+int model_bag_backward(model *m, const float *dout, int64_t n_rows, int dim, const int32_t *idx,
+                       const int64_t *off, int batch, int mean, float *drows);
+/* The CPU's (embed_bag.c), the reference of every backend's. */
+int model_cpu_bag_forward(model *m, const float *rows, int64_t n_rows, int dim, const int32_t *idx,
+                          const int64_t *off, int batch, int mean, float *out);
+int model_cpu_bag_backward(model *m, const float *dout, int64_t n_rows, int dim, const int32_t *idx,
+                           const int64_t *off, int batch, int mean, float *drows);
 /* Host memory for params, grads, x and labels: bytes zeroed, or NULL when out
  * of memory. From the backend's host_alloc (CUDA: pinned memory, which its
  * copies use directly; when pinned memory runs out, ordinary memory and one

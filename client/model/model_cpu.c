@@ -1446,4 +1446,6 @@ const model_backend model_backend_cpu = {
     .backward_range = cpu_backward_range,
     .backward_range_add = cpu_backward_range_add,
     .loss_head = cpu_loss_head,
+    .bag_forward = model_cpu_bag_forward,
+    .bag_backward = model_cpu_bag_backward,
 };

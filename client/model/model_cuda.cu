@@ -1520,6 +1520,113 @@ fail:
     return -1;
 }
 
+/* The embedding bag (model.h: bag_forward, bag_backward), the CPU's
+ * embed_bag.c mirrored: one thread per output float forward (the bag's rows
+ * summed in order, so the sum is the CPU's); backward one thread per
+ * (index, column), atomicAdd into the row (the order of a row's additions
+ * varies: within float rounding of the CPU's). Its buffers are allocated
+ * per call on the instance's device (a bag's sizes vary from batch to
+ * batch). */
+static __global__ void k_bag_forward(float *out, const float *rows, const int32_t *idx, const int64_t *off,
+                                     int B, int D, int mean)
+{
+    const size_t total = (size_t)B * (size_t)D;
+    FOR_N(i, total) {
+        int b = (int)(i / (size_t)D), k = (int)(i % (size_t)D);
+        float acc = 0.0f;
+        for (int64_t j = off[b]; j < off[b + 1]; j++)
+            acc += rows[(size_t)idx[j] * D + k];
+        int64_t cnt = off[b + 1] - off[b];
+        if (mean && cnt > 0)
+            acc *= 1.0f / (float)cnt;
+        out[i] = acc;
+    }
+}
+
+static __global__ void k_bag_backward(float *drows, const float *dout, const int32_t *idx, const int32_t *ex,
+                                      const int64_t *off, int64_t nnz, int D, int mean)
+{
+    const size_t total = (size_t)nnz * (size_t)D;
+    FOR_N(i, total) {
+        int64_t j = (int64_t)(i / (size_t)D);
+        int k = (int)(i % (size_t)D), b = ex[j];
+        int64_t cnt = off[b + 1] - off[b];
+        float s = mean && cnt > 0 ? 1.0f / (float)cnt : 1.0f;
+        atomicAdd(&drows[(size_t)idx[j] * D + k], dout[(size_t)b * D + k] * s);
+    }
+}
+
+static int cuda_bag(model_cuda *c, int fwd, const float *in, int64_t n_rows, int D, const int32_t *idx,
+                    const int64_t *off, int B, int mean, float *out)
+{
+    char err[512];
+    const size_t errlen = sizeof(err);
+    const int64_t nnz = off[B];
+    float *d_in = NULL, *d_out = NULL;
+    int32_t *d_idx = NULL, *d_ex = NULL, *h_ex = NULL;
+    int64_t *d_off = NULL;
+    const size_t in_n = (fwd ? (size_t)n_rows : (size_t)B) * (size_t)D;
+    const size_t out_n = (fwd ? (size_t)B : (size_t)n_rows) * (size_t)D;
+    CK(cudaSetDevice(c->device));
+    CK(cudaMalloc((void **)&d_in, (in_n ? in_n : 1) * sizeof(float)));
+    CK(cudaMalloc((void **)&d_out, (out_n ? out_n : 1) * sizeof(float)));
+    CK(cudaMalloc((void **)&d_idx, (size_t)(nnz ? nnz : 1) * sizeof(int32_t)));
+    CK(cudaMalloc((void **)&d_off, (size_t)(B + 1) * sizeof(int64_t)));
+    CK(cudaMemcpy(d_in, in, in_n * sizeof(float), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_idx, idx, (size_t)nnz * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_off, off, (size_t)(B + 1) * sizeof(int64_t), cudaMemcpyHostToDevice));
+    if (fwd) {
+        k_bag_forward<<<grid_for(out_n, 256), 256>>>(d_out, d_in, d_idx, d_off, B, D, mean);
+        CKL("k_bag_forward");
+    } else {
+        /* each index's example, so a thread finds its bag at once */
+        if (!(h_ex = (int32_t *)malloc((size_t)(nnz ? nnz : 1) * sizeof(int32_t)))) {
+            errmsg(err, errlen, "out of memory");
+            goto fail;
+        }
+        for (int b = 0; b < B; b++)
+            for (int64_t j = off[b]; j < off[b + 1]; j++)
+                h_ex[j] = b;
+        CK(cudaMalloc((void **)&d_ex, (size_t)(nnz ? nnz : 1) * sizeof(int32_t)));
+        CK(cudaMemcpy(d_ex, h_ex, (size_t)nnz * sizeof(int32_t), cudaMemcpyHostToDevice));
+        CK(cudaMemset(d_out, 0, (out_n ? out_n : 1) * sizeof(float)));
+        if (nnz > 0) {
+            k_bag_backward<<<grid_for((size_t)nnz * (size_t)D, 256), 256>>>(d_out, d_in, d_idx, d_ex, d_off, nnz,
+                                                                            D, mean);
+            CKL("k_bag_backward");
+        }
+    }
+    CK(cudaMemcpy(out, d_out, out_n * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaFree(d_in);
+    cudaFree(d_out);
+    cudaFree(d_idx);
+    cudaFree(d_off);
+    cudaFree(d_ex);
+    free(h_ex);
+    return 0;
+fail:
+    fprintf(stderr, "model_cuda: %s: %s\n", fwd ? "bag_forward" : "bag_backward", err);
+    cudaFree(d_in);
+    cudaFree(d_out);
+    cudaFree(d_idx);
+    cudaFree(d_off);
+    cudaFree(d_ex);
+    free(h_ex);
+    return -1;
+}
+
+static int cuda_bag_forward(model *m, const float *rows, int64_t n_rows, int dim, const int32_t *idx,
+                            const int64_t *off, int batch, int mean, float *out)
+{
+    return cuda_bag((model_cuda *)m, 1, rows, n_rows, dim, idx, off, batch, mean, out);
+}
+
+static int cuda_bag_backward(model *m, const float *dout, int64_t n_rows, int dim, const int32_t *idx,
+                             const int64_t *off, int batch, int mean, float *drows)
+{
+    return cuda_bag((model_cuda *)m, 0, dout, n_rows, dim, idx, off, batch, mean, drows);
+}
+
 /* model_stage_batch: x and labels into slot 1 on the in stream, with
  * staged_ev after them; from pinned memory asynchronously, from other memory
  * through the staging buffers, waited for here (the call's own copies reuse
@@ -1565,4 +1672,6 @@ extern "C" const model_backend model_backend_cuda = {
     cuda_backward_range,
     cuda_loss_head,
     nullptr, /* backward_range_add: model_backward_range_add's sum over backward_range */
+    cuda_bag_forward,
+    cuda_bag_backward,
 };

@@ -67,6 +67,11 @@ typedef struct train_config {
     uint64_t max_model_bytes;   /* --local, a stage: refuse to train more model state than this (model_state_bytes); 0: no limit */
     int pipeline_ps;            /* --pipeline_updates=ps: the stages pull and push their variables on the ps (sync) */
     const int *ps_replicas;     /* the chief's configuration: replicas_to_aggregate per ps task; NULL: replicas_to_aggregate on every one */
+    /* --data=langid (langid_train.c): the embedding bag and the word lists */
+    int data_langid;
+    langid_model langid;        /* layout is the dense layers of langid.rest, on [1, 1, dim] */
+    int64_t langid_words;       /* words per language (--langid_words) */
+    const char *data_dir_langid; /* the word lists' folder (NULL: /usr/share/dict) */
 } train_config;
 
 /* SIGTERM and SIGINT ask a worker to stop after the step in flight (exit 0). */
@@ -78,6 +83,9 @@ int train_stop_requested(void);
  * past --train_steps: nothing trained, nothing reported or exported. */
 #define TRAIN_NOTHING_TO_DO 3
 int train_worker(const train_config *c);
+/* --data=langid: --local, and a worker or the chief against the ps tasks. */
+int train_langid_local(const train_config *c);
+int train_langid_worker(const train_config *c);
 int train_evaluator(const train_config *c);
 int train_local(const train_config *c);
 int train_ring(const train_config *c);

@@ -16,6 +16,7 @@
 #include "ring/ring.h"
 #include "tls_priorities.h"
 #include "token.h"
+#include "workerd/langid_train.h"
 #include "workerd/train.h"
 #include "workerd/workerd_flags.h"
 
@@ -116,6 +117,32 @@ static int configure_basics(train_config *c, const workerd_flags *f)
 static int configure_model(train_config *c, const workerd_flags *f)
 {
     char err[512];
+    if (strcmp(f->data, "langid") == 0) {
+        const char *spec = f->model_s ? f->model_s : LANGID_DEFAULT_SPEC;
+        if (f->hidden_s) {
+            fprintf(stderr, "workerd: --data=langid takes --model=embed:ROWSxDIM[,mean|sum],LAYERS..., not --hidden_units\n");
+            return 2;
+        }
+        if (langid_parse_spec(spec, &c->langid, err, sizeof(err)) != 0 ||
+            model_layout_init(&c->layout, c->langid.rest, (model_shape){1, 1, c->langid.dim}, LANGID_N_LANGS, err,
+                              sizeof(err)) != 0) {
+            fprintf(stderr, "workerd: --model: %s\n", err);
+            return 2;
+        }
+        snprintf(c->langid.spec, sizeof(c->langid.spec), "%s", spec);
+        if (f->langid_words < 100 || f->langid_words > 10000000) {
+            fprintf(stderr, "workerd: --langid_words must be 100 to 10000000\n");
+            return 2;
+        }
+        c->data_langid = 1;
+        c->langid_words = (int64_t)f->langid_words;
+        c->data_dir_langid = strcmp(f->data_dir, "/usr/share/datasets/fashion-mnist") ? f->data_dir : NULL;
+        return 0;
+    }
+    if (strcmp(f->data, "fashion-mnist") != 0) {
+        fprintf(stderr, "workerd: --data must be fashion-mnist or langid, not '%s'\n", f->data);
+        return 2;
+    }
     /* --hidden_units=H is --model=mlp:H; the images are 28 x 28 x 1
      * (train_load checks the data against it) */
     char spec[MODEL_SPEC_MAX];
@@ -381,14 +408,25 @@ static int run_role(train_config *c, const workerd_flags *f)
         c->name = "local";
         c->n_trainers = 1;
         c->is_chief = 1;
-        return train_local(c);
+        return c->data_langid ? train_langid_local(c) : train_local(c);
     }
     cluster_spec cs;
     char name[64];
     if ((st = configure_cluster(c, f, &cs, name, sizeof(name))) != 0)
         return st;
     train_handle_signals();
-    st = cs.job == JOB_EVALUATOR ? train_evaluator(c)
+    if (c->data_langid && (cs.job == JOB_EVALUATOR || c->pipeline_stages || c->ring)) {
+        /* the ring and the pipeline move whole dense buffers; the table is a sparse variable of the ps */
+        fprintf(stderr, "workerd: --data=langid trains with the ps (async or sync) or --local: %s moves dense variables "
+                        "only, and the embedding table is a sparse variable on the ps\n",
+                cs.job == JOB_EVALUATOR ? "the evaluator (it pulls /v1/params)"
+                : c->ring               ? "--allreduce=ring"
+                                        : "--pipeline_stages");
+        cluster_spec_free(&cs);
+        return 2;
+    }
+    st = c->data_langid              ? train_langid_worker(c)
+         : cs.job == JOB_EVALUATOR ? train_evaluator(c)
          : c->pipeline_stages    ? train_pipeline(c)
          : c->ring               ? train_ring(c)
                                  : train_worker(c);

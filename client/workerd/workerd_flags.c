@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "flags.h"
+#include "data/langid.h"
 #include "model/model.h"
 #include "tls_priorities.h"
 
@@ -20,7 +21,8 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
                          .lr_schedule = "constant", .rmsprop_decay = 0.9f, .init_accum = 0.1f,
                          .allreduce = "none", .logdir = "logs/ring", .ring_timeout = 30, .ring_piece = 1ULL << 20,
                          .save_ckpt_secs = 60, .device = "auto", .micro_batches = 4, .pipeline_schedule = "1f1b",
-                         .pipeline_updates = "auto", .pipeline_timeout = 60};
+                         .pipeline_updates = "auto", .pipeline_timeout = 60, .data = "fashion-mnist",
+                         .langid_words = 20000};
     flag flags[] = {
         {"job_name", FLAG_STRING, &o->job_name, "this task's job: worker (default), chief or evaluator", 0},
         {"task_index", FLAG_INT, &o->task_index, "this task's index in its job (default 0)", 0},
@@ -28,6 +30,8 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
         {"worker_hosts", FLAG_STRING, &o->worker_hosts, "comma-separated host:port of the worker tasks (default localhost:2223)", 0},
         {"chief_hosts", FLAG_STRING, &o->chief_hosts, "host:port of the chief task, if the cluster has one (else worker 0 is the chief)", 0},
         {"data_dir", FLAG_STRING, &o->data_dir, "folder of the MNIST-format IDX files, raw or .gz (default /usr/share/datasets/fashion-mnist)", 0},
+        {"data", FLAG_STRING, &o->data, "the task: fashion-mnist (default: the IDX files of --data_dir) or langid (language identification of single words from Debian's word lists in /usr/share/dict, or --data_dir: character n-grams 2-5 hashed into an embedding table, a sparse variable on the ps; default model " LANGID_DEFAULT_SPEC "; --local only so far)", 0},
+        {"langid_words", FLAG_U64, &o->langid_words, "--data=langid: words taken per language (default 20000; 10% of them are the test set)", 0},
         {"model", FLAG_STRING, &o->model_s, "the model (default mlp:100, the example's 784-100-10): mlp:H1,H2,... (dense layers + ReLU, then dense 10), cnn (the TensorFlow layers tutorial's: conv:5x5x32,pool:2,conv:5x5x64,pool:2,dense:1024,dropout:0.4,dense:10), or a layer list of conv:KHxKWxC[/S][:same|:valid] (+ ReLU), pool:K[/S][:same|:valid] (max), dense:N (+ ReLU, except the last, which must be dense:10) and dropout:R; every task must use the same", 0},
         {"hidden_units", FLAG_STRING, &o->hidden_s, "the example's name for --model=mlp:H1,H2,...: hidden layer sizes, e.g. 100 or 256,128", 0},
         {"evaluate_model", FLAG_STRING, &o->evaluate_path, "evaluate this exported safetensors file (its model from its __metadata__ alone) on the test set of --data_dir, print the test loss and accuracy, and exit", 0},

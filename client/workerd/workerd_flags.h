@@ -10,6 +10,8 @@ typedef struct workerd_flags {
     const char *job_name, *ps_hosts, *worker_hosts, *chief_hosts;
     const char *ring_tls_cert, *ring_tls_key, *ring_tls_prio;
     const char *token_file, *tls_ca, *data_dir;
+    const char *data;   /* --data: fashion-mnist (default) or langid */
+    uint64_t langid_words;
     const char *hidden_s, *model_s, *evaluate_path, *optimizer, *export_path, *placement_s;
     const char *onnx_path, *convert_path, *logits_path; /* --export_onnx, --convert_model, --evaluate_logits */
     uint64_t partition_bytes;
