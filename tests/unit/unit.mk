@@ -19,6 +19,7 @@ UNIT_TESTS += test_history
 UNIT_TESTS += test_http_server
 UNIT_TESTS += test_pipeline
 UNIT_TESTS += test_push_in_body
+UNIT_TESTS += test_onnx_export
 IDX_OBJ = $(BUILD)/client/data/idx.o
 # The fixtures the tests share (tests/unit/store_fixture.h, fake_ps.h): a
 # store on a pool of its own (with the server's objects), a fake ps (with libps)
@@ -33,6 +34,12 @@ $(BIN)/test_model: $(BUILD)/tests/unit/test_model.o $(MODEL_OBJ) $(COMMON_OBJ)
 	$(LINK) -lopenblas -ljansson -lm -lcmocka
 $(BIN)/test_blas_kernel: $(BUILD)/tests/unit/test_blas_kernel.o $(BUILD)/client/model/blas_kernel.o
 	$(LINK) -lopenblas -lm -lcmocka
+# the ONNX export read back with protobuf-c's unpacker (the generated onnx.pb-c.h)
+$(BIN)/test_onnx_export: $(BUILD)/tests/unit/test_onnx_export.o $(BUILD)/client/onnx/onnx_export.o $(ONNX_PB_OBJ) \
+                         $(MODEL_OBJ) $(COMMON_OBJ)
+	$(LINK) -lprotobuf-c -lopenblas -ljansson -lm -lcmocka
+$(BUILD)/tests/unit/test_onnx_export.o: CFLAGS += -I$(BUILD)/client/onnx
+$(BUILD)/tests/unit/test_onnx_export.o: $(BUILD)/client/onnx/onnx.pb-c.h
 # A unit test links what it tests: the common/ modules alone; libps (against
 # the fake server, fake_ps.c); placement alone. Only the tests of server
 # modules (store, saver) link the server's objects.
