@@ -301,6 +301,13 @@ int train_evaluate_file(const train_config *c, const char *path)
     rc = 0;
     if (c->logits_path && write_logits(&cc, m, params, &ds.test) != 0)
         rc = 1;
+    /* --export_onnx beside it: the file converted too (as --convert_model) */
+    const char *decay = st_meta_get(&f, "moving_average_decay");
+    onnx_export_meta meta = {gs ? strtoll(gs, NULL, 10) : -1, decay ? strtof(decay, NULL) : 0, NULL};
+    if (c->onnx_path && onnx_export_write(&cc.layout, params, &meta, c->onnx_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "workerd: --export_onnx: %s\n", err);
+        rc = 1;
+    }
 out:
     if (have_ds)
         idx_dataset_free(&ds);

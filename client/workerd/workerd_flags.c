@@ -58,7 +58,7 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
         {"recovery_wait_secs", FLAG_FLOAT, &o->recovery_wait, "seconds between polls while waiting for the ps or the chief (default 1)", 0},
         {"eval_secs", FLAG_FLOAT, &o->eval_secs, "evaluator: seconds between evaluations (default 10)", 0},
         {"export", FLAG_STRING, &o->export_path, "chief (or --local): write the trained model to this safetensors file", 0},
-        {"export_onnx", FLAG_STRING, &o->onnx_path, "chief (or --local): write the trained model (the moving averages with --moving_average_decay, as --export) to this ONNX file (opset 13: input NHWC [batch, H, W, C], outputs logits and probabilities); with --convert_model, the file the conversion writes", 0},
+        {"export_onnx", FLAG_STRING, &o->onnx_path, "chief (or --local): write the trained model (the moving averages with --moving_average_decay, as --export) to this ONNX file (opset 13: input NHWC [batch, H, W, C], outputs logits and probabilities); with --convert_model (or --evaluate_model), the file the conversion writes", 0},
         {"convert_model", FLAG_STRING, &o->convert_path, "convert this exported safetensors file (its model from its __metadata__ alone, as --evaluate_model) to the ONNX file --export_onnx names, and exit", 0},
         {"evaluate_logits", FLAG_STRING, &o->logits_path, "with --evaluate_model: also write the test set's logits to this safetensors file (tensors logits [n, 10] F32 and labels [n] U8)", 0},
         {"keep_ps", FLAG_BOOL, &o->keep_ps, "chief: leave the ps tasks running at the end (default: ask them to stop)", 0},

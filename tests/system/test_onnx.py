@@ -103,6 +103,10 @@ def test_onnx_export_runs_in_onnxruntime_as_restps(name, small_data, tmp_path):
     conv = str(tmp_path / "converted.onnx")
     workerd(f"--convert_model={export}", f"--export_onnx={conv}")
     assert open(conv, "rb").read() == open(onnx_path, "rb").read()
+    if name == "mlp:100":   # --evaluate_model converts too, when --export_onnx is beside it
+        ev = str(tmp_path / "evaluated.onnx")
+        workerd(f"--evaluate_model={export}", f"--export_onnx={ev}", f"--data_dir={small_data}")
+        assert open(ev, "rb").read() == open(onnx_path, "rb").read()
 
 
 def test_onnx_export_alone_without_the_safetensors_export(small_data, tmp_path):

@@ -26,7 +26,8 @@ PY = "/usr/bin/python3"
 
 
 def _torch_missing():
-    r = subprocess.run([PY, "-c", "import torch"], capture_output=True, timeout=120)
+    r = subprocess.run([PY, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"],
+                       capture_output=True, timeout=60)
     return r.returncode != 0
 
 
