@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "libps/transfer.h"
+#include "safetensors.h"
 
 static int check_name(ps_client *c, const char *name)
 {
@@ -118,6 +119,49 @@ int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
         }
         *global_step = s.global_step;
     }
+    return PS_OK;
+}
+
+int ps_pull_rows(ps_client *c, int shard, const char *name, const int64_t *ids, int64_t n, int dim, float *dst,
+                 void *buf, size_t cap, int64_t *global_step)
+{
+    char path[TENSOR_NAME_MAX + 32], err[256];
+    if (n < 1 || dim < 1 || strlen(name) > TENSOR_NAME_MAX) {
+        xfer_seterr(c, "ps_pull_rows: bad arguments");
+        return PS_EINVAL;
+    }
+    snprintf(path, sizeof(path), "/v1/vars/%s/rows", name);
+    tensor_shape is = {.ndim = 1, .dims = {n}};
+    st_desc d = {"ids", "I64", &is};
+    char *head;
+    size_t hl;
+    if (st_header_build(&d, 1, NULL, 0, &head, &hl, err, sizeof(err)) != 0) {
+        xfer_seterr(c, "ps_pull_rows: %s", err);
+        return PS_ENOMEM;
+    }
+    const char *extra[] = {"Content-Type: application/octet-stream", NULL};
+    source src = {.part = {(const unsigned char *)head, (const unsigned char *)ids}, .len = {hl, (size_t)n * 8}};
+    sink s = {.buf = buf, .cap = cap};
+    int rc = xfer_one(c, shard, "POST", path, extra, &src, &s, RETRY_ANY); /* a read: retried */
+    free(head);
+    if (rc)
+        return rc;
+    st_file f;
+    if (st_parse(buf, s.len, &f, err, sizeof(err)) != 0) {
+        xfer_seterr(c, "%s: POST %s: %s", c->label[shard], path, err);
+        return PS_EPROTO;
+    }
+    int k = st_find(&f, "values");
+    if (k < 0 || strcmp(f.tensors[k].dtype, "F32") != 0 || f.tensors[k].shape.ndim != 2 ||
+        f.tensors[k].shape.dims[0] != n || f.tensors[k].shape.dims[1] != dim) {
+        st_file_free(&f);
+        xfer_seterr(c, "%s: POST %s: the answer is not values F32 [%lld, %d]", c->label[shard], path, (long long)n, dim);
+        return PS_EPROTO;
+    }
+    memcpy(dst, (const unsigned char *)buf + f.data_start + f.tensors[k].begin, (size_t)n * (size_t)dim * 4);
+    st_file_free(&f);
+    if (global_step && s.has_step)
+        *global_step = s.global_step;
     return PS_OK;
 }
 

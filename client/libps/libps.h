@@ -88,6 +88,14 @@ int ps_pull_params(ps_client *c, int shard, void *buf, size_t cap, size_t *len,
 int ps_push_grads(ps_client *c, int shard, const void *head, size_t head_len, const void *data,
                   size_t data_len, const char *push_id, int64_t *global_step, int *duplicate);
 
+/* POST /v1/vars/{name}/rows: the rows of a sparse variable for n ids (raw
+ * little-endian int64, n >= 1) into dst (n * dim floats, the order of the
+ * ids; rows the ps does not hold come as their initial value). buf (cap
+ * bytes) receives the answer (a safetensors body of values [n, dim]) first;
+ * *global_step (may be NULL) from X-Global-Step. */
+int ps_pull_rows(ps_client *c, int shard, const char *name, const int64_t *ids, int64_t n, int dim, float *dst,
+                 void *buf, size_t cap, int64_t *global_step);
+
 /* fn (may be NULL) is asked during every wait: nonzero stops the request
  * (PS_ENET) instead of retrying or waiting on, e.g. after SIGTERM. */
 void ps_set_abort(ps_client *c, int (*fn)(void));

@@ -241,6 +241,12 @@ void shards_rewind(shards *sh)
 
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome)
 {
+    return shards_push_extra(sh, grads, m, NULL, step, outcome);
+}
+
+int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, int64_t *step,
+                      int *outcome)
+{
     char worker[16], stp[sh->n][32], loss[40], batch[16], clk[32];
     snprintf(clk, sizeof(clk), "%lld", (long long)m->clock);
     snprintf(worker, sizeof(worker), "%d", m->worker);
@@ -248,21 +254,26 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
     snprintf(batch, sizeof(batch), "%d", m->batch_size);
     ps_push_req r[sh->n];
     char *heads[sh->n];
+    unsigned char *joined[sh->n]; /* a shard's dense gradients and extra tensors, one after the other */
     memset(heads, 0, sizeof(heads));
+    memset(joined, 0, sizeof(joined));
     int rc = PS_OK, n = 0;
     for (int i = 0; i < sh->n; i++) {
         shard *s = &sh->s[i];
-        if (s->n_p == 0)
+        const int ne = extra ? extra[i].n : 0;
+        if (s->n_p == 0 && ne == 0)
             continue; /* nothing of the model there (ps 0 always holds something) */
-        st_desc d[s->n_p];
+        st_desc d[s->n_p + ne];
         for (int k = 0; k < s->n_p; k++)
             d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, "F32", &sh->pl.pieces[s->p[k]].shape};
+        for (int k = 0; k < ne; k++)
+            d[s->n_p + k] = extra[i].d[k];
         snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
         const char *meta[] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch,
                               "clock", clk};
         char err[256];
         size_t hl;
-        if (st_header_build(d, s->n_p, meta, m->clock >= 0 ? 5 : 4, &heads[i], &hl, err,
+        if (st_header_build(d, s->n_p + ne, meta, m->clock >= 0 ? 5 : 4, &heads[i], &hl, err,
                             sizeof(err)) != 0) {
             fprintf(stderr, "workerd: %s\n", err);
             rc = PS_EINVAL;
@@ -278,8 +289,27 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
             }
             data = s->stage;
         }
+        size_t data_len = s->floats * 4;
+        if (ne > 0) {
+            size_t total = data_len;
+            for (int k = 0; k < ne; k++)
+                total += (size_t)tensor_shape_numel(extra[i].d[k].shape) * st_dtype_size(extra[i].d[k].dtype);
+            if (!(joined[i] = malloc(total ? total : 1))) {
+                fprintf(stderr, "workerd: out of memory building a push\n");
+                rc = PS_ENOMEM;
+                goto out;
+            }
+            if (data_len)
+                memcpy(joined[i], data, data_len);
+            for (int k = 0; k < ne; k++) {
+                size_t b = (size_t)tensor_shape_numel(extra[i].d[k].shape) * st_dtype_size(extra[i].d[k].dtype);
+                memcpy(joined[i] + data_len, extra[i].data[k], b);
+                data_len += b;
+            }
+            data = (const float *)joined[i];
+        }
         r[n++] = (ps_push_req){.shard = i, .head = heads[i], .head_len = hl, .data = data,
-                               .data_len = s->floats * 4, .push_id = m->push_id};
+                               .data_len = data_len, .push_id = m->push_id};
     }
     if ((rc = ps_push_grads_many(sh->c, r, n)) != PS_OK)
         goto out;
@@ -288,7 +318,9 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
     *step = r[0].global_step;
     *outcome = r[0].outcome;
 out:
-    for (int i = 0; i < sh->n; i++)
+    for (int i = 0; i < sh->n; i++) {
         free(heads[i]);
+        free(joined[i]);
+    }
     return rc;
 }

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "libps/libps.h"
+#include "safetensors.h"
 #include "model/model.h"
 #include "shards/heartbeat.h"
 #include "shards/placement.h"
@@ -95,5 +96,19 @@ typedef struct push_meta {
 /* Push grads to every shard, each stamped with the step pulled from that
  * shard (m->step is ignored); *step and *outcome are ps 0's answer. */
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome);
+
+/* Tensors a push carries beside a shard's dense gradients (a sparse
+ * variable's "NAME:ids" and "NAME:values", psd's store.h): n of them, each
+ * described by d[k] with its bytes at data[k]. */
+typedef struct shard_extra {
+    int n;
+    const st_desc *d;
+    const void *const *data;
+} shard_extra;
+/* shards_push with extra[i] (extra may be NULL; extra[i].n may be 0) in
+ * shard i's body, in the same request: a sync step gets both or neither. A
+ * shard with no dense piece gets a push when it has extra tensors. */
+int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, int64_t *step,
+                      int *outcome);
 
 #endif

@@ -82,7 +82,10 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
     train_wait_for_all(c, pc, "/healthz", "the ps tasks");
     if (train_check_placement(c, pc, sh) != 0) /* a restarted chief with other flags */
         return 2;
-    model_init_params(&c->layout, params, c->seed);
+    if (c->data_langid)
+        langid_init_params(c, params);
+    else
+        model_init_params(&c->layout, params, c->seed);
     int created, existing;
     if (shards_create(sh, params, &created, &existing) != PS_OK) {
         fprintf(stderr, "workerd: creating the variables: %s\n", ps_error(pc));

@@ -107,6 +107,14 @@ static int batch_build(langid_batch *b, const langid_split *s, const uint32_t *e
     return 0;
 }
 
+void langid_init_params(const train_config *c, float *params)
+{
+    model_init_params(&c->layout, params, c->seed);
+    /* the last dense layer starts at zero (fastText's output matrix) */
+    for (int k = c->layout.n_tensors - 2; k < c->layout.n_tensors; k++)
+        memset(params + c->layout.tensors[k].offset, 0, sizeof(float) * c->layout.tensors[k].numel);
+}
+
 int langid_state_init(langid_state *st, const train_config *c, int max_batch, char *err, size_t errlen)
 {
     memset(st, 0, sizeof(*st));
@@ -138,10 +146,7 @@ int langid_state_init(langid_state *st, const train_config *c, int max_batch, ch
     }
     st->decl = (sparse_decl){.rows = lm->rows, .dim = lm->dim, .max_rows = lm->rows, .init = SPARSE_INIT_UNIFORM,
                              .init_scale = 1.0f / (float)lm->dim, .seed = c->seed, .shard = 0, .shards = 1};
-    model_init_params(&c->layout, st->params, c->seed);
-    /* the last dense layer starts at zero (fastText's output matrix) */
-    for (int k = c->layout.n_tensors - 2; k < c->layout.n_tensors; k++)
-        memset(st->params + c->layout.tensors[k].offset, 0, sizeof(float) * c->layout.tensors[k].numel);
+    langid_init_params(c, st->params);
     st->epoch = -1;
     return 0;
 }
@@ -193,18 +198,16 @@ static int rows_room(langid_state *st)
 int langid_next_batch(langid_state *st, int64_t step, int worker, int n_workers)
 {
     const train_config *c = st->c;
-    /* the batch: this worker's slice of the epoch's order, batch after batch */
-    int64_t per = 0;
-    int64_t begin, end;
-    idx_shard_range(st->ds.train.n, worker, n_workers, &begin, &end);
-    per = end - begin;
-    int64_t batches = per / c->batch_size;
-    if (batches < 1)
+    /* the batcher's order (data/batcher.c): one permutation per epoch, the
+     * tasks taking turns along it in blocks of a batch, so N sync tasks of
+     * batch b compute the step one task of batch N*b does */
+    int64_t round = (int64_t)n_workers * c->batch_size, per_epoch = st->ds.train.n / round;
+    if (per_epoch < 1)
         return -1;
-    int64_t epoch = step / batches, at = (step % batches) * c->batch_size;
+    int64_t epoch = step / per_epoch, at = (step % per_epoch) * round + (int64_t)worker * c->batch_size;
     if (epoch != st->epoch) {
         int64_t cnt;
-        if (idx_epoch_order(st->ds.train.n, c->seed, (uint64_t)epoch, worker, n_workers, st->order, &cnt) != 0)
+        if (idx_epoch_order(st->ds.train.n, c->seed, (uint64_t)epoch, 0, 1, st->order, &cnt) != 0)
             return -1;
         st->epoch = epoch;
     }

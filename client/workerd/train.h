@@ -86,6 +86,8 @@ int train_worker(const train_config *c);
 /* --data=langid: --local, and a worker or the chief against the ps tasks. */
 int train_langid_local(const train_config *c);
 int train_langid_worker(const train_config *c);
+/* The dense layers' start: model_init_params, the last layer zero (langid_train.c). */
+void langid_init_params(const train_config *c, float *params);
 int train_evaluator(const train_config *c);
 int train_local(const train_config *c);
 int train_ring(const train_config *c);
