@@ -37,10 +37,9 @@ static int export_onnx(const train_config *c, const float *params, int64_t step)
 
 int export_model(const train_config *c, const float *params, int64_t step)
 {
-    if (c->onnx_path && export_onnx(c, params, step) != 0)
-        return -1;
+    /* the safetensors file first: a model ONNX cannot take still leaves it */
     if (!c->export_path)
-        return 0;
+        return c->onnx_path ? export_onnx(c, params, step) : 0;
     const model_layout *L = &c->layout;
     st_desc d[MODEL_MAX_TENSORS];
     for (int t = 0; t < L->n_tensors; t++)
@@ -64,6 +63,6 @@ int export_model(const train_config *c, const float *params, int64_t step)
     }
     printf("%s: exported the model (global step %lld) to %s\n", c->name, (long long)step,
            c->export_path);
-    return 0;
+    return c->onnx_path ? export_onnx(c, params, step) : 0;
 }
 
