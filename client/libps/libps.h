@@ -110,6 +110,22 @@ void ps_set_abort(ps_client *c, int (*fn)(void));
  * the memory the request sends. NULL: nothing (the default). */
 void ps_set_while_waiting(ps_client *c, void (*fn)(void *), void *arg);
 
+/* What a request waits for, as it waits: fn(arg, s) is called on this thread
+ * from inside a request that has moved no byte either way for 5 s (then every
+ * 10 s more: s->secs), once more when it moves again (s->again), and before
+ * each retry of a try that failed (s->err: why). s->label names the ps task
+ * ("ps 0 (host:port)"), s->long_poll a request the ps may hold on purpose (a
+ * pull that waits for a step). For a program to say what it waits for while
+ * a ps or its link is down. NULL: nothing (the default). */
+typedef struct ps_stall {
+    const char *label, *method, *path;
+    const char *err; /* NULL, or why the try failed (a retry follows) */
+    double secs;     /* how long nothing has moved, or since the first try */
+    int again;       /* 1: bytes move again after a stall that was reported */
+    int long_poll;
+} ps_stall;
+void ps_set_stall_report(ps_client *c, void (*fn)(void *arg, const ps_stall *s), void *arg);
+
 /* Change the retry time budget (ps_options.retry_ms) from now on. */
 void ps_set_retry_ms(ps_client *c, long retry_ms);
 /* on: a pull that does not wait (min_step < 0) reads the moving averages

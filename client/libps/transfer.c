@@ -210,14 +210,47 @@ static size_t on_read(char *p, size_t size, size_t nmemb, void *ud)
     return done;
 }
 
+#define STALL_FIRST_NS 5000000000ULL  /* the first report of a request that moves nothing */
+#define STALL_EVERY_NS 10000000000ULL /* and the next ones */
+
+static void stall_report(ps_client *c, const xfer *x, double secs, int again, const char *err)
+{
+    ps_stall s = {.label = c->label[x->shard], .method = x->method, .path = x->path, .err = err,
+                  .secs = secs, .again = again, .long_poll = x->long_poll};
+    c->stall_fn(c->stall_arg, &s);
+}
+
+/* A request that moved no byte for a while is reported (ps_set_stall_report),
+ * and once more when it moves again. libcurl calls the progress function at
+ * least once a second, also while nothing moves. */
+static void stall_check(ps_client *c, xfer *x, curl_off_t dn, curl_off_t un)
+{
+    uint64_t now = clk_mono_ns();
+    if ((long long)dn != x->last_dn || (long long)un != x->last_un) {
+        if (x->stalled)
+            stall_report(c, x, (double)(now - x->moved_ns) / 1e9, 1, NULL);
+        x->last_dn = (long long)dn;
+        x->last_un = (long long)un;
+        x->moved_ns = now;
+        x->report_ns = now + STALL_FIRST_NS;
+        x->stalled = 0;
+    } else if (now >= x->report_ns) {
+        x->stalled = 1;
+        x->report_ns = now + STALL_EVERY_NS;
+        stall_report(c, x, (double)(now - x->moved_ns) / 1e9, 0, NULL);
+    }
+}
+
 /* libcurl calls it after every read or write of a transfer: the work of
  * ps_set_while_waiting once the whole body is in the socket (un counts the
- * body bytes written), and the abort check. */
+ * body bytes written), the stall report and the abort check. */
 static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, curl_off_t un)
 {
-    (void)dt, (void)dn;
+    (void)dt;
     xfer *x = ud;
     ps_client *c = x->c;
+    if (c->stall_fn)
+        stall_check(c, x, dn, un);
     if (x->hook && c->while_fn && ut > 0 && un >= ut) {
         void (*fn)(void *) = c->while_fn;
         c->while_fn = NULL;
@@ -227,6 +260,11 @@ static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, cu
 }
 
 void ps_set_abort(ps_client *c, int (*fn)(void)) { c->abort_fn = fn; }
+void ps_set_stall_report(ps_client *c, void (*fn)(void *arg, const ps_stall *s), void *arg)
+{
+    c->stall_fn = fn;
+    c->stall_arg = arg;
+}
 void ps_set_while_waiting(ps_client *c, void (*fn)(void *), void *arg)
 {
     c->while_fn = fn;
@@ -311,7 +349,12 @@ static CURL *xfer_setup(ps_client *c, xfer *x)
     if (c->ca_file)
         curl_easy_setopt(h, CURLOPT_CAINFO, c->ca_file);
     x->c = c;
-    if (c->abort_fn || (x->hook && c->while_fn)) {
+    x->moved_ns = clk_mono_ns();
+    x->report_ns = x->moved_ns + STALL_FIRST_NS;
+    x->last_dn = x->last_un = 0;
+    x->stalled = 0;
+    x->long_poll = c->extra_timeout_ms > 0;
+    if (c->abort_fn || c->stall_fn || (x->hook && c->while_fn)) {
         curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
         curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, on_progress);
         curl_easy_setopt(h, CURLOPT_XFERINFODATA, x);
@@ -502,6 +545,10 @@ int xfer_run(ps_client *c, xfer *xs, int n)
         long spent = (long)((clk_mono_ns() - t0) / 1000000);
         if (attempt >= c->opt.retries && spent >= c->opt.retry_ms)
             break;
+        if (c->stall_fn)
+            for (int i = 0; i < n; i++)
+                if (xs[i].rc != PS_OK && xs[i].retry)
+                    stall_report(c, &xs[i], (double)spent / 1e3, 0, xs[i].err);
         /* jitter: uniform in [wait/2, wait] */
         long w = wait / 2 + (long)(rand_r(&c->seed) % (unsigned)(wait - wait / 2 + 1));
         sleep_ms(w);

@@ -33,6 +33,8 @@ struct ps_client {
     int (*abort_fn)(void); /* nonzero: stop waiting (a signal asked the program to stop) */
     void (*while_fn)(void *); /* ps_set_while_waiting: once the next body is sent */
     void *while_arg;
+    void (*stall_fn)(void *, const ps_stall *); /* ps_set_stall_report */
+    void *stall_arg;
 };
 
 /* Where an answer goes. */
@@ -80,6 +82,10 @@ typedef struct xfer {
     long status;
     char err[1024];
     char curl_err[CURL_ERROR_SIZE]; /* libcurl's own words (certificate problems) */
+    /* the stall report: when a byte last moved, the counts then, the next report */
+    uint64_t moved_ns, report_ns;
+    long long last_dn, last_un;
+    int stalled, long_poll;
 } xfer;
 
 /* The message ps_error() returns, printf-style. */

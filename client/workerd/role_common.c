@@ -71,6 +71,39 @@ int train_load(const train_config *c, idx_dataset *ds)
 
 /* ---- the cluster ---- */
 
+/* What a request to a ps waits for, said as it waits (ps_set_stall_report):
+ * a ps or its link down shows in the log within seconds, not after the
+ * request's limit and the retry budget. Retries are said once in 10 s. */
+static void say_stall(void *arg, const ps_stall *s)
+{
+    static _Thread_local double retry_said = -1e9;
+    const train_config *c = arg;
+    int plen = (int)strcspn(s->path, "?");
+    if (strncmp(s->path, "/v1/heartbeat", 13) == 0)
+        return; /* the beat in the background: the request the task waits on says it */
+    if (s->again) {
+        printf("%s: %s answers again after %.0f s\n", c->name, s->label, s->secs);
+    } else if (s->err) {
+        double now = clk_mono_secs();
+        if (now - retry_said < 10)
+            return;
+        retry_said = now;
+        size_t ll = strlen(s->label);
+        const char *why = strncmp(s->err, s->label, ll) == 0 && s->err[ll] == ':' ? s->err + ll + 2 : s->err;
+        printf("%s: waiting for %s: %s; retrying (%.0f s so far, %.0f s at most: --ps_retry_secs)\n", c->name,
+               s->label, why, s->secs, c->retry_secs);
+    } else if (s->long_poll) {
+        printf("%s: waiting for %s: %.0f s without an answer to %s %.*s (a step that waits for other "
+               "workers' gradients, or the ps or its link down)\n",
+               c->name, s->label, s->secs, s->method, plen, s->path);
+    } else {
+        printf("%s: waiting for %s: nothing moved for %.0f s in %s %.*s (the ps or its link down?); the "
+               "request gives up after --timeout_ms, then retries for %.0f s (--ps_retry_secs)\n",
+               c->name, s->label, s->secs, s->method, plen, s->path, c->retry_secs);
+    }
+    fflush(stdout);
+}
+
 ps_client *train_connect_ps(const train_config *c, long timeout_ms)
 {
     const cluster_job *ps = &c->cluster->jobs[JOB_PS];
@@ -90,6 +123,8 @@ ps_client *train_connect_ps(const train_config *c, long timeout_ms)
     pc = ps_client_new((const char *const *)hosts, ps->n, &o, err, sizeof(err));
     if (!pc)
         fprintf(stderr, "workerd: %s\n", err);
+    else
+        ps_set_stall_report(pc, say_stall, (void *)c);
 out:
     for (int i = 0; i < ps->n; i++)
         free(hosts[i]);
