@@ -27,8 +27,9 @@ $(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring/ring
 
 # What make bench runs, in this order, one recipe line each (make stops at the
 # first that fails): the HTTP load against nginx, push, training, small steps,
-# the CNN against torch and its accuracy, async accuracy, scaling, the ring
-# (and against gloo), torch's RPC parameter server, the pipeline, TLS, then
+# the CNN against torch and its accuracy, async accuracy, scaling, the ring,
+# many hosts (network namespaces: the ps's bandwidth against the ring's), the
+# ring against gloo, torch's RPC parameter server, the pipeline, TLS, then
 # TensorFlow from its own venv (bench/requirements.txt).
 define BENCH_RUNS
 sh bench/run.sh
@@ -40,6 +41,7 @@ BIN=$(BIN) sh bench/cnn_accuracy.sh
 /usr/bin/python3 bench/async_accuracy.py
 /usr/bin/python3 bench/scale.py
 /usr/bin/python3 bench/ring.py
+RESTPS_BIN_DIR=$(BIN) /usr/bin/python3 bench/hosts.py
 /usr/bin/python3 bench/gloo_allreduce.py --bin=$(BIN)
 /usr/bin/python3 bench/torch_rpc_ps.py --bin=$(BIN)
 /usr/bin/python3 bench/pipeline.py
