@@ -81,46 +81,93 @@ static int by_hash_lang(const void *a, const void *b)
     return c ? c : (((const cand *)a)->lang > ((const cand *)b)->lang) - (((const cand *)a)->lang < ((const cand *)b)->lang);
 }
 
+/* A line of a list: its hash and where it is in the file's text. */
+typedef struct line_ref {
+    uint64_t h;
+    uint32_t at;
+    uint8_t len;
+} line_ref;
+
+static int ref_by_hash(const void *a, const void *b)
+{
+    uint64_t x = ((const line_ref *)a)->h, y = ((const line_ref *)b)->h;
+    return x < y ? -1 : x > y;
+}
+
+/* The whole file into *text (malloc'd), *len bytes: 0, or -1 with errno. */
+static int slurp(const char *path, char **text, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return -1;
+    size_t cap = 1 << 20, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n < cap)
+            break;
+        if (cap >= ((size_t)1 << 31)) { /* a word list past 2 GiB: not one */
+            free(buf);
+            buf = NULL;
+            errno = EFBIG;
+            break;
+        }
+        char *nb = realloc(buf, cap * 2);
+        if (!nb) {
+            free(buf);
+            buf = NULL;
+            errno = ENOMEM;
+            break;
+        }
+        buf = nb;
+        cap *= 2;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (!buf || bad) {
+        free(buf);
+        if (bad)
+            errno = EIO;
+        return -1;
+    }
+    *text = buf;
+    *len = n;
+    return 0;
+}
+
 /* One list's per_lang words of smallest hash, appended to *all. */
 static int read_list(const char *path, int lang, int64_t per_lang, cand **all, int64_t *n, int64_t *cap,
                      char *err, size_t errlen)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) {
+    char *text;
+    size_t len;
+    if (slurp(path, &text, &len) != 0) {
         snprintf(err, errlen, "langid: %s: %s (install Debian's %s: make deps)", path, strerror(errno),
                  langs[lang].package);
         return -1;
     }
-    cand *mine = NULL;
-    int64_t nm = 0, cm = 0;
-    char line[512];
-    int rc = 0;
-    while (fgets(line, sizeof(line), f)) {
-        size_t len = strcspn(line, "\r\n");
-        line[len] = '\0';
-        if (len < 2 || len > LANGID_WORD_MAX || strchr(line, ' ') || strchr(line, '\t'))
-            continue;
-        if (nm == cm) {
-            cm = cm ? 2 * cm : 4096;
-            cand *nc = realloc(mine, sizeof(*nc) * (size_t)cm);
-            if (!nc) {
-                rc = -1;
-                break;
-            }
-            mine = nc;
-        }
-        mine[nm++] = (cand){fnv64(line, len), NULL, (uint8_t)len, (uint8_t)lang};
-        /* the word itself only for those kept: hold it for now */
-        if (!(mine[nm - 1].word = malloc(len))) {
-            rc = -1;
-            break;
-        }
-        memcpy(mine[nm - 1].word, line, len);
+    size_t lines = 1;
+    for (size_t i = 0; i < len; i++)
+        lines += text[i] == '\n';
+    line_ref *refs = malloc(sizeof(line_ref) * lines);
+    int64_t nr = 0;
+    for (size_t i = 0; refs && i < len;) {
+        size_t e = i;
+        while (e < len && text[e] != '\n')
+            e++;
+        size_t l = e;
+        if (l > i && text[l - 1] == '\r')
+            l--;
+        size_t wl = l - i;
+        if (wl >= 2 && wl <= LANGID_WORD_MAX && !memchr(text + i, ' ', wl) && !memchr(text + i, '\t', wl))
+            refs[nr++] = (line_ref){fnv64(text + i, wl), (uint32_t)i, (uint8_t)wl};
+        i = e + 1;
     }
-    fclose(f);
+    int rc = refs ? 0 : -1;
     if (rc == 0) {
-        qsort(mine, (size_t)nm, sizeof(cand), by_hash);
-        int64_t keep = nm < per_lang ? nm : per_lang;
+        qsort(refs, (size_t)nr, sizeof(line_ref), ref_by_hash);
+        int64_t keep = nr < per_lang ? nr : per_lang;
         if (*n + keep > *cap) {
             int64_t nc = *cap ? *cap : 65536;
             while (nc < *n + keep)
@@ -133,19 +180,21 @@ static int read_list(const char *path, int lang, int64_t per_lang, cand **all, i
                 *cap = nc;
             }
         }
-        if (rc == 0) {
-            memcpy(*all + *n, mine, sizeof(cand) * (size_t)keep);
-            *n += keep;
-            for (int64_t i = keep; i < nm; i++)
-                free(mine[i].word);
+        for (int64_t k = 0; rc == 0 && k < keep; k++) {
+            cand *c = &(*all)[*n];
+            *c = (cand){refs[k].h, malloc(refs[k].len), refs[k].len, (uint8_t)lang};
+            if (!c->word) {
+                rc = -1;
+                break;
+            }
+            memcpy(c->word, text + refs[k].at, refs[k].len);
+            (*n)++;
         }
     }
-    if (rc != 0) {
-        for (int64_t i = 0; i < nm; i++)
-            free(mine[i].word);
+    if (rc != 0)
         snprintf(err, errlen, "langid: out of memory reading %s", path);
-    }
-    free(mine);
+    free(refs);
+    free(text);
     return rc;
 }
 

@@ -134,6 +134,13 @@ static int configure_model(train_config *c, const workerd_flags *f)
             fprintf(stderr, "workerd: --langid_words must be 100 to 10000000\n");
             return 2;
         }
+        if (strcmp(f->allreduce, "none") != 0 || f->pipeline_stages) {
+            /* the ring and the pipeline move whole dense buffers; the table is a sparse variable of the ps */
+            fprintf(stderr, "workerd: --data=langid trains with the ps (async or sync) or --local: %s moves dense "
+                            "variables only, and the embedding table is a sparse variable on the ps\n",
+                    f->pipeline_stages ? "--pipeline_stages" : "--allreduce=ring");
+            return 2;
+        }
         c->data_langid = 1;
         c->langid_words = (int64_t)f->langid_words;
         c->data_dir_langid = strcmp(f->data_dir, "/usr/share/datasets/fashion-mnist") ? f->data_dir : NULL;
@@ -415,13 +422,10 @@ static int run_role(train_config *c, const workerd_flags *f)
     if ((st = configure_cluster(c, f, &cs, name, sizeof(name))) != 0)
         return st;
     train_handle_signals();
-    if (c->data_langid && (cs.job == JOB_EVALUATOR || c->pipeline_stages || c->ring)) {
-        /* the ring and the pipeline move whole dense buffers; the table is a sparse variable of the ps */
-        fprintf(stderr, "workerd: --data=langid trains with the ps (async or sync) or --local: %s moves dense variables "
-                        "only, and the embedding table is a sparse variable on the ps\n",
-                cs.job == JOB_EVALUATOR ? "the evaluator (it pulls /v1/params)"
-                : c->ring               ? "--allreduce=ring"
-                                        : "--pipeline_stages");
+    if (c->data_langid && cs.job == JOB_EVALUATOR) {
+        fprintf(stderr, "workerd: --data=langid has no evaluator task: the evaluator pulls /v1/params, the dense "
+                        "variables only, and the embedding table is a sparse variable on the ps (the chief reports "
+                        "the test accuracy at the end)\n");
         cluster_spec_free(&cs);
         return 2;
     }
