@@ -84,7 +84,7 @@ def test_local_matches_numpy_and_beats_the_logistic_regression_baseline(tmp_path
     assert m, out
     rows, sparse_b, dense_b = float(m.group(1)), int(m.group(2)), int(m.group(3))
     assert dense_b == (1 << 21) * 16 * 4 + (16 * 11 + 11) * 4
-    assert abs(sparse_b - (rows * 16 * 4 + (16 * 11 + 11) * 4)) <= 1
+    assert abs(sparse_b - (rows * 16 * 4 + (16 * 11 + 11) * 4)) <= 0.05 * 16 * 4 + 1  # rows printed to 0.1
     assert dense_b / sparse_b >= 100
     # the export: the dense layer and the rows held
     t, meta = read_st(tmp_path / "m.safetensors")
