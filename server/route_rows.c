@@ -59,9 +59,10 @@ enum MHD_Result h_sparse_put(request *r)
         while (i < sizeof(known) / sizeof(known[0]) && strcmp(known[i], key) != 0)
             i++;
         if (i == sizeof(known) / sizeof(known[0])) {
-            json_decref(o);
-            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "unknown field '%.64s' (known: rows, dim, max_rows, "
-                                    "init, init_scale, seed, shard, shards)", key);
+            enum MHD_Result rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "unknown field '%.64s' (known: rows, dim, "
+                                                  "max_rows, init, init_scale, seed, shard, shards)", key);
+            json_decref(o); /* key is o's */
+            return rc;
         }
     }
     long long rows = -1, dim = -1, max_rows = -1, seed = 0, shard = 0, shards = 1;
