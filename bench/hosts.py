@@ -162,6 +162,23 @@ def ring_job(n):
     return step_secs(workers[0]), int(m.group(1)) if m else None
 
 
+def cpu_times():
+    """(busy, total) jiffies of every core so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
+def busy_during(fn, *args, **kw):
+    """fn's result and the share of the machine's cores busy while it ran (every process: the
+    tasks, the kernel moving their bytes through veth, bridge and tbf, and whatever else runs)."""
+    b0, t0 = cpu_times()
+    out = fn(*args, **kw)
+    b1, t1 = cpu_times()
+    return out, (b1 - b0) / max(1, t1 - t0)
+
+
 def ratio_cell(measured, model):
     r = measured / model
     return f"{measured * 1e3:.0f} ms ({1 / measured:.1f}/s), model {model * 1e3:.0f}: {r:.2f}x"
@@ -189,30 +206,31 @@ def run_all():
     for n in NS:
         row = {"n": n}
         for k in (1, 2, 4):
-            t, mk = ps_job(n, k)
+            (t, mk), busy = busy_during(ps_job, n, k)
             if k == 1:
                 m_full = mk
             model = 2 * max(n * mk, m_full or mk) / R + c
-            row[f"ps{k}"] = (t, model, mk)
-            print(f"hosts: N={n} ps={k}: {ratio_cell(t, model)} (busiest shard {mk / 1e6:.2f} MB)", flush=True)
-        t, m_ring = ring_job(n)
+            row[f"ps{k}"] = (t, model, busy)
+            print(f"hosts: N={n} ps={k}: {ratio_cell(t, model)} (busiest shard {mk / 1e6:.2f} MB; "
+                  f"cores {busy * 100:.0f}% busy)", flush=True)
+        (t, m_ring), busy = busy_during(ring_job, n)
         m_ring = m_ring or m_full
         model = 2 * (n - 1) / n * m_ring / R + c
-        row["ring"] = (t, model, m_ring)
-        print(f"hosts: N={n} ring: {ratio_cell(t, model)}", flush=True)
+        row["ring"] = (t, model, busy)
+        print(f"hosts: N={n} ring: {ratio_cell(t, model)} (cores {busy * 100:.0f}% busy)", flush=True)
         rows.append(row)
 
     lines = [f"Sync training of mlp:1024,1024 (M = {m_full / 1e6:.2f} MB), batch 16, SGD, each task its own "
              f"host with a 1 Gbit/s NIC (tbf), {os.cpu_count()} cores shared by every task; step time over "
              f"steps {WARM}..{STEPS}; model = bytes on the busiest link (ps or worker) / 125 MB/s + compute alone "
-             f"({c * 1e3:.1f} ms).", "",
+             f"({c * 1e3:.1f} ms); cores: how busy the machine's cores were during the job (startup included).", "",
              "| N workers | 1 ps | 2 ps shards | 4 ps shards | ring |", "|---|---|---|---|---|"]
     worst = 0.0
     for row in rows:
         cells = []
         for key in ("ps1", "ps2", "ps4", "ring"):
-            t, model, _ = row[key]
-            cells.append(ratio_cell(t, model))
+            t, model, busy = row[key]
+            cells.append(f"{ratio_cell(t, model)}; cores {busy * 100:.0f}%")
             if row["n"] > 1:
                 worst = max(worst, abs(t / model - 1))
         lines.append(f"| {row['n']} | " + " | ".join(cells) + " |")
