@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -233,3 +234,34 @@ def test_https_between_hosts_verifies_certificates_naming_their_addresses(bed_of
     rc = bed.wait("w-wrong", 90)
     out = bed.log("w-wrong")
     assert rc != 0 and "certificate" in out.lower(), out[-2000:]
+
+
+def test_hosts_sh_refuses_bad_input_and_an_interrupted_up_leaves_nothing():
+    if hostbed.refused():
+        pytest.skip(hostbed.refused())
+    tag = f"ti{os.getpid() % 100000}"
+
+    def run(*args):
+        return subprocess.run([hostbed.HOSTS_SH, f"--name={tag}", *args], capture_output=True, text=True)
+
+    def left():
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        return [n for n in names if n.startswith(tag + "-")] + \
+            [n for n in os.listdir("/etc/netns") if n.startswith(tag + "-")] if os.path.isdir("/etc/netns") else []
+    for args, words in [(["up", "2", "--rate=fast"], "rate 'fast'"), (["up", "0"], "N from 1 to"),
+                        (["up", "x"], "N hosts, a number"), (["cut", "host0"], "no host 'host0'"),
+                        (["frob"], "unknown command 'frob'"), (["up", "2", "--bogus"], "unknown option --bogus")]:
+        r = run(*args)
+        assert r.returncode != 0 and words in r.stderr, (args, r.stderr)
+        assert not left(), left()
+    p = subprocess.Popen([hostbed.HOSTS_SH, f"--name={tag}", "up", "200"], stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while not left() and time.time() - t0 < 20:
+            time.sleep(0.02)
+        p.terminate()
+        _, err = p.communicate(timeout=60)
+    finally:
+        run("down")
+    assert p.returncode != 0 and "removing what it made" in err, err
+    assert not left(), left()
