@@ -1572,11 +1572,14 @@ static int cuda_bag(model_cuda *c, int fwd, const float *in, int64_t n_rows, int
     CK(cudaMalloc((void **)&d_out, (out_n ? out_n : 1) * sizeof(float)));
     CK(cudaMalloc((void **)&d_idx, (size_t)(nnz ? nnz : 1) * sizeof(int32_t)));
     CK(cudaMalloc((void **)&d_off, (size_t)(B + 1) * sizeof(int64_t)));
-    CK(cudaMemcpy(d_in, in, in_n * sizeof(float), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_idx, idx, (size_t)nnz * sizeof(int32_t), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_off, off, (size_t)(B + 1) * sizeof(int64_t), cudaMemcpyHostToDevice));
+    /* on the instance's stream, from and to ordinary memory: each copy waited for (cudaMemcpyAsync
+     * returns once pageable memory is staged; the synchronize makes the order plain) */
+    CK(cudaMemcpyAsync(d_in, in, in_n * sizeof(float), cudaMemcpyHostToDevice, c->stream));
+    CK(cudaMemcpyAsync(d_idx, idx, (size_t)nnz * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream));
+    CK(cudaMemcpyAsync(d_off, off, (size_t)(B + 1) * sizeof(int64_t), cudaMemcpyHostToDevice, c->stream));
+    CK(cudaStreamSynchronize(c->stream));
     if (fwd) {
-        k_bag_forward<<<grid_for(out_n, 256), 256>>>(d_out, d_in, d_idx, d_off, B, D, mean);
+        k_bag_forward<<<grid_for(out_n, 256), 256, 0, c->stream>>>(d_out, d_in, d_idx, d_off, B, D, mean);
         CKL("k_bag_forward");
     } else {
         /* each index's example, so a thread finds its bag at once */
@@ -1588,15 +1591,17 @@ static int cuda_bag(model_cuda *c, int fwd, const float *in, int64_t n_rows, int
             for (int64_t j = off[b]; j < off[b + 1]; j++)
                 h_ex[j] = b;
         CK(cudaMalloc((void **)&d_ex, (size_t)(nnz ? nnz : 1) * sizeof(int32_t)));
-        CK(cudaMemcpy(d_ex, h_ex, (size_t)nnz * sizeof(int32_t), cudaMemcpyHostToDevice));
+        CK(cudaMemcpyAsync(d_ex, h_ex, (size_t)nnz * sizeof(int32_t), cudaMemcpyHostToDevice, c->stream));
+        CK(cudaStreamSynchronize(c->stream));
         CK(cudaMemset(d_out, 0, (out_n ? out_n : 1) * sizeof(float)));
         if (nnz > 0) {
-            k_bag_backward<<<grid_for((size_t)nnz * (size_t)D, 256), 256>>>(d_out, d_in, d_idx, d_ex, d_off, nnz,
-                                                                            D, mean);
+            k_bag_backward<<<grid_for((size_t)nnz * (size_t)D, 256), 256, 0, c->stream>>>(d_out, d_in, d_idx, d_ex,
+                                                                                          d_off, nnz, D, mean);
             CKL("k_bag_backward");
         }
     }
-    CK(cudaMemcpy(out, d_out, out_n * sizeof(float), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpyAsync(out, d_out, out_n * sizeof(float), cudaMemcpyDeviceToHost, c->stream));
+    CK(cudaStreamSynchronize(c->stream));
     cudaFree(d_in);
     cudaFree(d_out);
     cudaFree(d_idx);

@@ -730,6 +730,72 @@ static void ties(void)
     model_free(mg);
 }
 
+/* ---- 6. the embedding bag (embed:ROWSxDIM[,mean|sum]) ---- */
+
+/* bag_forward and bag_backward, CUDA against the CPU: B bags of 0 to 40
+ * indices (a row may repeat, an empty bag gives 0) over n_rows rows, mean
+ * and sum. */
+static void bag(int B, int64_t n_rows, int D, uint64_t seed)
+{
+    model_layout ly;
+    char what[96];
+    if (layout_or_fail(&ly, "dense:10", (model_shape){1, 1, D}) != 0)
+        return;
+    model *mc, *mg;
+    snprintf(what, sizeof(what), "embedding bag B=%d rows=%lld dim=%d", B, (long long)n_rows, D);
+    if (pair_new(&ly, B, &mc, &mg, what) != 0)
+        return;
+    uint64_t st = seed;
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)B * 40 + 4);
+    float *rows = malloc(sizeof(float) * (size_t)n_rows * (size_t)D);
+    float *dout = malloc(sizeof(float) * (size_t)B * (size_t)D);
+    float *oc = malloc(sizeof(float) * (size_t)B * (size_t)D), *og = malloc(sizeof(float) * (size_t)B * (size_t)D);
+    float *dc = malloc(sizeof(float) * (size_t)n_rows * (size_t)D), *dg = malloc(sizeof(float) * (size_t)n_rows * (size_t)D);
+    if (!off || !idx || !rows || !dout || !oc || !og || !dc || !dg) {
+        result(0, what, "out of memory");
+        goto out;
+    }
+    off[0] = 0;
+    for (int b = 0; b < B; b++) {
+        int len = (int)rng_below(&st, 41); /* 0..40 */
+        for (int j = 0; j < len; j++)
+            idx[off[b] + j] = (int32_t)rng_below(&st, (uint64_t)n_rows);
+        off[b + 1] = off[b] + len;
+    }
+    for (size_t i = 0; i < (size_t)n_rows * (size_t)D; i++)
+        rows[i] = cont(&st);
+    for (size_t i = 0; i < (size_t)B * (size_t)D; i++)
+        dout[i] = cont(&st);
+    for (int mean = 0; mean <= 1; mean++) {
+        char w2[128];
+        snprintf(w2, sizeof(w2), "%s %s", what, mean ? "mean" : "sum");
+        poison(og, (size_t)B * (size_t)D);
+        poison(dg, (size_t)n_rows * (size_t)D);
+        int rc = model_bag_forward(mc, rows, n_rows, D, idx, off, B, mean, oc);
+        int rg = model_bag_forward(mg, rows, n_rows, D, idx, off, B, mean, og);
+        check_rc(w2, rc, rg);
+        if (rc == 0 && rg == 0)
+            check(w2, "forward out", og, oc, (size_t)B * (size_t)D);
+        rc = model_bag_backward(mc, dout, n_rows, D, idx, off, B, mean, dc);
+        rg = model_bag_backward(mg, dout, n_rows, D, idx, off, B, mean, dg);
+        check_rc(w2, rc, rg);
+        if (rc == 0 && rg == 0)
+            check(w2, "backward drows", dg, dc, (size_t)n_rows * (size_t)D);
+    }
+out:
+    free(off);
+    free(idx);
+    free(rows);
+    free(dout);
+    free(oc);
+    free(og);
+    free(dc);
+    free(dg);
+    model_free(mc);
+    model_free(mg);
+}
+
 int main(int argc, char **argv)
 {
     uint64_t seed = (uint64_t)time(NULL);
@@ -797,6 +863,9 @@ int main(int argc, char **argv)
     }
     modes("cnn", 20, 20, 45, seed + 77, PINNED);
     ties();
+    bag(1, 1, 1, seed + 81);
+    bag(100, 3000, 16, seed + 82);
+    bag(257, 50, 33, seed + 83); /* few rows: many additions to each */
     printf("cuda_vs_cpu: %d passed, %d failed in %ld s\n", passes, failures, (long)(time(NULL) - t0));
     printf("cuda_vs_cpu: %s\n", failures ? "FAILED" : "all agree");
     return failures ? 1 : 0;

@@ -53,6 +53,8 @@ extern dim3 blockIdx, threadIdx, blockDim, gridDim;
 #define __host__
 #define __device__
 static inline int min(int a, int b) { return a < b ? a : b; }
+/* the threads run one after the other: an atomic add is an add */
+static inline float atomicAdd(float *a, float v) { float o = *a; *a = o + v; return o; }
 #define LAUNCH(kern, G, T, ...) do { dim3 g_ = (G), t_ = (T); gridDim = g_; blockDim = t_;            \
     for (unsigned by = 0; by < g_.y; by++) for (unsigned bx = 0; bx < g_.x; bx++)                      \
         for (unsigned tx = 0; tx < t_.x; tx++) { blockIdx = dim3(bx, by); threadIdx = dim3(tx); kern(__VA_ARGS__); } \

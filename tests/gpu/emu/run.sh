@@ -25,7 +25,8 @@ g++ -O2 -g -std=c++17 $CXXW -I"$E" -Iclient -Icommon -DRESTPS_CUDA_LIBDIR="\"$PW
     -c -o "$B/emu/model_cuda_emu.o" "$B/emu/model_cuda_emu.cc"
 cc -O2 -g -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -I"$E" -Iclient -Icommon \
     -c -o "$B/emu/cuda_vs_cpu.o" tests/gpu/cuda_vs_cpu.c
-objs=("$B"/client/model/model.o "$B"/client/model/model_spec.o "$B"/client/model/model_cpu.o "$B"/client/model/blas_kernel.o "$B"/common/*.o)
+objs=("$B"/client/model/model.o "$B"/client/model/model_spec.o "$B"/client/model/model_cpu.o "$B"/client/model/blas_kernel.o \
+      "$B"/client/model/embed_bag.o "$B"/common/*.o)
 cc -o "$B/emu/cuda_vs_cpu" "$B/emu/cuda_vs_cpu.o" "$B/emu/model_cuda_emu.o" "${objs[@]}" \
     "$B/emu/libcublas.so.13" -Wl,-rpath,"$PWD/$B/emu" -lopenblas -ljansson -lm -lstdc++ -ldl
 echo "tests/gpu/emu/run.sh: cuda_vs_cpu on the host emulation (not a GPU)"
