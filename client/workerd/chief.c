@@ -98,6 +98,8 @@ int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *p
         printf("%s: created %d variables (%zu parameters) on %d ps\n", c->name, created,
                c->layout.n_params, ps_shards(pc));
     json_t *map = placement_json(&sh->pl, &c->layout);
+    if (c->data_langid)
+        json_object_set_new(map, "sparse", langid_placement(c, ps_shards(pc)));
     for (int i = 0; i < ps_shards(pc); i++)
         if (ps_json(pc, i, "PUT", "/v1/placement", map, 1, NULL) != PS_OK) {
             fprintf(stderr, "workerd: sending the placement: %s\n", ps_error(pc));

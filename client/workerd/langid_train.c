@@ -25,6 +25,12 @@
 #include "safetensors.h"
 #include "sparse_table.h"
 
+json_t *langid_placement(const train_config *c, int ps_tasks)
+{
+    return json_pack("[{s:s,s:I,s:i,s:s,s:i}]", "name", "emb", "rows", (json_int_t)c->langid.rows, "dim",
+                     c->langid.dim, "sharding", "id mod ps_tasks", "ps_tasks", ps_tasks);
+}
+
 int langid_parse_spec(const char *spec, langid_model *out, char *err, size_t errlen)
 {
     memset(out, 0, sizeof(*out));

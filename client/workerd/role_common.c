@@ -169,6 +169,8 @@ void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, 
 int train_check_placement(const train_config *c, ps_client *pc, const shards *sh)
 {
     json_t *theirs = NULL, *mine = placement_json(&sh->pl, &c->layout);
+    if (c->data_langid)
+        json_object_set_new(mine, "sparse", langid_placement(c, ps_shards(pc)));
     int rc = ps_json(pc, 0, "GET", "/v1/placement", NULL, 1, &theirs);
     if (rc == PS_EHTTP && ps_http_status(pc) == 404) {
         json_decref(mine);

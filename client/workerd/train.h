@@ -88,6 +88,8 @@ int train_langid_local(const train_config *c);
 int train_langid_worker(const train_config *c);
 /* The dense layers' start: model_init_params, the last layer zero (langid_train.c). */
 void langid_init_params(const train_config *c, float *params);
+/* The placement map's "sparse" list: the embedding table, its rows by id mod ps_tasks. */
+json_t *langid_placement(const train_config *c, int ps_tasks);
 int train_evaluator(const train_config *c);
 int train_local(const train_config *c);
 int train_ring(const train_config *c);

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import HELPERS, binary
+from conftest import HELPERS, binary, http
 from procs import finish, free_port, kill_all
 
 DICT = "/usr/share/dict"
@@ -93,9 +93,11 @@ def test_local_matches_numpy_and_beats_the_logistic_regression_baseline(tmp_path
     assert len(set(t["emb:ids"].tolist())) == len(t["emb:ids"]) > 1000
 
 
-def cluster(tmp_path, mode, steps, batch, extra=()):
+def cluster(tmp_path, mode, steps, batch, extra=(), look=None):
     """2 psd, 2 workers (worker 0 the chief, exporting): the chief's stdout.
-    The chief stops the ps tasks at the end; every process is waited for or killed by PID."""
+    The chief stops the ps tasks at the end, or, with look, look(ps urls) runs
+    first (--keep_ps) and the test stops them; every process is waited for or
+    killed by PID."""
     ps = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     wk = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     psd = [subprocess.Popen([binary("psd"), "--ps_hosts=" + ",".join(ps), f"--task_index={i}", "--logdir="],
@@ -106,11 +108,16 @@ def cluster(tmp_path, mode, steps, batch, extra=()):
     w1 = subprocess.Popen(common + ["--task_index=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     ok = False
     try:
-        chief = subprocess.run(common + ["--task_index=0", "--export=" + str(tmp_path / f"{mode}.safetensors")],
-                               capture_output=True, text=True, timeout=120)
+        chief = subprocess.run(common + ["--task_index=0", "--export=" + str(tmp_path / f"{mode}.safetensors")]
+                               + (["--keep_ps"] if look else []), capture_output=True, text=True, timeout=120)
         assert chief.returncode == 0, chief.stdout + chief.stderr
         rc, out1 = finish(w1, 60)
         assert rc == 0, out1
+        if look:
+            urls = ["http://" + h for h in ps]
+            look(urls)
+            for u in urls:
+                assert http("POST", u + "/v1/shutdown")[0] == 202
         for p in psd:
             assert finish(p, 30)[0] == 0
         ok = True
@@ -138,7 +145,23 @@ def test_sync_two_workers_equal_local_with_twice_the_batch(tmp_path):
 
 
 def test_async_over_two_ps_trains(tmp_path):
-    out = cluster(tmp_path, "async", 800, 100)
+    seen = {}
+
+    def look(urls):
+        st, _, body = http("GET", urls[0] + "/v1/placement")
+        assert st == 200, body
+        seen["placement"] = json.loads(body)
+        for i, u in enumerate(urls):
+            st, _, body = http("GET", u + "/v1/status")
+            seen[i] = json.loads(body)["sparse"]["emb"]
+
+    out = cluster(tmp_path, "async", 800, 100, look=look)
+    # the table's sharding in the placement map, each ps holding its ids' rows only
+    assert seen["placement"]["sparse"] == [{"name": "emb", "rows": 1 << 21, "dim": 16,
+                                            "sharding": "id mod ps_tasks", "ps_tasks": 2}]
+    for i in range(2):
+        assert (seen[i]["shard"], seen[i]["shards"]) == (i, 2) and seen[i]["held_rows"] > 1000, seen[i]
+        assert seen[i]["bytes"] == seen[i]["held_rows"] * 16 * 4 * 3  # adam: the rows and 2 slots
     acc, _ = accuracy(out)
     assert acc > 0.7, out
     m = re.search(r"\((\d+)x fewer\)", out)
