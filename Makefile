@@ -34,6 +34,7 @@ endef
 COMMON_SRC = common/cluster.c common/optim.c common/flags.c common/log.c common/safetensors.c common/tensor.c \
              common/errmsg.c common/token.c common/crc32c.c common/jsonmem.c common/pem.c common/tfevents.c
 COMMON_SRC += common/ckptdir.c common/history.c common/sparse_table.c
+COMMON_SRC += common/wire_dtype.c
 SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_state.c \
              server/sparse_set.c \
              server/waiters.c server/ticker.c server/changes.c \

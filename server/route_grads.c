@@ -1,7 +1,11 @@
 /* route_grads.c - POST /v1/grads: one safetensors body of gradients (the
  * worker's push), applied as one update, or kept for its sync step. An
  * async sgd push is checked and applied by the store in one pass over its
- * body (store.h, in_body). */
+ * body (store.h, in_body). BF16 and F16 gradients are widened to float32
+ * first (wire_dtype.h; F16 divided by the metadata's loss_scale), each value
+ * checked finite as the float32 it becomes. ?return=params answers with the
+ * shard's variables after the update, as GET /v1/params would (min_step:
+ * once the shard reaches it), so a worker's step is one round trip. */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -11,6 +15,7 @@
 
 #include "routes.h"
 #include "sparse_set.h"
+#include "wire_dtype.h"
 #include "workers.h"
 
 static int push_id_ok(const char *s)
@@ -27,10 +32,152 @@ static int push_id_ok(const char *s)
     return 1;
 }
 
+#define RETURN_WAIT_DEFAULT_MS 30000
+#define RETURN_WAIT_MAX_MS 300000
+
+static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
+
+/* What ?return=params asks: the answer's dtype, and what it waits for. */
+typedef struct ret_query {
+    int ret; /* 1: the variables are asked for */
+    long long min_step, timeout_ms, worker, min_clock, clock;
+    wire_dtype dt;
+} ret_query;
+
+/* ?return=params, min_step, timeout_ms, dtype (the answer's), and the
+ * stale-synchronous worker, min_clock and clock (as GET /v1/params): 0, or
+ * -1 with err. */
+static int grads_query(request *r, ret_query *o, char *err, size_t errlen)
+{
+    const char *q = http_query(r, "return");
+    *o = (ret_query){.min_step = -1, .timeout_ms = RETURN_WAIT_DEFAULT_MS, .worker = -1, .min_clock = -1,
+                     .clock = -1};
+    int *ret = &o->ret;
+    long long *min_step = &o->min_step, *timeout_ms = &o->timeout_ms;
+    wire_dtype *dt = &o->dt;
+    if (q && strcmp(q, "params") != 0) {
+        snprintf(err, errlen, "return must be params");
+        return -1;
+    }
+    *ret = q != NULL;
+    if (http_query_int(r, "min_step", META_INT_MAX, min_step) < 0) {
+        snprintf(err, errlen, "min_step must be an integer from 0 to %lld", META_INT_MAX);
+        return -1;
+    }
+    if (http_query_int(r, "timeout_ms", RETURN_WAIT_MAX_MS, timeout_ms) < 0) {
+        snprintf(err, errlen, "timeout_ms must be an integer from 0 to %d", RETURN_WAIT_MAX_MS);
+        return -1;
+    }
+    if (params_query_dtype(r, dt) != 0) {
+        snprintf(err, errlen, "dtype must be fp32, bf16 or fp16");
+        return -1;
+    }
+    if (http_query_int(r, "worker", STORE_MAX_WORKERS - 1, &o->worker) < 0 ||
+        http_query_int(r, "min_clock", META_INT_MAX, &o->min_clock) < 0 ||
+        http_query_int(r, "clock", META_INT_MAX, &o->clock) < 0) {
+        snprintf(err, errlen, "worker (0 to %d), min_clock and clock (0 to %lld) must be integers",
+                 STORE_MAX_WORKERS - 1, META_INT_MAX);
+        return -1;
+    }
+    if ((o->min_clock >= 0 || o->clock >= 0) && o->worker < 0) {
+        snprintf(err, errlen, "min_clock and clock need worker");
+        return -1;
+    }
+    if (o->min_step >= 0 && o->min_clock >= 0) {
+        snprintf(err, errlen, "min_step and min_clock: one wait at a time");
+        return -1;
+    }
+    if (!*ret && (*min_step >= 0 || o->worker >= 0 || o->min_clock >= 0 || o->clock >= 0 || http_query(r, "dtype") ||
+                  http_query(r, "timeout_ms"))) {
+        snprintf(err, errlen, "min_step, min_clock, clock, worker, timeout_ms and dtype need return=params");
+        return -1;
+    }
+    return 0;
+}
+
+/* The answer of ?return=params: the shard's variables now (after the push),
+ * or once its step reaches min_step (parked; resumed: as they are then). */
+static enum MHD_Result reply_params(request *r, int outcome)
+{
+    server *srv = req_srv(r);
+    char err[160];
+    ret_query q;
+    if (grads_query(r, &q, err, sizeof(err)) != 0) /* checked before */
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    int may_wait = !req_psd(r)->parked && q.timeout_ms > 0 && !atomic_load(&srv->stopping);
+    /* stale-synchronous: until the slowest live worker completed min_clock iterations */
+    if (may_wait && q.min_clock >= 0 && store_min_clock(&srv->store) < q.min_clock) {
+        req_psd(r)->push_outcome = outcome;
+        return params_park(r, WAIT_CLOCK, q.min_clock, q.timeout_ms);
+    }
+    if (q.clock >= 0) /* the worker starts iteration `clock` now */
+        store_clock_start(&srv->store, (int)q.worker, q.clock);
+    store_snap *v;
+    int n;
+    int64_t step;
+    if (store_get_all(&srv->store, &v, &n, &step) != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+    if (may_wait && step < q.min_step) {
+        store_snaps_release(v, n);
+        req_psd(r)->push_outcome = outcome;
+        return params_park(r, WAIT_STEP, q.min_step, q.timeout_ms);
+    }
+    enum MHD_Result rc = params_reply(r, v, n, step, 0, q.dt, outcomes[outcome]);
+    store_snaps_release(v, n);
+    return rc;
+}
+
+/* 16-bit gradients widened to float32 into a blob of the pool (*wide, with
+ * *f and *data describing it); loss_scale divides them. 0 (*wide NULL: none
+ * to widen), or -1 with err and *status. */
+static int widen_body(request *r, st_file *f, unsigned char **data, blob **wide, int *status, char *err,
+                      size_t errlen)
+{
+    *wide = NULL;
+    const char *ls = st_meta_get(f, "loss_scale");
+    double scale = 1;
+    if (ls) {
+        char *end;
+        errno = 0;
+        scale = strtod(ls, &end);
+        int e;
+        if (!*ls || *end || errno || !(scale >= 1 && scale <= WIRE_LOSS_SCALE_MAX) || frexp(scale, &e) != 0.5) {
+            *status = MHD_HTTP_BAD_REQUEST;
+            snprintf(err, errlen, "metadata loss_scale '%.32s' must be a power of two from 1 to 2^24", ls);
+            return -1;
+        }
+    }
+    size_t len = wire_widened_len(f);
+    if (len == 0)
+        return 0;
+    blob *w = blob_new(req_srv(r)->pool, len);
+    if (!w) {
+        *status = MHD_HTTP_SERVICE_UNAVAILABLE;
+        snprintf(err, errlen, "out of memory widening the push");
+        return -1;
+    }
+    if (wire_widen(f, *data, (float)(1.0 / scale), w->data, err, errlen) != 0) {
+        blob_unref(w);
+        *status = MHD_HTTP_BAD_REQUEST;
+        return -1;
+    }
+    w->len = len;
+    *data = w->data;
+    *wide = w;
+    return 0;
+}
+
 enum MHD_Result h_grads_post(request *r)
 {
     char err[256];
-    blob *b = req_body(r);
+    if (req_psd(r)->parked) /* ?return=params&min_step=: resumed, the push is in */
+        return reply_params(r, req_psd(r)->push_outcome);
+    {
+        ret_query q;
+        if (grads_query(r, &q, err, sizeof(err)) != 0)
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    }
+    blob *b = req_body(r), *wide = NULL;
     uint64_t hl;
     if (st_read_prefix(b->data, b->len, &hl, err, sizeof(err)) != 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
@@ -94,16 +241,25 @@ enum MHD_Result h_grads_post(request *r)
         goto out;
     }
     for (int k = 0; k < f.n_tensors; k++)
-        if (strcmp(f.tensors[k].dtype, "F32") != 0 && !sparse_ids_tensor(&f.tensors[k])) {
+        if (wire_dtype_of_st(f.tensors[k].dtype) < 0 && !sparse_ids_tensor(&f.tensors[k])) {
             rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "gradient '%s' has dtype %s, only F32 is accepted",
+                                  "gradient '%s' has dtype %s, only F32, BF16 and F16 are accepted",
                                   f.tensors[k].name, f.tensors[k].dtype);
             goto out;
         }
+    {
+        int status;
+        if (widen_body(r, &f, &data, &wide, &status, err, sizeof(err)) != 0) {
+            rc = http_reply_error(r, status, "%s", err);
+            goto out;
+        }
+        if (wide)
+            meta.body = wide; /* the float32 gradients, checked finite */
+    }
     /* async sgd: the store checks for NaN and Inf in the pass that applies
      * (the next versions are written over the gradients in the body) */
     meta.in_body = store_push_in_body(&req_srv(r)->store);
-    for (int k = 0; !meta.in_body && k < f.n_tensors; k++) {
+    for (int k = 0; !meta.in_body && !wide && k < f.n_tensors; k++) {
         const st_tensor *t = &f.tensors[k];
         if (sparse_ids_tensor(t))
             continue; /* a sparse gradient's ids (I64) */
@@ -117,7 +273,6 @@ enum MHD_Result h_grads_post(request *r)
     }
     int64_t gstep;
     int outcome;
-    static const char *const outcomes[] = {"applied", "duplicate", "stale", "pending"};
     int src = store_apply_grads(&req_srv(r)->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
     if (src == STORE_ENOMEM)
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
@@ -127,11 +282,15 @@ enum MHD_Result h_grads_post(request *r)
         rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     else {
         workers_seen(req_srv(r)->workers, worker, step, batch, outcome);
-        rc = http_reply_json(r, MHD_HTTP_OK,
+        if (http_query(r, "return"))
+            rc = reply_params(r, outcome);
+        else
+            rc = http_reply_json(r, MHD_HTTP_OK,
                              json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
                                        outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));
     }
 out:
+    blob_unref(wide);
     st_file_free(&f);
     return rc;
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "wire_dtype.h"
 #include "token.h"
 #include "routes.h"
 #include "workers.h"
@@ -17,9 +18,7 @@
 #define LONG_POLL_DEFAULT_MS 30000
 #define LONG_POLL_MAX_MS 300000
 
-/* Suspend the request and park it until channel ch of the waiters reaches
- * min (or timeout_ms passes); the handler runs again once it is resumed. */
-static enum MHD_Result park(request *r, int ch, int64_t min, long long timeout_ms)
+enum MHD_Result params_park(request *r, int ch, int64_t min, long long timeout_ms)
 {
     req_psd(r)->parked = 1;
     req_psd(r)->parked_on = req_srv(r)->waiters;
@@ -41,6 +40,9 @@ enum MHD_Result h_params_get(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "timeout_ms must be an integer from 0 to %d",
                                 LONG_POLL_MAX_MS);
     long long min_clock = -1, clock = -1, avg = 0;
+    wire_dtype dt;
+    if (params_query_dtype(r, &dt) != 0)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "dtype must be fp32, bf16 or fp16");
     if (http_query_int(r, "moving_average", LLONG_MAX, &avg) < 0 || avg > 1)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "moving_average must be 0 or 1");
     if (avg) {
@@ -76,7 +78,7 @@ enum MHD_Result h_params_get(request *r)
     /* stale-synchronous: wait until the slowest live worker completed min_clock iterations */
     if (min_clock >= 0 && !req_psd(r)->parked && timeout_ms > 0 && !atomic_load(&srv->stopping) &&
         store_min_clock(&srv->store) < min_clock)
-        return park(r, WAIT_CLOCK, min_clock, timeout_ms);
+        return params_park(r, WAIT_CLOCK, min_clock, timeout_ms);
     /* the worker starts iteration `clock` now (after any wait for the bound) */
     if (worker >= 0 && clock >= 0 && may_write)
         store_clock_start(&srv->store, (int)worker, clock);
@@ -100,7 +102,7 @@ enum MHD_Result h_params_get(request *r)
         /* long poll: park until the step exists (or the deadline); answered
          * when resumed, with whatever step the shard is at then */
         store_snaps_release(v, n);
-        return park(r, WAIT_STEP, min_step, timeout_ms);
+        return params_park(r, WAIT_STEP, min_step, timeout_ms);
     }
     if (avg) { /* the shadow copies, in the same format */
         store_snaps_release(v, n);
@@ -111,39 +113,104 @@ enum MHD_Result h_params_get(request *r)
         if (ar != STORE_OK)
             return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
     }
+    enum MHD_Result rc = params_reply(r, v, n, step, (int)avg, dt, NULL);
+    store_snaps_release(v, n);
+    return rc;
+}
+
+int params_query_dtype(request *r, wire_dtype *dt)
+{
+    const char *q = http_query(r, "dtype");
+    *dt = WIRE_F32;
+    return q && wire_dtype_parse(q, dt) != 0 ? -1 : 0;
+}
+
+/* The 16-bit copies of v[0..n) in one fresh blob (*out), part i of parts at
+ * its place; 0, or -1 after answering (out of memory; a float16 overflow). */
+static int cast_all(request *r, const store_snap *v, int n, wire_dtype dt, struct http_part *parts, blob **out,
+                    enum MHD_Result *rc)
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += (size_t)v[i].numel * 2;
+    blob *b = blob_new(req_srv(r)->pool, total ? total : 1);
+    if (!b) {
+        *rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
+        return -1;
+    }
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t bad = wire_encode(dt, (const float *)v[i].data->data, (size_t)v[i].numel, 1.0f, b->data + at);
+        if (bad >= 0) {
+            float x = ((const float *)v[i].data->data)[bad];
+            blob_unref(b);
+            *rc = http_reply_error(r, MHD_HTTP_CONFLICT,
+                                   "variable '%s' holds %g at element %lld, which %s cannot hold: ask for dtype bf16 or fp32",
+                                   v[i].name, (double)x, (long long)bad, wire_dtype_name(dt));
+            return -1;
+        }
+        parts[i] = (struct http_part){b->data + at, (size_t)v[i].numel * 2};
+        at += (size_t)v[i].numel * 2;
+    }
+    *out = b;
+    return 0;
+}
+
+enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t step, int avg, wire_dtype dt,
+                             const char *outcome)
+{
+    server *srv = req_srv(r);
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));
     blob **hold = malloc(sizeof(blob *) * (size_t)(n ? n : 1));
     enum MHD_Result rc;
+    int n_hold = n;
     if (!d || !parts || !hold) {
         rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
         goto out;
     }
     for (int i = 0; i < n; i++) {
-        d[i] = (st_desc){v[i].name, "F32", &v[i].shape};
+        d[i] = (st_desc){v[i].name, wire_dtype_st(dt), &v[i].shape};
         parts[i] = (struct http_part){v[i].data->data, (size_t)v[i].numel * 4};
         hold[i] = v[i].data;
+    }
+    if (dt != WIRE_F32) { /* a cast of the float32 values, into a blob of its own */
+        if (cast_all(r, v, n, dt, parts, &hold[0], &rc) != 0)
+            goto out;
+        n_hold = 1;
     }
     char step_s[32], task_s[48];
     snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
     snprintf(task_s, sizeof(task_s), "%s:%d", cluster_job_name(srv->cfg.cluster.job),
              srv->cfg.cluster.task_index);
-    const char *meta[] = {"global_step", step_s, "task", task_s, "moving_average", "1"};
+    const char *meta[8] = {"global_step", step_s, "task", task_s};
+    int n_meta = 2;
+    if (avg) {
+        meta[2 * n_meta] = "moving_average";
+        meta[2 * n_meta++ + 1] = "1";
+    }
+    if (outcome) {
+        meta[2 * n_meta] = "outcome";
+        meta[2 * n_meta++ + 1] = outcome;
+    }
     char *head, err[256];
     size_t head_len;
-    if (st_header_build(d, n, meta, avg ? 3 : 2, &head, &head_len, err, sizeof(err)) != 0) {
+    if (st_header_build(d, n, meta, n_meta, &head, &head_len, err, sizeof(err)) != 0) {
+        if (dt != WIRE_F32)
+            blob_unref(hold[0]);
         rc = http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "%s", err);
         goto out;
     }
     const char *headers[] = {"X-Global-Step", step_s, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store",
-                             NULL};
-    /* zero-copy: the stored versions go out as they are */
-    rc = reply_blobs(r, MHD_HTTP_OK, "application/octet-stream", head, head_len, parts, n,
-                          hold, n, headers);
+                             outcome ? "X-Push-Outcome" : NULL, outcome, NULL};
+    /* zero-copy: the stored versions go out as they are (a cast: its blob) */
+    rc = reply_blobs(r, MHD_HTTP_OK, "application/octet-stream", head, head_len, parts, n, hold, n_hold,
+                     headers);
+    if (dt != WIRE_F32)
+        blob_unref(hold[0]); /* reply_blobs took a reference of its own */
 out:
     free(d);
     free(parts);
     free(hold);
-    store_snaps_release(v, n);
     return rc;
 }

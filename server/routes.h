@@ -11,6 +11,7 @@
 #include <stdio.h>
 
 #include "request.h"
+#include "wire_dtype.h"
 
 /* psd's module: the table, srv as every handler's context. The body ops
  * live in srv (its pool); the module points at them. */
@@ -43,6 +44,16 @@ enum MHD_Result h_var_grad(request *r);
 /* route_params.c, route_grads.c */
 enum MHD_Result h_params_get(request *r);
 enum MHD_Result h_grads_post(request *r);
+/* route_params.c, for route_grads.c's ?return=params: suspend the request
+ * until channel ch of the waiters reaches min (or timeout_ms passes; the
+ * handler runs again once resumed); the shard's variables v[0..n) at step as
+ * one safetensors body in dtype dt (a cast of the float32 values; float16
+ * that cannot hold one: 409), outcome (may be NULL) in its metadata and in
+ * X-Push-Outcome; the dtype= query (absent: fp32), -1 when it is bad. */
+enum MHD_Result params_park(request *r, int ch, int64_t min, long long timeout_ms);
+enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t step, int avg, wire_dtype dt,
+                             const char *outcome);
+int params_query_dtype(request *r, wire_dtype *dt);
 /* route_config.c */
 enum MHD_Result h_config_get(request *r);
 enum MHD_Result h_config_put(request *r);

@@ -256,13 +256,16 @@ int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n)
                 k += snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&min_clock=%lld",
                               (long long)r[i].min_clock);
             if (r[i].worker >= 0 && r[i].clock > 0)
-                snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&clock=%lld",
-                         (long long)r[i].clock);
+                k += snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&clock=%lld",
+                              (long long)r[i].clock);
+            if (r[i].dtype)
+                snprintf(paths[i] + k, sizeof(paths[i]) - (size_t)k, "&dtype=%.8s", r[i].dtype);
             if (r[i].timeout_ms > extra)
                 extra = r[i].timeout_ms;
         } else {
-            snprintf(paths[i], sizeof(paths[i]), "%s",
-                     c->moving_average ? "/v1/params?moving_average=1" : "/v1/params");
+            snprintf(paths[i], sizeof(paths[i]), "%s%s%.8s",
+                     c->moving_average ? "/v1/params?moving_average=1" : "/v1/params",
+                     !r[i].dtype ? "" : c->moving_average ? "&dtype=" : "?dtype=", r[i].dtype ? r[i].dtype : "");
         }
         ss[i] = (sink){.buf = r[i].buf, .cap = r[i].cap};
         xs[i] = (xfer){.shard = r[i].shard, .method = "GET", .path = paths[i], .s = &ss[i],
@@ -288,6 +291,54 @@ out:
     return rc;
 }
 
+/* The path of a push: /v1/grads, or with ?return=params and its conditions. */
+static void push_path(const ps_push_req *r, char *path, size_t cap, long *wait_ms)
+{
+    if (!r->ret_buf) {
+        snprintf(path, cap, "/v1/grads");
+        return;
+    }
+    int k = snprintf(path, cap, "/v1/grads?return=params");
+    if (r->ret_dtype)
+        k += snprintf(path + k, cap - (size_t)k, "&dtype=%.8s", r->ret_dtype);
+    if (r->ret_min_step >= 0 || r->ret_min_clock > 0) {
+        k += snprintf(path + k, cap - (size_t)k, "&timeout_ms=%ld", r->ret_timeout_ms);
+        if (r->ret_timeout_ms > *wait_ms)
+            *wait_ms = r->ret_timeout_ms;
+    }
+    if (r->ret_min_step >= 0)
+        k += snprintf(path + k, cap - (size_t)k, "&min_step=%lld", (long long)r->ret_min_step);
+    if (r->ret_worker >= 0 && (r->ret_min_clock > 0 || r->ret_clock > 0))
+        k += snprintf(path + k, cap - (size_t)k, "&worker=%d", r->ret_worker);
+    if (r->ret_worker >= 0 && r->ret_min_clock > 0)
+        k += snprintf(path + k, cap - (size_t)k, "&min_clock=%lld", (long long)r->ret_min_clock);
+    if (r->ret_worker >= 0 && r->ret_clock > 0)
+        snprintf(path + k, cap - (size_t)k, "&clock=%lld", (long long)r->ret_clock);
+}
+
+/* A ?return=params answer: its step (X-Global-Step) and outcome (the
+ * body's metadata). */
+static int returned(ps_client *c, ps_push_req *r, const sink *s)
+{
+    st_file f;
+    char err[256];
+    if (!s->has_step || st_parse(s->buf, s->len, &f, err, sizeof(err)) != 0) {
+        xfer_seterr(c, "%s: POST /v1/grads?return=params: %s", c->label[r->shard],
+                    s->has_step ? err : "no X-Global-Step header");
+        return PS_EPROTO;
+    }
+    const char *o = st_meta_get(&f, "outcome");
+    r->outcome = !o ? PS_PUSH_APPLIED
+                 : strcmp(o, "duplicate") == 0 ? PS_PUSH_DUPLICATE
+                 : strcmp(o, "stale") == 0   ? PS_PUSH_STALE
+                 : strcmp(o, "pending") == 0 ? PS_PUSH_PENDING
+                                             : PS_PUSH_APPLIED;
+    st_file_free(&f);
+    r->ret_len = s->len;
+    r->global_step = s->global_step;
+    return PS_OK;
+}
+
 int ps_push_grads_many(ps_client *c, ps_push_req *r, int n)
 {
     xfer *xs = calloc((size_t)(n ? n : 1), sizeof(xfer));
@@ -295,8 +346,10 @@ int ps_push_grads_many(ps_client *c, ps_push_req *r, int n)
     source *src = calloc((size_t)(n ? n : 1), sizeof(source));
     char (*idh)[128] = calloc((size_t)(n ? n : 1), sizeof(*idh));
     const char *(*extra)[3] = calloc((size_t)(n ? n : 1), sizeof(*extra));
+    char (*paths)[256] = calloc((size_t)(n ? n : 1), sizeof(*paths));
+    long wait_ms = 0;
     int rc = PS_OK;
-    if (!xs || !ss || !src || !idh || !extra) {
+    if (!xs || !ss || !src || !idh || !extra || !paths) {
         xfer_seterr(c, "out of memory");
         rc = PS_ENOMEM;
         goto out;
@@ -313,14 +366,20 @@ int ps_push_grads_many(ps_client *c, ps_push_req *r, int n)
             extra[i][1] = idh[i];
         }
         src[i] = (source){.part = {r[i].head, r[i].data}, .len = {r[i].head_len, r[i].data_len}};
-        ss[i] = (sink){.growable = 1};
-        xs[i] = (xfer){.shard = r[i].shard, .method = "POST", .path = "/v1/grads", .extra = extra[i],
+        ss[i] = r[i].ret_buf ? (sink){.buf = r[i].ret_buf, .cap = r[i].ret_cap} : (sink){.growable = 1};
+        push_path(&r[i], paths[i], sizeof(paths[i]), &wait_ms);
+        xs[i] = (xfer){.shard = r[i].shard, .method = "POST", .path = paths[i], .extra = extra[i],
                        .src = &src[i], .s = &ss[i],
                        .mode = r[i].push_id ? RETRY_ANY : RETRY_CONNECT_ONLY};
     }
+    c->extra_timeout_ms = wait_ms;
     if ((rc = xfer_run(c, xs, n)) != PS_OK)
         goto out;
     for (int i = 0; i < n && rc == PS_OK; i++) {
+        if (r[i].ret_buf) {
+            rc = returned(c, &r[i], &ss[i]);
+            continue;
+        }
         json_error_t je;
         json_t *j = json_loadb((const char *)ss[i].buf, ss[i].len, 0, &je);
         if (!j) {
@@ -333,8 +392,11 @@ int ps_push_grads_many(ps_client *c, ps_push_req *r, int n)
         json_decref(j);
     }
 out:
+    c->extra_timeout_ms = 0;
     for (int i = 0; ss && i < n; i++)
-        free(ss[i].buf);
+        if (!r[i].ret_buf)
+            free(ss[i].buf);
+    free(paths);
     free(xs);
     free(ss);
     free(src);

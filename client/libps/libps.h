@@ -152,6 +152,7 @@ typedef struct ps_pull_req {
     int64_t min_clock;  /* > 0: stale-synchronous: first wait until the slowest live worker
                            completed this many iterations (with worker; 0 = none) */
     int64_t clock;      /* > 0 with worker: this worker starts iteration `clock` (0 = none) */
+    const char *dtype;  /* NULL or "fp32": float32 bodies; "bf16", "fp16": 16-bit (&dtype=) */
     void *buf;
     size_t cap;
     size_t len;           /* out */
@@ -166,6 +167,21 @@ typedef struct ps_push_req {
     const void *data;
     size_t data_len;
     const char *push_id;  /* may be NULL */
+    /* ret_buf != NULL: POST /v1/grads?return=params, one round trip: the
+     * answer is the shard's variables after the update (a GET /v1/params
+     * body, in ret_dtype: NULL/"fp32", "bf16", "fp16") into ret_buf
+     * (ret_cap bytes, *ret_len its length); ret_min_step >= 0: once the
+     * shard's step reaches it (or ret_timeout_ms passes); ret_min_clock > 0
+     * with ret_worker: once the slowest live worker completed that many
+     * iterations, ret_clock > 0: this worker then starts iteration ret_clock
+     * (stale-synchronous, as ps_pull_req) */
+    void *ret_buf;
+    size_t ret_cap;
+    size_t ret_len;       /* out */
+    const char *ret_dtype;
+    int64_t ret_min_step, ret_min_clock, ret_clock;
+    long ret_timeout_ms;
+    int ret_worker;
     int64_t global_step;  /* out */
     int outcome;          /* out: PS_PUSH_* */
 } ps_push_req;

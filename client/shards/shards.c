@@ -56,9 +56,24 @@ oom:
     return -1;
 }
 
+int shards_set_wire(shards *sh, wire_dtype d)
+{
+    sh->wire = d;
+    sh->loss_scale = d == WIRE_F16 ? SHARDS_SCALE_START : 1.0;
+    sh->clean = 0;
+    for (int i = 0; i < sh->n; i++) {
+        free(sh->s[i].wbuf);
+        sh->s[i].wbuf = NULL;
+        if (d != WIRE_F32 && !(sh->s[i].wbuf = malloc(sh->s[i].floats * 2 + 2)))
+            return -1;
+    }
+    return 0;
+}
+
 void shards_free(shards *sh)
 {
     for (int i = 0; sh->s && i < sh->n; i++) {
+        free(sh->s[i].wbuf);
         free(sh->s[i].rx);
         free(sh->s[i].stage);
         free(sh->s[i].p);
@@ -117,8 +132,8 @@ static int unpack(shards *sh, int i, size_t len, float *params, int *missing)
         for (int k = 0; k < s->n_p; k++) {
             const place_piece *pc = &sh->pl.pieces[s->p[k]];
             int j = st_find(&f, pc->name);
-            if (j < 0 || strcmp(f.tensors[j].dtype, "F32") != 0 ||
-                f.tensors[j].end - f.tensors[j].begin != pc->numel * 4) {
+            int dt = j < 0 ? -1 : wire_dtype_of_st(f.tensors[j].dtype);
+            if (j < 0 || dt < 0 || f.tensors[j].end - f.tensors[j].begin != pc->numel * wire_dtype_size((wire_dtype)dt)) {
                 if (missing && j < 0) {
                     *missing = 1;
                     pass = 2; /* nothing copied */
@@ -129,11 +144,45 @@ static int unpack(shards *sh, int i, size_t len, float *params, int *missing)
                 rc = PS_EPROTO;
                 break;
             }
-            if (pass == 1)
+            if (pass == 1 && dt == WIRE_F32)
                 memcpy(params + pc->offset, s->rx + f.data_start + f.tensors[j].begin, pc->numel * 4);
+            else if (pass == 1) /* 16-bit: widened (the ps checked them finite as float32) */
+                wire_decode((wire_dtype)dt, s->rx + f.data_start + f.tensors[j].begin, pc->numel, 1.0f,
+                            params + pc->offset);
         }
     st_file_free(&f);
     return rc;
+}
+
+/* Shard i's answer (len bytes in its rx, at global_step gs) into params,
+ * unless it came back behind this task or empty (guarded pulls: its back
+ * set); *step = gs for ps 0. */
+static int take_answer(shards *sh, float *params, int i, size_t len, int64_t gs, int64_t *step)
+{
+    shard *s = &sh->s[i];
+    int missing = 0, rc;
+    if (sh->guard >= 0 && s->n_p > 0 && gs < s->step - sh->guard) {
+        s->back = 1; /* behind this task: its values are older than ours */
+    } else {
+        if ((rc = unpack(sh, i, len, params, sh->guard >= 0 ? &missing : NULL)) != PS_OK)
+            return rc;
+        s->back = missing ? 2 : 0;
+    }
+    if (s->back) {
+        s->back_step = gs;
+        return PS_OK;
+    }
+    s->step = gs;
+    if (i == 0)
+        *step = gs;
+    return PS_OK;
+}
+
+static void count_back(shards *sh)
+{
+    sh->n_back = 0;
+    for (int i = 0; i < sh->n; i++)
+        sh->n_back += sh->s[i].back != 0;
 }
 
 /* Pull shards [from, to) at once (shard 0 always, the others when they hold
@@ -149,34 +198,19 @@ static int pull_range(shards *sh, float *params, const int64_t *want, long timeo
         if (i == 0 || sh->s[i].n_p > 0) /* a ps that holds nothing of the model is left alone */
             r[n++] = (ps_pull_req){.shard = i, .min_step = want[i], .timeout_ms = timeout_ms,
                                    .worker = worker, .min_clock = i == 0 ? min_clock : 0,
-                                   .clock = i == 0 ? clock : 0, .buf = sh->s[i].rx,
+                                   .clock = i == 0 ? clock : 0,
+                                   .dtype = sh->wire == WIRE_F32 ? NULL : wire_dtype_name(sh->wire),
+                                   .buf = sh->s[i].rx,
                                    .cap = sh->s[i].rx_cap};
     if (n == 0)
         return PS_OK;
     int rc = ps_pull_params_many(sh->c, r, n);
     if (rc != PS_OK)
         return rc;
-    for (int k = 0; k < n; k++) {
-        shard *s = &sh->s[r[k].shard];
-        int missing = 0;
-        if (sh->guard >= 0 && s->n_p > 0 && r[k].global_step < s->step - sh->guard) {
-            s->back = 1; /* behind this task: its values are older than ours */
-        } else {
-            if ((rc = unpack(sh, r[k].shard, r[k].len, params, sh->guard >= 0 ? &missing : NULL)) != PS_OK)
-                return rc;
-            s->back = missing ? 2 : 0;
-        }
-        if (s->back) {
-            s->back_step = r[k].global_step;
-            continue;
-        }
-        s->step = r[k].global_step;
-        if (r[k].shard == 0)
-            *step = r[k].global_step;
-    }
-    sh->n_back = 0;
-    for (int i = 0; i < sh->n; i++)
-        sh->n_back += sh->s[i].back != 0;
+    for (int k = 0; k < n; k++)
+        if ((rc = take_answer(sh, params, r[k].shard, r[k].len, r[k].global_step, step)) != PS_OK)
+            return rc;
+    count_back(sh);
     return PS_OK;
 }
 
@@ -244,10 +278,57 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
     return shards_push_extra(sh, grads, m, NULL, step, outcome);
 }
 
-int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, int64_t *step,
-                      int *outcome)
+/* Each shard's dense gradients, float32 and contiguous (gathered into its
+ * stage when its pieces are not one run of grads): dense[i]. */
+static void gather(shards *sh, const float *grads, const float **dense)
 {
-    char worker[16], stp[sh->n][32], loss[40], batch[16], clk[32];
+    for (int i = 0; i < sh->n; i++) {
+        shard *s = &sh->s[i];
+        dense[i] = grads + s->first;
+        if (s->contiguous || s->n_p == 0)
+            continue;
+        size_t at = 0;
+        for (int k = 0; k < s->n_p; k++) {
+            const place_piece *pc = &sh->pl.pieces[s->p[k]];
+            memcpy(s->stage + at, grads + pc->offset, pc->numel * 4);
+            at += pc->numel;
+        }
+        dense[i] = s->stage;
+    }
+}
+
+/* 16-bit wire: every shard's gradients cast into its wbuf, times the loss
+ * scale (fp16), which is halved until no element overflows (and doubled
+ * after SHARDS_SCALE_GROWTH_STEPS clean pushes). A gradient that is not
+ * finite as float32, or past fp16's range at scale 1, goes out as it is:
+ * the ps refuses it, as it refuses a float32 NaN. */
+static void encode_all(shards *sh, const float **dense)
+{
+    if (sh->wire == WIRE_F16 && ++sh->clean > SHARDS_SCALE_GROWTH_STEPS && sh->loss_scale < WIRE_LOSS_SCALE_MAX) {
+        sh->loss_scale *= 2;
+        sh->clean = 0;
+    }
+    for (;;) {
+        int over = 0;
+        for (int i = 0; i < sh->n && !over; i++)
+            if (sh->s[i].n_p > 0 &&
+                wire_encode(sh->wire, dense[i], sh->s[i].floats, (float)sh->loss_scale, sh->s[i].wbuf) >= 0)
+                over = sh->wire == WIRE_F16 && sh->loss_scale > 1 &&
+                       tensor_find_nonfinite(dense[i], sh->s[i].floats) < 0;
+        if (!over)
+            return;
+        sh->loss_scale /= 2; /* overflow: back off, cast again */
+        sh->clean = 0;
+        sh->backoffs++;
+    }
+}
+
+/* One push to every shard (ret: with each shard's variables back into
+ * params, shards_push_pull). */
+static int push_all(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, float *ret,
+                    int64_t min_clock, int64_t clock, long timeout_ms, int64_t *step, int *outcome)
+{
+    char worker[16], stp[sh->n][32], loss[40], batch[16], clk[32], scale[32];
     snprintf(clk, sizeof(clk), "%lld", (long long)m->clock);
     snprintf(worker, sizeof(worker), "%d", m->worker);
     snprintf(loss, sizeof(loss), "%.9g", m->loss);
@@ -255,8 +336,14 @@ int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const 
     ps_push_req r[sh->n];
     char *heads[sh->n];
     unsigned char *joined[sh->n]; /* a shard's dense gradients and extra tensors, one after the other */
+    const float *dense[sh->n];
     memset(heads, 0, sizeof(heads));
     memset(joined, 0, sizeof(joined));
+    gather(sh, grads, dense);
+    if (sh->wire != WIRE_F32)
+        encode_all(sh, dense);
+    snprintf(scale, sizeof(scale), "%.0f", sh->loss_scale);
+    const size_t esize = wire_dtype_size(sh->wire);
     int rc = PS_OK, n = 0;
     for (int i = 0; i < sh->n; i++) {
         shard *s = &sh->s[i];
@@ -265,31 +352,29 @@ int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const 
             continue; /* nothing of the model there (ps 0 always holds something) */
         st_desc d[s->n_p + ne];
         for (int k = 0; k < s->n_p; k++)
-            d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, "F32", &sh->pl.pieces[s->p[k]].shape};
+            d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, wire_dtype_st(sh->wire), &sh->pl.pieces[s->p[k]].shape};
         for (int k = 0; k < ne; k++)
             d[s->n_p + k] = extra[i].d[k];
         snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
-        const char *meta[] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch,
-                              "clock", clk};
+        const char *meta[14] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch};
+        int nm = 4;
+        if (m->clock >= 0) {
+            meta[2 * nm] = "clock";
+            meta[2 * nm++ + 1] = clk;
+        }
+        if (sh->wire == WIRE_F16) {
+            meta[2 * nm] = "loss_scale";
+            meta[2 * nm++ + 1] = scale;
+        }
         char err[256];
         size_t hl;
-        if (st_header_build(d, s->n_p + ne, meta, m->clock >= 0 ? 5 : 4, &heads[i], &hl, err,
-                            sizeof(err)) != 0) {
+        if (st_header_build(d, s->n_p + ne, meta, nm, &heads[i], &hl, err, sizeof(err)) != 0) {
             fprintf(stderr, "workerd: %s\n", err);
             rc = PS_EINVAL;
             goto out;
         }
-        const float *data = grads + s->first;
-        if (!s->contiguous) {
-            size_t at = 0;
-            for (int k = 0; k < s->n_p; k++) {
-                const place_piece *pc = &sh->pl.pieces[s->p[k]];
-                memcpy(s->stage + at, grads + pc->offset, pc->numel * 4);
-                at += pc->numel;
-            }
-            data = s->stage;
-        }
-        size_t data_len = s->floats * 4;
+        const void *data = sh->wire == WIRE_F32 ? (const void *)dense[i] : (const void *)s->wbuf;
+        size_t data_len = s->floats * esize;
         if (ne > 0) {
             size_t total = data_len;
             for (int k = 0; k < ne; k++)
@@ -306,21 +391,46 @@ int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const 
                 memcpy(joined[i] + data_len, extra[i].data[k], b);
                 data_len += b;
             }
-            data = (const float *)joined[i];
+            data = joined[i];
         }
         r[n++] = (ps_push_req){.shard = i, .head = heads[i], .head_len = hl, .data = data,
                                .data_len = data_len, .push_id = m->push_id};
+        if (ret)
+            r[n - 1] = (ps_push_req){.shard = i, .head = heads[i], .head_len = hl, .data = data,
+                                     .data_len = data_len, .push_id = m->push_id, .ret_buf = s->rx,
+                                     .ret_cap = s->rx_cap, .ret_min_step = -1,
+                                     .ret_dtype = sh->wire == WIRE_F32 ? NULL : wire_dtype_name(sh->wire),
+                                     .ret_worker = i == 0 ? m->worker : -1,
+                                     .ret_min_clock = i == 0 ? min_clock : 0, .ret_clock = i == 0 ? clock : 0,
+                                     .ret_timeout_ms = timeout_ms};
     }
     if ((rc = ps_push_grads_many(sh->c, r, n)) != PS_OK)
         goto out;
     for (int i = 0; i < sh->n; i++)
         sh->s[i].want = sh->s[i].step + 1;
-    *step = r[0].global_step;
     *outcome = r[0].outcome;
+    *step = r[0].global_step;
+    if (ret) {
+        for (int k = 0; k < n && rc == PS_OK; k++)
+            rc = take_answer(sh, ret, r[k].shard, r[k].ret_len, r[k].global_step, step);
+        count_back(sh);
+    }
 out:
     for (int i = 0; i < sh->n; i++) {
         free(heads[i]);
         free(joined[i]);
     }
     return rc;
+}
+
+int shards_push_extra(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, int64_t *step,
+                      int *outcome)
+{
+    return push_all(sh, grads, m, extra, NULL, 0, 0, 0, step, outcome);
+}
+
+int shards_push_pull(shards *sh, const float *grads, const push_meta *m, float *params, int64_t min_clock,
+                     int64_t clock, long timeout_ms, int64_t *step, int *outcome)
+{
+    return push_all(sh, grads, m, NULL, params, min_clock, clock, timeout_ms, step, outcome);
 }

@@ -10,6 +10,7 @@
 
 #include "libps/libps.h"
 #include "safetensors.h"
+#include "wire_dtype.h"
 #include "model/model.h"
 #include "shards/heartbeat.h"
 #include "shards/placement.h"
@@ -19,6 +20,7 @@ typedef struct shard {
     int *p;                     /* their indices in the placement */
     size_t floats;              /* their total size */
     unsigned char *rx;          /* a pull lands here (pre-touched) */
+    uint16_t *wbuf;             /* the 16-bit gradients of a push (shards_set_wire) */
     size_t rx_cap;
     float *stage;               /* gradients gathered when not contiguous in the buffer */
     int contiguous;             /* the shard's pieces are one run of the buffer */
@@ -43,6 +45,14 @@ typedef struct shards {
      * its back is set (n_back counts them) until a pull finds it caught up */
     int guard;
     int n_back;
+    /* the wire (shards_set_wire): float32, or 16-bit bodies both ways; fp16
+     * gradients are sent times loss_scale (dynamic: halved when the cast
+     * would overflow, doubled after SCALE_GROWTH_STEPS clean pushes), the ps
+     * divides it out */
+    wire_dtype wire;
+    double loss_scale;
+    int64_t clean;     /* pushes since the scale last moved */
+    int64_t backoffs;  /* times it was halved */
 } shards;
 
 int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
@@ -96,6 +106,21 @@ typedef struct push_meta {
 /* Push grads to every shard, each stamped with the step pulled from that
  * shard (m->step is ignored); *step and *outcome are ps 0's answer. */
 int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *step, int *outcome);
+
+/* Bodies in dtype d both ways from now on (WIRE_F32: as before). 0, or -1
+ * when out of memory. fp16's loss scale starts at 2^16. */
+#define SHARDS_SCALE_START 65536.0
+#define SHARDS_SCALE_GROWTH_STEPS 1000
+int shards_set_wire(shards *sh, wire_dtype d);
+
+/* shards_push, one round trip: each shard answers with its variables after
+ * the update (POST /v1/grads?return=params), copied into params as a pull
+ * copies them (*step: ps 0's step then). min_clock > 0: ps 0 answers once the
+ * slowest live worker completed min_clock iterations, and the worker starts
+ * iteration clock (> 0) then: stale-synchronous, one ps only (with several,
+ * the others' answers would predate ps 0's wait: use the pull). */
+int shards_push_pull(shards *sh, const float *grads, const push_meta *m, float *params, int64_t min_clock,
+                     int64_t clock, long timeout_ms, int64_t *step, int *outcome);
 
 /* Tensors a push carries beside a shard's dense gradients (a sparse
  * variable's "NAME:ids" and "NAME:values", psd's store.h): n of them, each

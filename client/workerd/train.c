@@ -48,6 +48,7 @@ typedef struct worker {
     int64_t step, local, last_step, k, pushes;
     int64_t next_k; /* the batch number bp.x[cur ^ 1] holds (staged), or -1 */
     int stopped, near_end, ran_out;
+    int returned; /* the last push answered with the parameters (one round trip): no pull */
     /* what ps 0 restored from its checkpoint (-1: nothing) and where; doubtful:
      * this task follows a restored configuration its flags differ from,
      * which the chief may refuse (then the ps tasks stop: leave within
@@ -87,7 +88,8 @@ static int connect_ps(worker *w)
     char err[512];
     w->pc = train_connect_ps(c, c->timeout_ms);
     if (!w->pc ||
-        shards_init(&w->sh, w->pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0) {
+        shards_init(&w->sh, w->pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
+        shards_set_wire(&w->sh, (wire_dtype)c->wire) != 0) {
         fprintf(stderr, "workerd: out of memory\n");
         return -1;
     }
@@ -358,11 +360,31 @@ static int ps_came_back(worker *w)
     return PULL_AGAIN;
 }
 
+/* After the parameters came (a pull, or a push's answer): a shard that came
+ * back, the step, the end. */
+static int pulled(worker *w)
+{
+    const train_config *c = w->c;
+    if (w->sh.n_back > 0)
+        return ps_came_back(w);
+    if (w->step < w->last_step - c->n_trainers && !w->near_end)
+        printf("%s: global step went back from %lld to %lld: a ps restarted from its checkpoint; going on from there\n",
+               c->name, (long long)w->last_step, (long long)w->step);
+    w->last_step = w->step;
+    if (w->step >= c->train_steps)
+        return END_LOOP;
+    return GO_ON;
+}
+
 /* Pull every shard (sync: long-poll for the step we need). */
 static int step_pull(worker *w)
 {
     const train_config *c = w->c;
     int behind = 0, prc;
+    if (w->returned) { /* the push's answer held them: one round trip a step */
+        w->returned = 0;
+        return pulled(w);
+    }
     if (w->sync)
         prc = shards_pull_sync(&w->sh, w->rb.params, c->trainer, 30000, c->train_steps, &w->step, &behind);
     else if (w->ssp >= 0 && w->k >= 0)
@@ -375,15 +397,7 @@ static int step_pull(worker *w)
                      shard that holds ours already answers "duplicate" */
     if (prc != PS_OK)
         return ps_failed(w, prc, "pull");
-    if (w->sh.n_back > 0)
-        return ps_came_back(w);
-    if (w->step < w->last_step - c->n_trainers && !w->near_end)
-        printf("%s: global step went back from %lld to %lld: a ps restarted from its checkpoint; going on from there\n",
-               c->name, (long long)w->last_step, (long long)w->step);
-    w->last_step = w->step;
-    if (w->step >= c->train_steps)
-        return END_LOOP;
-    return GO_ON;
+    return pulled(w);
 }
 
 /* Forward and backward on this task's next batch. */
@@ -427,7 +441,17 @@ static int step_push(worker *w)
     next_batch nb = {&w->rb, w->rb.cur ^ 1, sync ? w->step + 1 : w->k, &w->next_k};
     if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!sync || nb.k < c->train_steps))
         ps_set_while_waiting(w->pc, stage_next_batch, &nb);
-    int prc = shards_push(&w->sh, w->rb.grads, &pm, &w->after, &outcome);
+    /* async, and stale-synchronous on one ps: the push answers with the
+     * parameters after it (and, SSP, once the next iteration may start),
+     * which saves the pull */
+    int ret = c->one_round_trip && !sync && (w->ssp < 0 || w->sh.n == 1);
+    int prc = ret ? shards_push_pull(&w->sh, w->rb.grads, &pm, w->rb.params, w->ssp >= 0 ? w->k - w->ssp : 0,
+                                     w->ssp >= 0 ? w->k : 0, 30000, &w->after, &outcome)
+                  : shards_push(&w->sh, w->rb.grads, &pm, &w->after, &outcome);
+    if (ret && prc == PS_OK) {
+        w->returned = 1;
+        w->step = w->after;
+    }
     ps_set_while_waiting(w->pc, NULL, NULL); /* nb goes out of scope */
     if (prc == PS_EHTTP && ps_http_status(w->pc) == 409 && sync) {
         /* a shard is behind the step we computed from: it restarted
@@ -512,6 +536,7 @@ static int chief_end(worker *w)
     int64_t final_step;
     /* the report and the export read the moving averages when on */
     ps_set_moving_average(w->pc, c->moving_average_decay > 0);
+    shards_set_wire(&w->sh, WIRE_F32); /* the report and the export: the float32 values */
     if (shards_pull(&w->sh, w->rb.params, -1, 0, &final_step) != PS_OK) {
         fprintf(stderr, "workerd: final pull: %s\n", ps_error(w->pc));
         return 1;

@@ -48,6 +48,8 @@ typedef struct train_config {
     float moving_average_decay; /* the ps keeps moving averages (0: off); the evaluator and the export read them */
     double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
     int step_delay_ms;      /* test hook: sleep this long in each step */
+    int wire;               /* --wire_dtype: a wire_dtype (WIRE_F32, WIRE_BF16, WIRE_F16) */
+    int one_round_trip;     /* async/SSP: the push answers with the parameters (no pull) */
     /* --allreduce=ring (ring_train.c): workers as peers, no ps */
     int ring;
     double ring_timeout_secs;   /* wait this long for a neighbour */

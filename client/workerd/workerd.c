@@ -15,6 +15,7 @@
 #include "pipeline/pipeline.h"
 #include "ring/ring.h"
 #include "tls_priorities.h"
+#include "wire_dtype.h"
 #include "token.h"
 #include "workerd/langid_train.h"
 #include "workerd/train.h"
@@ -209,6 +210,13 @@ static int configure_ps_flags(train_config *c, const workerd_flags *f)
         return 2;
     }
     c->step_delay_ms = f->step_delay_ms;
+    wire_dtype wd;
+    if (wire_dtype_parse(f->wire_dtype_s, &wd) != 0 || strcmp(f->wire_dtype_s, wire_dtype_name(wd)) != 0) {
+        fprintf(stderr, "workerd: --wire_dtype must be fp32, bf16 or fp16, got '%s'\n", f->wire_dtype_s);
+        return 2;
+    }
+    c->wire = (int)wd;
+    c->one_round_trip = f->one_round_trip;
     c->backoff_ms = f->backoff_ms;
     c->backoff_max_ms = f->backoff_max_ms;
     c->threads = f->threads;

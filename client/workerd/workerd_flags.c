@@ -13,7 +13,7 @@
 
 int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
 {
-    *o = (workerd_flags){.data_dir = "/usr/share/datasets/fashion-mnist", .optimizer = "adam", .placement_s = "bytes",
+    *o = (workerd_flags){.data_dir = "/usr/share/datasets/fashion-mnist", .optimizer = "adam", .placement_s = "bytes", .wire_dtype_s = "fp32", .one_round_trip = 1,
                          .partition_bytes = 4ULL << 20, .task_index = -1, .timeout_ms = 30000, .batch = 100,
                          .issync = -1, .log_every = 100, .threads = 1, .train_steps = 10000, .seed = 1,
                          .lr = 0.01f, .momentum = 0.9f, .recovery_wait = 1, .eval_secs = 10, .retry_secs = 120,
@@ -74,6 +74,8 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
         {"auth_token_file", FLAG_STRING, &o->token_file, "file holding the bearer token psd was started with; with --allreduce=ring it guards the ring too: every task requires it on the gradient pieces it receives and on GET /v1/ring/state, and sends it (/v1/status, /healthz and the page stay open; every task needs the same file)", 0},
         {"timeout_ms", FLAG_INT, &o->timeout_ms, "per-request timeout in milliseconds (default 30000)", 0},
         {"placement", FLAG_STRING, &o->placement_s, "how variables go over the ps tasks: bytes (balance the bytes; default) or round_robin (TensorFlow's replica_device_setter); every task must use the same", 0},
+        {"wire_dtype", FLAG_STRING, &o->wire_dtype_s, "the float type of the worker's pushes and pulls on the wire: fp32 (default), bf16 (round-to-nearest-even; half the bytes) or fp16 (the gradients times a dynamic loss scale, halved when the cast would overflow, which the ps divides out); the ps keeps float32 variables and optimizer slots either way, and the chief's final pull and export read float32", 0},
+        {"one_round_trip", FLAG_BOOL, &o->one_round_trip, "async and stale-synchronous (one ps): a push answers with the parameters after it (POST /v1/grads?return=params), so a step is one request to each ps instead of a push and a pull (default true; false: push, then pull)", 0},
         {"partition_bytes", FLAG_U64, &o->partition_bytes, "a variable larger than this is split by rows over the ps tasks (default 4194304)", 0},
         {"moving_average_decay", FLAG_FLOAT, &o->moving_average_decay, "(chief) the ps keeps an exponential moving average of each variable, shadow = D * shadow + (1 - D) * variable after each update, as tf.train.ExponentialMovingAverage(D) (constant decay, no num_updates); the evaluator and --export use the averages (default 0: off; else 0 < D < 1)", 0},
         {"max_staleness", FLAG_INT, &o->max_staleness, "async (chief): the ps drops gradients computed more than this many steps ago, as DropStaleGradientOptimizer (default -1: never)", 0},

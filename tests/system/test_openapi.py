@@ -462,7 +462,7 @@ def exercise_open(rec, p):
     rec(p, "POST", "/v1/grads", body=safetensors({}), expect=400)
     rec(p, "POST", "/v1/grads", body=safetensors({"nope": ("F32", [1], f32(1))}), expect=400)
     rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F32", [3, 2], g)}), expect=400)
-    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F16", [2, 3], b"\0" * 12)}), expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F8_E4M3", [2, 3], b"\0" * 6)}), expect=400)
     rec(p, "POST", "/v1/grads",
         body=safetensors({"w": ("F32", [2, 3], f32(1, 1, 1, math.inf, 1, 1))}), expect=400)
     rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F32", [2, 3], g)}, {"worker": "-1"}),
@@ -1114,6 +1114,29 @@ def exercise_checkpoint_failure(rec, p):
         b"restps_checkpoint_age_seconds" not in b, b
 
 
+def exercise_wire(rec, p):
+    """16-bit bodies and the push that returns the parameters (issue 33)."""
+    rec(p, "PUT", "/v1/vars/w", body=f32(1, 2, 3, 4, 5, 6), headers={"X-Shape": "2,3"}, expect=201)
+    _, _, b = rec(p, "GET", "/v1/params", query={"dtype": "bf16"}, expect=200)
+    assert read_safetensors(b)[1]["w"][0] == "BF16"
+    rec(p, "GET", "/v1/params", query={"dtype": "fp16"}, expect=200)
+    rec(p, "GET", "/v1/params", query={"dtype": "int8"}, expect=400)
+    one16 = struct.pack("<6H", *([0x3C00] * 6))
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F16", [2, 3], one16)}, {"loss_scale": "2"}), expect=200)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("BF16", [2, 3], struct.pack("<6H", *([0x7F80] * 6)))}),
+        expect=400)
+    rec(p, "POST", "/v1/grads", body=safetensors({"w": ("F16", [2, 3], one16)}, {"loss_scale": "3"}), expect=400)
+    _, h, b = rec(p, "POST", "/v1/grads", query={"return": "params"},
+                  body=safetensors({"w": ("F32", [2, 3], f32(0, 0, 0, 0, 0, 0))}), expect=200)
+    assert h["x-push-outcome"] == "applied" and read_safetensors(b)[0]["outcome"] == "applied"
+    rec(p, "POST", "/v1/grads", query={"return": "params", "dtype": "bf16", "min_step": "0", "timeout_ms": "0"},
+        body=safetensors({"w": ("F32", [2, 3], f32(0, 0, 0, 0, 0, 0))}), expect=200)
+    rec(p, "POST", "/v1/grads", query={"return": "vars"},
+        body=safetensors({"w": ("F32", [2, 3], f32(0, 0, 0, 0, 0, 0))}), expect=400)
+    rec(p, "PUT", "/v1/vars/big", body=f32(1e5), headers={"X-Shape": "1"}, expect=201)
+    rec(p, "GET", "/v1/params", query={"dtype": "fp16"}, expect=409)
+
+
 def exercise_sparse(rec, p):
     """Row-sparse variables (issue 34), on a psd with --max_body_bytes=4096."""
     decl = json.dumps({"rows": 0, "dim": 2, "init": "uniform", "seed": 3}).encode()
@@ -1656,6 +1679,7 @@ def test_live_responses_match_spec(start_psd, tmp_path):
     exercise_leases(rec, start_psd("--logdir=", "--worker_lease_secs=1"))
     exercise_staleness(rec, start_psd("--logdir="))
     exercise_sparse(rec, start_psd("--logdir=", "--max_body_bytes=4096"))
+    exercise_wire(rec, start_psd("--logdir="))
     exercise_token(rec, start_psd(f"--auth_token_file={token_file}"))
     exercise_auth_reads(rec, start_psd(f"--auth_token_file={token_file}", "--auth_reads"))
 

@@ -1,0 +1,220 @@
+/* wire_dtype.c - float32 <-> bfloat16 / float16 casts and the widening of a
+ * body's 16-bit tensors (wire_dtype.h). The float16 casts are the branch-free
+ * ones of Maratyszcza's FP16 library (they rely on the FPU's
+ * round-to-nearest-even, C's default), so the loops vectorize. */
+#include "wire_dtype.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline uint32_t bits_of(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int wire_dtype_parse(const char *s, wire_dtype *out)
+{
+    static const struct {
+        const char *name;
+        wire_dtype d;
+    } names[] = {{"fp32", WIRE_F32},     {"float32", WIRE_F32}, {"F32", WIRE_F32},
+                 {"bf16", WIRE_BF16},    {"bfloat16", WIRE_BF16}, {"BF16", WIRE_BF16},
+                 {"fp16", WIRE_F16},     {"float16", WIRE_F16}, {"F16", WIRE_F16}};
+    for (size_t i = 0; s && i < sizeof(names) / sizeof(names[0]); i++)
+        if (strcmp(s, names[i].name) == 0) {
+            *out = names[i].d;
+            return 0;
+        }
+    return -1;
+}
+
+const char *wire_dtype_name(wire_dtype d)
+{
+    return d == WIRE_BF16 ? "bf16" : d == WIRE_F16 ? "fp16" : "fp32";
+}
+
+const char *wire_dtype_st(wire_dtype d)
+{
+    return d == WIRE_BF16 ? "BF16" : d == WIRE_F16 ? "F16" : "F32";
+}
+
+int wire_dtype_of_st(const char *st_dtype)
+{
+    if (strcmp(st_dtype, "F32") == 0)
+        return WIRE_F32;
+    if (strcmp(st_dtype, "BF16") == 0)
+        return WIRE_BF16;
+    if (strcmp(st_dtype, "F16") == 0)
+        return WIRE_F16;
+    return -1;
+}
+
+size_t wire_dtype_size(wire_dtype d)
+{
+    return d == WIRE_F32 ? 4 : 2;
+}
+
+uint16_t wire_f32_to_bf16(float f)
+{
+    uint32_t x = bits_of(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u); /* NaN: quiet, never rounded into Inf */
+    x += 0x7fffu + ((x >> 16) & 1u);         /* to nearest, ties to even */
+    return (uint16_t)(x >> 16);
+}
+
+float wire_bf16_to_f32(uint16_t h)
+{
+    return float_of((uint32_t)h << 16);
+}
+
+uint16_t wire_f32_to_f16(float f)
+{
+    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * to_inf) * to_zero;
+    const uint32_t w = bits_of(f), shl1 = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1 & 0xff000000u;
+    if (bias < 0x71000000u)
+        bias = 0x71000000u;
+    base = float_of((bias >> 1) + 0x07800000u) + base;
+    const uint32_t b = bits_of(base);
+    const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+float wire_f16_to_f32(uint16_t h)
+{
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = float_of((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+    const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+    return float_of(sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized)));
+}
+
+/* 1 when a 16-bit value is Inf or NaN (all exponent bits set). */
+static int bad16(wire_dtype d, uint16_t h)
+{
+    return d == WIRE_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
+}
+
+int64_t wire_encode(wire_dtype d, const float *src, size_t n, float scale, void *dst)
+{
+    if (d == WIRE_F32) {
+        float *o = dst;
+        for (size_t i = 0; i < n; i++)
+            o[i] = src[i] * scale;
+        return tensor_find_nonfinite(o, n);
+    }
+    uint16_t *o = dst;
+    const size_t CH = 4096; /* cast a chunk, then look at it while it is in cache */
+    for (size_t at = 0; at < n; at += CH) {
+        size_t m = n - at < CH ? n - at : CH;
+        unsigned any = 0;
+        if (d == WIRE_BF16)
+            for (size_t i = 0; i < m; i++) {
+                o[at + i] = wire_f32_to_bf16(src[at + i] * scale);
+                any |= (o[at + i] & 0x7f80u) == 0x7f80u;
+            }
+        else
+            for (size_t i = 0; i < m; i++) {
+                o[at + i] = wire_f32_to_f16(src[at + i] * scale);
+                any |= (o[at + i] & 0x7c00u) == 0x7c00u;
+            }
+        if (any)
+            for (size_t i = 0; i < m; i++)
+                if (bad16(d, o[at + i]))
+                    return (int64_t)(at + i);
+    }
+    return -1;
+}
+
+int64_t wire_decode(wire_dtype d, const void *src, size_t n, float scale, float *dst)
+{
+    if (d == WIRE_F32) {
+        const float *s = src;
+        for (size_t i = 0; i < n; i++)
+            dst[i] = s[i] * scale;
+        return tensor_find_nonfinite(dst, n);
+    }
+    const uint16_t *s = src;
+    if (d == WIRE_BF16)
+        for (size_t i = 0; i < n; i++)
+            dst[i] = wire_bf16_to_f32(s[i]) * scale;
+    else
+        for (size_t i = 0; i < n; i++)
+            dst[i] = wire_f16_to_f32(s[i]) * scale;
+    /* checked as the float32 each becomes */
+    return tensor_find_nonfinite(dst, n);
+}
+
+size_t wire_widened_len(const st_file *f)
+{
+    size_t len = 0;
+    int any = 0;
+    for (int k = 0; k < f->n_tensors; k++) {
+        const st_tensor *t = &f->tensors[k];
+        int d = wire_dtype_of_st(t->dtype);
+        size_t b = (size_t)(t->end - t->begin);
+        if (d == WIRE_BF16 || d == WIRE_F16) {
+            any = 1;
+            b *= 2;
+        }
+        len += (b + 7) & ~(size_t)7;
+    }
+    return any ? len : 0;
+}
+
+int wire_widen(st_file *f, const unsigned char *data, float scale, unsigned char *dst, char *err,
+               size_t errlen)
+{
+    uint64_t *at = malloc(sizeof(uint64_t) * (size_t)(f->n_tensors ? f->n_tensors : 1));
+    if (!at) {
+        snprintf(err, errlen, "out of memory widening the body");
+        return -1;
+    }
+    uint64_t pos = 0;
+    for (int k = 0; k < f->n_tensors; k++) {
+        const st_tensor *t = &f->tensors[k];
+        int d = wire_dtype_of_st(t->dtype);
+        size_t b = (size_t)(t->end - t->begin);
+        at[k] = pos;
+        if (d == WIRE_BF16 || d == WIRE_F16) {
+            int64_t bad = wire_decode((wire_dtype)d, data + t->begin, b / 2, scale, (float *)(dst + pos));
+            if (bad >= 0) {
+                float v = ((float *)(dst + pos))[bad];
+                snprintf(err, errlen, "gradient '%s' has %s at element %lld (as float32)", t->name,
+                         isnan(v) ? "NaN" : "Inf", (long long)bad);
+                free(at);
+                return -1;
+            }
+            b *= 2;
+        } else {
+            memcpy(dst + pos, data + t->begin, b);
+        }
+        pos += (b + 7) & ~(size_t)7;
+    }
+    for (int k = 0; k < f->n_tensors; k++) {
+        st_tensor *t = &f->tensors[k];
+        int d = wire_dtype_of_st(t->dtype);
+        uint64_t b = t->end - t->begin;
+        if (d == WIRE_BF16 || d == WIRE_F16) {
+            b *= 2;
+            snprintf(t->dtype, sizeof(t->dtype), "F32");
+        }
+        t->begin = at[k];
+        t->end = at[k] + b;
+    }
+    f->data_len = pos;
+    free(at);
+    return 0;
+}
