@@ -42,6 +42,7 @@ BIN=$(BIN) sh bench/cnn_accuracy.sh
 /usr/bin/python3 bench/scale.py
 /usr/bin/python3 bench/ring.py
 RESTPS_BIN_DIR=$(BIN) /usr/bin/python3 bench/hosts.py
+RESTPS_BIN_DIR=$(BIN) /usr/bin/python3 bench/wire.py
 /usr/bin/python3 bench/gloo_allreduce.py --bin=$(BIN)
 /usr/bin/python3 bench/torch_rpc_ps.py --bin=$(BIN)
 /usr/bin/python3 bench/pipeline.py
