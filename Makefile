@@ -38,11 +38,11 @@ COMMON_SRC += common/wire_dtype.c
 SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_state.c \
              server/sparse_set.c \
              server/waiters.c server/ticker.c server/changes.c \
-             server/metrics.c server/workers.c server/shard_view.c server/membership.c \
+             server/metrics.c server/workers.c server/shard_view.c server/membership.c server/timeline.c \
              server/checkpoint.c server/saver.c server/summaries.c \
              server/routes.c server/request.c server/reply_blobs.c \
              server/route_params.c server/route_grads.c server/route_vars.c server/route_config.c \
-             server/route_run.c server/route_placement.c server/route_sync.c server/route_status.c \
+             server/route_run.c server/route_placement.c server/route_sync.c server/route_timeline.c server/route_status.c \
              server/route_history.c server/route_metrics.c server/route_events.c \
              server/route_checkpoint.c server/route_web.c server/route_rows.c
 # client/, a folder a concept (each with one public header; includes name the
@@ -54,7 +54,8 @@ MODEL_SRC    = client/model/model.c client/model/model_spec.c client/model/model
 # (the device choice links the CUDA backend, or its stub: MODEL_CUDA_OBJ below)
 DEVICE_SRC   = client/model/model_device.c
 DATA_SRC     = client/data/idx.c client/data/batcher.c client/data/langid.c
-SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/heartbeat.c
+SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/heartbeat.c \
+               client/shards/step_timeline.c
 RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c
 PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
                client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c

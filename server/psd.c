@@ -23,6 +23,7 @@
 #include "history.h"
 #include "shard_view.h"
 #include "metrics.h"
+#include "timeline.h"
 #include "workers.h"
 #include "log.h"
 #include "routes.h"
@@ -354,9 +355,10 @@ static int build_parts(server *srv, const psd_flags *o)
     srv->waiters = srv->ticker ? waiters_new(srv->ticker) : NULL;
     srv->metrics = metrics_new();
     srv->workers = workers_new();
+    srv->timeline = timeline_new();
     srv->history = history_new();
     srv->shards = shard_view_new();
-    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->history || !srv->shards) {
+    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->timeline || !srv->history || !srv->shards) {
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
@@ -509,6 +511,7 @@ static int stop(server *srv, http_server *hs)
     history_free(srv->history);
     shard_view_free(srv->shards);
     workers_free(srv->workers);
+    timeline_free(srv->timeline);
     metrics_free(srv->metrics);
     store_destroy(&srv->store);
     bufpool_free(srv->pool);

@@ -50,6 +50,7 @@ static const http_route routes[] = {
     {"PUT", "/v1/placement", WRITE | BODY, 0, NULL, h_placement_put, "the chief's placement map"},
     {"GET", "/v1/sync", 0, 0, NULL, h_sync, "the sync step in progress: gradients in, workers waited for"},
     {"POST", "/v1/heartbeat", WRITE | BODY, 0, NULL, h_heartbeat, "a worker renews its lease"},
+    {"GET", "/v1/timeline", 0, 0, NULL, h_timeline, "the workers' last steps: pull, wait, compute, push"},
     {"POST", "/v1/shutdown", WRITE, 0, NULL, h_shutdown_post, "stop this ps task"},
 };
 #define N_ROUTES (sizeof(routes) / sizeof(routes[0]))

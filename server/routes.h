@@ -68,6 +68,7 @@ enum MHD_Result h_placement_put(request *r);
 /* route_sync.c */
 enum MHD_Result h_sync(request *r);
 enum MHD_Result h_heartbeat(request *r);
+enum MHD_Result h_timeline(request *r);
 /* route_checkpoint.c */
 enum MHD_Result h_checkpoint_get(request *r);
 enum MHD_Result h_checkpoint_post(request *r);

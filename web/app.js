@@ -589,6 +589,103 @@
     });
   }
 
+  /* ------------------------------------------------------------ the step timeline */
+
+  /* GET /v1/timeline every second: each worker's last steps as bars by kind
+   * (pull, wait, compute, push), one row a worker, the window the last
+   * TL_STEPS steps of the slowest worker (10 s at most). Bars are SVG rects
+   * with their kind, worker and step in data- attributes and a title. */
+  var TL_MS = 1000, TL_STEPS = 8, TL_ROW = 18, TL_LABEL = 72;
+  var SVGNS = "http://www.w3.org/2000/svg";
+  var tl = { busy: false, timer: null };
+
+  /* [from, to]: to, the latest span's end (spans come a heartbeat late);
+   * from, where the last TL_STEPS steps of the slowest worker begin */
+  function tlWindow(t) {
+    var to = -Infinity;
+    t.workers.forEach(function (w) {
+      w.spans.forEach(function (sp) { if (isNum(sp.end) && sp.end > to) to = sp.end; });
+    });
+    if (!isFinite(to)) to = t.now;
+    var from = to;
+    t.workers.forEach(function (w) {
+      var starts = {}, steps = [];
+      w.spans.forEach(function (sp) {
+        if (!(sp.step in starts)) { starts[sp.step] = sp.start; steps.push(sp.step); }
+        else if (sp.start < starts[sp.step]) starts[sp.step] = sp.start;
+      });
+      steps.sort(function (a, b) { return a - b; });
+      var k = steps[Math.max(0, steps.length - TL_STEPS)];
+      if (k !== undefined && starts[k] < from) from = starts[k];
+    });
+    return [Math.max(from, to - 10), to];
+  }
+
+  function svgEl(name, attrs) {
+    var e = document.createElementNS(SVGNS, name);
+    for (var k in attrs) e.setAttribute(k, attrs[k]);
+    return e;
+  }
+
+  function renderTimeline(t) {
+    var panel = $("timeline-panel"), svg = $("timeline");
+    if (!t || !Array.isArray(t.workers) || !t.workers.length || !isNum(t.now)) { panel.hidden = true; return; }
+    panel.hidden = false;
+    var win = tlWindow(t), from = win[0], to = win[1], span = Math.max(to - from, 1e-3);
+    var width = Math.max(svg.clientWidth || 600, 200), plot = width - TL_LABEL - 8;
+    var height = t.workers.length * TL_ROW + 16;
+    svg.setAttribute("viewBox", "0 0 " + width + " " + height);
+    svg.setAttribute("height", height);
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    var bars = 0;
+    t.workers.forEach(function (w, row) {
+      var y = row * TL_ROW;
+      var label = svgEl("text", { x: 0, y: y + 13 });
+      label.textContent = "worker " + w.worker;
+      svg.appendChild(label);
+      w.spans.forEach(function (sp) {
+        if (!isNum(sp.start) || !isNum(sp.end) || sp.end < from || sp.start > to) return;
+        var x0 = TL_LABEL + plot * (Math.max(sp.start, from) - from) / span;
+        var x1 = TL_LABEL + plot * (Math.min(sp.end, to) - from) / span;
+        var r = svgEl("rect", { x: x0.toFixed(1), y: y + 2, width: Math.max(x1 - x0, 0.5).toFixed(1),
+                                height: TL_ROW - 4, "class": "tl-" + sp.kind, "data-kind": sp.kind,
+                                "data-worker": w.worker, "data-step": sp.step });
+        var tip = svgEl("title", {});
+        tip.textContent = "worker " + w.worker + " \u00b7 step " + sp.step + " \u00b7 " + sp.kind + " " +
+          fmtNum((sp.end - sp.start) * 1e3) + " ms" + (sp["for"] ? " for " + sp["for"] : "");
+        r.appendChild(tip);
+        svg.appendChild(r);
+        bars++;
+      });
+    });
+    var axis = svgEl("line", { x1: TL_LABEL, x2: TL_LABEL + plot, y1: height - 14, y2: height - 14, "class": "tl-axis" });
+    svg.appendChild(axis);
+    var ago = Math.max(0, t.now - to);
+    var left = svgEl("text", { x: TL_LABEL, y: height - 2 });
+    left.textContent = "-" + fmtNum(span + ago) + " s";
+    svg.appendChild(left);
+    var right = svgEl("text", { x: TL_LABEL + plot, y: height - 2, "text-anchor": "end" });
+    right.textContent = ago < 1.5 ? "now" : "-" + fmtNum(ago) + " s";
+    svg.appendChild(right);
+    svg.setAttribute("data-bars", bars);
+    setText("timeline-info", fmtNum(span) + " s, the last " + TL_STEPS + " steps of " + t.workers.length +
+            (t.workers.length === 1 ? " worker" : " workers"));
+  }
+
+  function fetchTimeline() {
+    tl.timer = setTimeout(fetchTimeline, TL_MS);
+    /* psd's route (a ring's or a pipeline's chief serves the page without it) */
+    var st = lastStatus;
+    if (tl.busy || document.hidden || !st || !st.task || st.task.type !== "ps") return;
+    tl.busy = true;
+    fetch("v1/timeline?secs=10", { cache: "no-store" }).then(function (r) {
+      return r.ok ? r.json() : null;
+    }).then(function (t) {
+      tl.busy = false;
+      renderTimeline(t);
+    }).catch(function () { tl.busy = false; });
+  }
+
   /* ------------------------------------------------------------ the chart */
 
   var canvas = $("chart");
@@ -904,6 +1001,7 @@
      * the server sent it */
     feed: function (j) { applyHistory(j); return P.step.length; },
     render: function (s) { renderStatus(s); },
+    timeline: function (t) { renderTimeline(t); return $("timeline").getAttribute("data-bars"); },
     fmt: { int: fmtInt, si: fmtSI, bytes: fmtBytes, loss: fmtLoss, pct: fmtPct, age: fmtAge,
            duration: fmtDuration }
   };
@@ -917,6 +1015,7 @@
     if (s && !lastStatus) renderStatus(s);
   }).catch(function () {});
   scheduleHistory();
+  fetchTimeline();
   startEvents();
   requestDraw();
 }());

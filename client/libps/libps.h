@@ -126,6 +126,11 @@ typedef struct ps_stall {
 } ps_stall;
 void ps_set_stall_report(ps_client *c, void (*fn)(void *arg, const ps_stall *s), void *arg);
 
+/* Seconds the last call's requests waited between sending the request and
+ * the answer's first byte (the longest over its shards and tries): a long
+ * poll's wait for its step, a push's upload and the ps's work on it. */
+double ps_last_wait_secs(const ps_client *c);
+
 /* Change the retry time budget (ps_options.retry_ms) from now on. */
 void ps_set_retry_ms(ps_client *c, long retry_ms);
 /* on: a pull that does not wait (min_step < 0) reads the moving averages

@@ -260,6 +260,8 @@ static int on_progress(void *ud, curl_off_t dt, curl_off_t dn, curl_off_t ut, cu
 }
 
 void ps_set_abort(ps_client *c, int (*fn)(void)) { c->abort_fn = fn; }
+double ps_last_wait_secs(const ps_client *c) { return c->last_wait; }
+
 void ps_set_stall_report(ps_client *c, void (*fn)(void *arg, const ps_stall *s), void *arg)
 {
     c->stall_fn = fn;
@@ -385,6 +387,11 @@ static void xfer_judge(ps_client *c, xfer *x, CURLcode cr)
     curl_easy_getinfo(c->h[x->shard], CURLINFO_RESPONSE_CODE, &code);
     x->status = code;
     x->retry = 0;
+    curl_off_t pre = 0, first = 0; /* request sent, first byte of the answer (us) */
+    curl_easy_getinfo(c->h[x->shard], CURLINFO_PRETRANSFER_TIME_T, &pre);
+    curl_easy_getinfo(c->h[x->shard], CURLINFO_STARTTRANSFER_TIME_T, &first);
+    if (first > pre && (double)(first - pre) / 1e6 > c->last_wait)
+        c->last_wait = (double)(first - pre) / 1e6;
     if (cr == CURLE_OK && code < 300) {
         x->rc = PS_OK;
         x->done = 1;
@@ -535,6 +542,7 @@ int xfer_run(ps_client *c, xfer *xs, int n)
             xs[i].done = 1;
     long wait = c->opt.backoff_ms;
     uint64_t t0 = clk_mono_ns();
+    c->last_wait = 0;
     for (int attempt = 0;; attempt++) {
         xfer_try(c, xs, n);
         int again = 0;

@@ -35,6 +35,7 @@ struct ps_client {
     void *while_arg;
     void (*stall_fn)(void *, const ps_stall *); /* ps_set_stall_report */
     void *stall_arg;
+    double last_wait;  /* ps_last_wait_secs */
 };
 
 /* Where an answer goes. */

@@ -16,25 +16,41 @@ struct heartbeat {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int stop;
+    step_timeline *tl; /* guarded by mu */
 };
 
 static void *beat(void *arg)
 {
     heartbeat *h = arg;
-    json_t *body = json_pack("{s:i}", "worker", h->worker);
     pthread_mutex_lock(&h->mu);
     while (!h->stop) {
+        step_timeline *tl = h->tl;
         pthread_mutex_unlock(&h->mu);
-        for (int i = 0; i < ps_shards(h->pc); i++)
+        json_t *body = json_pack("{s:i}", "worker", h->worker);
+        json_t *spans = tl ? step_timeline_take(tl, clk_mono_secs()) : NULL;
+        if (body && spans)
+            json_object_set_new(body, "timeline", spans);
+        else
+            json_decref(spans);
+        for (int i = 0; body && i < ps_shards(h->pc); i++)
             ps_json(h->pc, i, "POST", "/v1/heartbeat", body, 1, NULL);
+        json_decref(body);
         pthread_mutex_lock(&h->mu);
         struct timespec at = clk_mono_after_ms(h->interval_ms);
         while (!h->stop && pthread_cond_timedwait(&h->cv, &h->mu, &at) != ETIMEDOUT) {
         }
     }
     pthread_mutex_unlock(&h->mu);
-    json_decref(body);
     return NULL;
+}
+
+void heartbeat_set_timeline(heartbeat *h, step_timeline *t)
+{
+    if (!h)
+        return;
+    pthread_mutex_lock(&h->mu);
+    h->tl = t;
+    pthread_mutex_unlock(&h->mu);
 }
 
 heartbeat *heartbeat_start(ps_client *pc, int worker, long interval_ms)

@@ -6,11 +6,15 @@
 #define RESTPS_HEARTBEAT_H
 
 #include "libps/libps.h"
+#include "shards/step_timeline.h"
 
 typedef struct heartbeat heartbeat;
 
 /* Takes ownership of pc (freed by heartbeat_stop). NULL when it cannot start. */
 heartbeat *heartbeat_start(ps_client *pc, int worker, long interval_ms);
 void heartbeat_stop(heartbeat *h);
+/* From now on every beat also carries the spans t gathered since the last
+ * one (the ps's live timeline); t must outlive h. NULL: none. */
+void heartbeat_set_timeline(heartbeat *h, step_timeline *t);
 
 #endif

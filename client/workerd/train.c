@@ -40,6 +40,7 @@ typedef struct worker {
     shards sh;
     json_t *cfg; /* the chief's configuration, as a worker reads it */
     heartbeat *hb;
+    step_timeline *tl; /* the steps' spans, to the ps with the heartbeat */
     int sync;
     const char *opt_name;
     int64_t ssp;       /* stale-synchronous: the staleness bound, or -1 */
@@ -194,10 +195,13 @@ static void prepare(worker *w)
     if (w->ssp >= 0)
         printf("%s: stale-synchronous: at most %lld iterations ahead of the slowest live worker\n",
                c->name, (long long)w->ssp);
-    if (w->sync || w->ssp >= 0) {
-        /* the lease on every ps: a long step is not a dead worker */
+    {
+        /* the lease on every ps (sync, SSP: a long step is not a dead
+         * worker), and the steps' spans for the live timeline (every mode) */
         ps_client *hpc = train_connect_ps(c, 5000);
         w->hb = hpc ? heartbeat_start(hpc, c->trainer, 1000) : NULL;
+        w->tl = w->hb ? step_timeline_new() : NULL;
+        heartbeat_set_timeline(w->hb, w->tl);
     }
     w->max_local = c->num_epochs > 0
                        ? (int64_t)(c->num_epochs * (double)(w->rb.b.count / ((int64_t)c->n_trainers * c->batch_size)))
@@ -385,6 +389,7 @@ static int step_pull(worker *w)
         w->returned = 0;
         return pulled(w);
     }
+    double t0 = clk_mono_secs();
     if (w->sync)
         prc = shards_pull_sync(&w->sh, w->rb.params, c->trainer, 30000, c->train_steps, &w->step, &behind);
     else if (w->ssp >= 0 && w->k >= 0)
@@ -397,6 +402,15 @@ static int step_pull(worker *w)
                      shard that holds ours already answers "duplicate" */
     if (prc != PS_OK)
         return ps_failed(w, prc, "pull");
+    /* the wait for the answer's first byte: sync, the step's other gradients;
+     * stale-synchronous, the slowest worker; then the parameters' transfer */
+    double t1 = clk_mono_secs(), waited = ps_last_wait_secs(w->pc);
+    if (waited > t1 - t0)
+        waited = t1 - t0;
+    if (waited >= 0.0005)
+        step_timeline_add(w->tl, TL_WAIT, w->step, t0, t0 + waited,
+                          w->sync ? "the step's gradients" : w->ssp >= 0 ? "the slowest worker" : "the ps");
+    step_timeline_add(w->tl, TL_PULL, w->step, t0 + waited, t1, NULL);
     return pulled(w);
 }
 
@@ -419,12 +433,14 @@ static int step_compute(worker *w)
         role_bufs_gather(rb, w->sync ? w->step : w->k, rb->cur);
     w->next_k = -1; /* the forward_backward below ends the staging either way */
     w->k++;
+    double t0 = clk_mono_secs();
     if (role_bufs_forward_backward(rb, w->step, &w->loss) != 0) {
         fprintf(stderr, "workerd: forward/backward failed\n");
         return LEAVE;
     }
     if (c->step_delay_ms > 0) /* test hook: a slow worker */
         train_sleep((double)c->step_delay_ms / 1000.0);
+    step_timeline_add(w->tl, TL_COMPUTE, w->step, t0, clk_mono_secs(), NULL);
     return GO_ON;
 }
 
@@ -441,6 +457,7 @@ static int step_push(worker *w)
     next_batch nb = {&w->rb, w->rb.cur ^ 1, sync ? w->step + 1 : w->k, &w->next_k};
     if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!sync || nb.k < c->train_steps))
         ps_set_while_waiting(w->pc, stage_next_batch, &nb);
+    double t0 = clk_mono_secs();
     /* async, and stale-synchronous on one ps: the push answers with the
      * parameters after it (and, SSP, once the next iteration may start),
      * which saves the pull */
@@ -453,6 +470,8 @@ static int step_push(worker *w)
         w->step = w->after;
     }
     ps_set_while_waiting(w->pc, NULL, NULL); /* nb goes out of scope */
+    if (prc == PS_OK)
+        step_timeline_add(w->tl, TL_PUSH, w->step, t0, clk_mono_secs(), NULL);
     if (prc == PS_EHTTP && ps_http_status(w->pc) == 409 && sync) {
         /* a shard is behind the step we computed from: it restarted
          * from a checkpoint; pull again and compute for its step */
@@ -609,6 +628,7 @@ static int nothing_to_train(worker *w, int64_t now)
 static int leave(worker *w)
 {
     heartbeat_stop(w->hb);
+    step_timeline_free(w->tl);
     json_decref(w->cfg);
     shards_free(&w->sh);
     ps_client_free(w->pc);

@@ -136,6 +136,7 @@ READ_TYPES = {
     "/metrics": "text/plain", "/v1/history": "application/json",
     "/v1/events": "text/event-stream", "/v1/checkpoint": "application/octet-stream",
     "/v1/sync": "application/json", "/v1/placement": "application/json",
+    "/v1/timeline": "application/json",
 }
 
 
@@ -154,6 +155,8 @@ def assert_read(path, headers, body, before):
         assert (sync["global_step"], sync["mode"]) == (before["status_step"], before["mode"]), body
     elif path == "/v1/placement":
         assert json.loads(body) == dict(before["placement"], this_ps=THIS_PS), body
+    elif path == "/v1/timeline":
+        assert set(json.loads(body)) == {"now", "secs", "workers"}, body
     elif path == "/v1/events":
         fields = [ln.partition(":")[::2] for ln in body.decode().split("\n") if ln]
         data = [v.strip() for k, v in fields if k == "data"]

@@ -756,6 +756,66 @@ def test_missing_fields_and_number_formats(start_psd, browser):
     print(f"\nformats: {fmt}; screenshot {b.screenshot('formats-phone')}")
 
 
+def test_the_step_timeline_draws_every_workers_last_steps(start_psd, browser):
+    """Two workers' heartbeats carry their step spans (POST /v1/heartbeat's
+    timeline, as workerd sends them); the page's timeline panel draws one row
+    a worker and one bar a span of the window, each bar the kind, worker and
+    step of a span /v1/timeline gives, in time order along its row."""
+    p = start_psd()
+    st, _, body = http("PUT", p.url + "/v1/config",
+                       json.dumps({"optimizer": "sgd", "learning_rate": 0.1, "sync": True, "workers": 2}).encode(),
+                       {"Content-Type": "application/json"})
+    assert st == 200, body
+    b = browser(1100, 800)
+    b.driver.get(p.url + "/")
+    wait_for(lambda: b.js("return !!window.restps"), 5, "app.js did not run")
+    assert b.js("return document.getElementById('timeline-panel').hidden") is True  # nothing yet
+
+    def beat(worker, step0, compute_ms):
+        spans, t = [], -12 * (compute_ms + 6.0)
+        for k in range(12):  # 12 steps of pull 2 ms, wait, compute, push 2 ms, ending now
+            step = step0 + k
+            spans.append(["pull", step, t, t + 2])
+            if worker == 0:
+                spans.append(["wait", step, t + 2, t + 4, "the step's gradients"])
+            spans.append(["compute", step, t + 4 - 2 * (worker == 1), t + 4 + compute_ms])
+            spans.append(["push", step, t + 4 + compute_ms, t + 6 + compute_ms])
+            t += compute_ms + 6
+        st, _, out = http("POST", p.url + "/v1/heartbeat", json.dumps({"worker": worker, "timeline": spans}).encode(),
+                          {"Content-Type": "application/json"})
+        assert st == 200, out
+    beat(0, 100, 5.0)
+    beat(1, 100, 9.0)
+    wait_for(lambda: b.js("return !document.getElementById('timeline-panel').hidden && "
+                          "document.querySelectorAll('#timeline rect').length > 0"), 5, "the timeline to show")
+    bars = b.js("""return Array.from(document.querySelectorAll('#timeline rect')).map(function (r) {
+        return [r.getAttribute('data-kind'), +r.getAttribute('data-worker'), +r.getAttribute('data-step'),
+                +r.getAttribute('x'), +r.getAttribute('y'), r.getAttribute('class'),
+                r.querySelector('title').textContent]; })""")
+    labels = b.js("return Array.from(document.querySelectorAll('#timeline text')).map(function (t) {"
+                  " return t.textContent; })")
+    t = json.loads(http("GET", p.url + "/v1/timeline?secs=10")[2])
+    spans = {(s["kind"], w["worker"], s["step"]) for w in t["workers"] for s in w["spans"]}
+    assert "worker 0" in labels and "worker 1" in labels, labels
+    assert bars and all((k, w, s) in spans for k, w, s, *_ in bars), bars[:5]
+    # the window holds the last 8 steps of every worker: each of their spans is a bar
+    last = {(k, w, s) for k, w, s in spans if s >= 104}
+    assert last <= {(k, w, s) for k, w, s, *_ in bars}, sorted(last - {(k, w, s) for k, w, s, *_ in bars})[:5]
+    assert {k for k, *_ in bars} == {"pull", "wait", "compute", "push"}
+    for k, w, s, x, y, cls, title in bars:
+        assert cls == "tl-" + k and title.startswith(f"worker {w} \u00b7 step {s} \u00b7 {k} ")
+        assert (y < 18) == (w == 0)  # worker 0's row first
+    for w in (0, 1):
+        row = sorted((s, ["pull", "wait", "compute", "push"].index(k), x) for k, ww, s, x, *_ in bars if ww == w)
+        xs = [x for *_, x in row]
+        assert xs == sorted(xs), (w, row[:8])  # later spans further right
+    waits = [title for k, w, *_, title in bars if k == "wait"]
+    assert waits and all(w.endswith("for the step's gradients") for w in waits), waits[:2]
+    check_no_overflow(b)
+    assert not b.js_errors()
+    print(f"\ntimeline: {len(bars)} bars of {len(spans)} spans; screenshot {b.screenshot('timeline')}")
+
+
 def test_a_pipeline_chief_shows_its_stages(browser):
     """Two real workerd pipeline stages (mlp:32,16 on Fashion-MNIST, training
     until stopped): the page the chief stage serves shows a "Pipeline stages"
