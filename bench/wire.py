@@ -150,6 +150,8 @@ def parity(label, args):
             acc.setdefault(dt, []).append(accuracy(outs))
             print(f"seed {seed} {dt}: test accuracy {acc[dt][-1]:.4f} ({time.monotonic() - t:.0f} s)", flush=True)
     mean = {dt: sum(v) / len(v) for dt, v in acc.items()}
+    print(f"{label}: fp32's seeds span {min(acc['fp32']):.4f}-{max(acc['fp32']):.4f} "
+          f"({(max(acc['fp32']) - min(acc['fp32'])) * 100:.2f} points: the noise the means are compared within)")
     for dt in ("bf16", "fp16"):
         d = (mean[dt] - mean["fp32"]) * 100
         print(f"{label}: {dt} mean {mean[dt]:.4f} vs fp32 {mean['fp32']:.4f}: {d:+.2f} points "
