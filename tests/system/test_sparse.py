@@ -289,6 +289,10 @@ def test_dynamic_table_evicts_least_recently_updated_with_ids_up_to_2_62(start_p
     assert s["held_rows"] == 64 and s["evicted_rows"] == 40 * 16 - 64
     assert s["bytes"] == 64 * D * 4  # sgd: no slots
     assert rss_kib(p.proc.pid) - rss0 < 16 * 1024  # bounded by rows, not by the id space
+    st, _, metrics = http("GET", p.url + "/metrics")
+    text = metrics.decode()
+    assert 'restps_sparse_rows{var="E"} 64\n' in text and f'restps_sparse_bytes{{var="E"}} {64 * D * 4}\n' in text
+    assert f'restps_sparse_evicted_rows_total{{var="E"}} {40 * 16 - 64}\n' in text
     # the last 4 pushes' rows are held (value 1), the first ones were evicted (back to 0)
     recent = np.concatenate(order[-4:])
     assert np.array_equal(rows(p, "E", recent, D), np.ones((64, D), F32))
