@@ -537,9 +537,11 @@ static void xfer_try(ps_client *c, xfer *xs, int n)
 int xfer_run(ps_client *c, xfer *xs, int n)
 {
     int rc = PS_OK;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
+        xs[i].retried = 0;
         if (xfer_prepare(c, &xs[i]) != PS_OK)
             xs[i].done = 1;
+    }
     long wait = c->opt.backoff_ms;
     uint64_t t0 = clk_mono_ns();
     c->last_wait = 0;
@@ -555,8 +557,10 @@ int xfer_run(ps_client *c, xfer *xs, int n)
             break;
         if (c->stall_fn)
             for (int i = 0; i < n; i++)
-                if (xs[i].rc != PS_OK && xs[i].retry)
+                if (xs[i].rc != PS_OK && xs[i].retry) {
                     stall_report(c, &xs[i], (double)spent / 1e3, 0, xs[i].err);
+                    xs[i].retried = 1;
+                }
         /* jitter: uniform in [wait/2, wait] */
         long w = wait / 2 + (long)(rand_r(&c->seed) % (unsigned)(wait - wait / 2 + 1));
         sleep_ms(w);
@@ -565,6 +569,10 @@ int xfer_run(ps_client *c, xfer *xs, int n)
             if (xs[i].rc != PS_OK && xs[i].retry)
                 xs[i].done = 0;
     }
+    if (c->stall_fn) /* the ps answers again after failed tries that were reported */
+        for (int i = 0; i < n; i++)
+            if (xs[i].retried && xs[i].rc == PS_OK)
+                stall_report(c, &xs[i], (double)(clk_mono_ns() - t0) / 1e9, 1, NULL);
     c->status = 0;
     for (int i = 0; i < n; i++) {
         curl_slist_free_all(xs[i].hdrs);

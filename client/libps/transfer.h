@@ -87,6 +87,7 @@ typedef struct xfer {
     uint64_t moved_ns, report_ns;
     long long last_dn, last_un;
     int stalled, long_poll;
+    int retried; /* a failed try of this call was reported (the stall report) */
 } xfer;
 
 /* The message ps_error() returns, printf-style. */

@@ -85,13 +85,20 @@ static void say_stall(void *arg, const ps_stall *s)
         printf("%s: %s answers again after %.0f s\n", c->name, s->label, s->secs);
     } else if (s->err) {
         double now = clk_mono_secs();
-        if (now - retry_said < 10)
+        if (now - retry_said < 5 && s->secs > 0)
             return;
         retry_said = now;
         size_t ll = strlen(s->label);
         const char *why = strncmp(s->err, s->label, ll) == 0 && s->err[ll] == ':' ? s->err + ll + 2 : s->err;
-        printf("%s: waiting for %s: %s; retrying (%.0f s so far, %.0f s at most: --ps_retry_secs)\n", c->name,
-               s->label, why, s->secs, c->retry_secs);
+        /* since when, on the wall clock, for the operator's logs */
+        time_t since = time(NULL) - (time_t)s->secs;
+        struct tm tm;
+        char hms[16] = "?";
+        if (localtime_r(&since, &tm))
+            strftime(hms, sizeof(hms), "%H:%M:%S", &tm);
+        double left = c->retry_secs - s->secs;
+        printf("%s: %s %s since %s (%s); retrying for %.0f s more (--ps_retry_secs)\n", c->name, s->label,
+               strstr(why, ": HTTP ") ? "not ready" : "unreachable", hms, why, left > 0 ? left : 0);
     } else if (s->long_poll) {
         printf("%s: waiting for %s: %.0f s without an answer to %s %.*s (a step that waits for other "
                "workers' gradients, or the ps or its link down)\n",

@@ -253,6 +253,11 @@ static int ps_failed(worker *w, int prc, const char *what)
                         "restored from %s (global step %lld): most likely the chief refused that job, see its "
                         "message; start the job again with a new --logdir for the ps tasks, or that one removed\n",
                 w->c->name, w->restored_dir, (long long)w->restored_step);
+    } else if (prc == PS_ENET) {
+        fprintf(stderr, "workerd: %s: %s: %s: gave up after retrying for %.0f s (--ps_retry_secs); the ps "
+                        "task is down or unreachable: start it again (it restores its newest checkpoint), then "
+                        "this worker\n",
+                w->c->name, what, ps_error(w->pc), w->c->retry_secs);
     } else {
         fprintf(stderr, "workerd: %s: %s\n", what, ps_error(w->pc));
     }
