@@ -41,7 +41,8 @@ float wire_f16_to_f32(uint16_t h);
 
 /* n floats of src, times scale, into dst in dtype d (dst: n * size bytes;
  * F32 copies, times scale). The index of the first element that is not
- * finite in dst (an overflow of the cast, or a NaN/Inf in src), or -1. */
+ * finite in dst (an overflow of the cast, or a NaN/Inf in src), or -1. It
+ * stops there: dst is written up to that element's chunk only. */
 int64_t wire_encode(wire_dtype d, const float *src, size_t n, float scale, void *dst);
 
 /* n elements of dtype d at src into float32 dst, times scale (1 / the loss

@@ -21,6 +21,7 @@ UNIT_TESTS += test_pipeline
 UNIT_TESTS += test_push_in_body
 UNIT_TESTS += test_onnx_export
 UNIT_TESTS += test_sparse_table
+UNIT_TESTS += test_wire_dtype
 IDX_OBJ = $(BUILD)/client/data/idx.o
 # The fixtures the tests share (tests/unit/store_fixture.h, fake_ps.h): a
 # store on a pool of its own (with the server's objects), a fake ps (with libps)
@@ -44,7 +45,8 @@ $(BUILD)/tests/unit/test_onnx_export.o: $(BUILD)/client/onnx/onnx.pb-c.h
 # A unit test links what it tests: the common/ modules alone; libps (against
 # the fake server, fake_ps.c); placement alone. Only the tests of server
 # modules (store, saver) link the server's objects.
-COMMON_UNIT_TESTS = test_tensor test_safetensors test_cluster test_flags test_tfevents test_ckptdir test_sparse_table
+COMMON_UNIT_TESTS = test_tensor test_safetensors test_cluster test_flags test_tfevents test_ckptdir test_sparse_table \
+                    test_wire_dtype
 $(COMMON_UNIT_TESTS:%=$(BIN)/%): $(BIN)/%: $(BUILD)/tests/unit/%.o $(COMMON_OBJ)
 	$(LINK) -ljansson -lm -lcmocka
 $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(FAKE_PS_OBJ) $(BUILD)/libps.a
