@@ -49,6 +49,7 @@ RESTPS_BIN_DIR=$(BIN) /usr/bin/python3 bench/wire.py
 sh bench/tls.sh
 sh scripts/pydeps.sh bench/requirements.txt build/bench-venv
 RESTPS_BIN_DIR=$(BIN) build/bench-venv/bin/python bench/tf_compare.py
+RESTPS_BIN_DIR=$(BIN) build/bench-venv/bin/python bench/langid_tf.py
 endef
 
 bench: deps all bench-bins
