@@ -1,7 +1,8 @@
 /* wire_dtype.c - float32 <-> bfloat16 / float16 casts and the widening of a
  * body's 16-bit tensors (wire_dtype.h). The float16 casts are the branch-free
  * ones of Maratyszcza's FP16 library (they rely on the FPU's
- * round-to-nearest-even, C's default), so the loops vectorize. */
+ * round-to-nearest-even, C's default); on x86-64, F16C (float16) and AVX2
+ * (bfloat16) do the arrays where the CPU has them, with the same bits. */
 #include "wire_dtype.h"
 
 #include <math.h>
@@ -120,6 +121,35 @@ __attribute__((target("avx,f16c"))) static void f16_encode_f16c(const float *src
         o[i] = wire_f32_to_f16(src[i] * scale);
 }
 
+static int have_avx2(void)
+{
+    return __builtin_cpu_supports("avx2");
+}
+
+/* wire_f32_to_bf16 on 16 floats at a time (the same bits). */
+__attribute__((target("avx2"))) static void bf16_encode_avx2(const float *src, size_t n, float scale, uint16_t *o)
+{
+    size_t i = 0;
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) {
+        __m256i r[2];
+        for (int k = 0; k < 2; k++) {
+            __m256i x = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8 * k), s));
+            __m256i hi = _mm256_srli_epi32(x, 16);
+            __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(bias, _mm256_and_si256(hi, one))), 16);
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, absm), inf);
+            r[k] = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, quiet), nan);
+        }
+        /* 32 -> 16 bits (each at most 0xffff): packus works per 128-bit lane, then the lanes in order */
+        _mm256_storeu_si256((__m256i *)(o + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
+    }
+    for (; i < n; i++)
+        o[i] = wire_f32_to_bf16(src[i] * scale);
+}
+
 __attribute__((target("avx,f16c"))) static void f16_decode_f16c(const uint16_t *src, size_t n, float scale, float *o)
 {
     size_t i = 0;
@@ -133,6 +163,14 @@ __attribute__((target("avx,f16c"))) static void f16_decode_f16c(const uint16_t *
 static int have_f16c(void)
 {
     return 0;
+}
+static int have_avx2(void)
+{
+    return 0;
+}
+static void bf16_encode_avx2(const float *src, size_t n, float scale, uint16_t *o)
+{
+    (void)src, (void)n, (void)scale, (void)o;
 }
 static void f16_encode_f16c(const float *src, size_t n, float scale, uint16_t *o)
 {
@@ -161,10 +199,12 @@ int64_t wire_encode(wire_dtype d, const float *src, size_t n, float scale, void 
     uint16_t *o = dst;
     const size_t CH = 4096; /* cast a chunk, then look at it while it is in cache */
     const uint16_t expo = d == WIRE_BF16 ? 0x7f80u : 0x7c00u;
-    const int fast = d == WIRE_F16 && have_f16c();
+    const int fast = d == WIRE_F16 ? have_f16c() : have_avx2();
     for (size_t at = 0; at < n; at += CH) {
         size_t m = n - at < CH ? n - at : CH;
-        if (d == WIRE_BF16)
+        if (d == WIRE_BF16 && fast)
+            bf16_encode_avx2(src + at, m, scale, o + at);
+        else if (d == WIRE_BF16)
             for (size_t i = 0; i < m; i++)
                 o[at + i] = wire_f32_to_bf16(src[at + i] * scale);
         else if (fast)
@@ -247,6 +287,14 @@ int wire_widen(st_file *f, const unsigned char *data, float scale, unsigned char
             b *= 2;
         } else {
             memcpy(dst + pos, data + t->begin, b);
+            int64_t bad = d == WIRE_F32 ? tensor_find_nonfinite((const float *)(dst + pos), b / 4) : -1;
+            if (bad >= 0) { /* the float32 ones beside them too: the whole body is checked */
+                float v = ((const float *)(dst + pos))[bad];
+                snprintf(err, errlen, "gradient '%s' has %s at element %lld", t->name, isnan(v) ? "NaN" : "Inf",
+                         (long long)bad);
+                free(at);
+                return -1;
+            }
         }
         pos += (b + 7) & ~(size_t)7;
     }

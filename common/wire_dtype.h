@@ -57,7 +57,8 @@ size_t wire_widened_len(const st_file *f);
 /* Write f's tensors into dst (wire_widened_len bytes) with the 16-bit ones
  * widened (times scale), and rewrite f's dtypes and offsets to describe dst.
  * 0; or -1 with err ("gradient 'NAME' has Inf at element N (as float32)")
- * when a widened value is not finite (f is then unchanged). */
+ * when a widened value, or one of an F32 tensor beside them, is not finite
+ * (f is then unchanged): every float of dst is checked. */
 int wire_widen(st_file *f, const unsigned char *data, float scale, unsigned char *dst, char *err,
                size_t errlen);
 

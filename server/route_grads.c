@@ -259,7 +259,7 @@ enum MHD_Result h_grads_post(request *r)
     /* async sgd: the store checks for NaN and Inf in the pass that applies
      * (the next versions are written over the gradients in the body) */
     meta.in_body = store_push_in_body(&req_srv(r)->store);
-    for (int k = 0; !meta.in_body && !wide && k < f.n_tensors; k++) {
+    for (int k = 0; !meta.in_body && !wide && k < f.n_tensors; k++) { /* (wide: wire_widen checked them all) */
         const st_tensor *t = &f.tensors[k];
         if (sparse_ids_tensor(t))
             continue; /* a sparse gradient's ids (I64) */

@@ -179,6 +179,12 @@ def test_16bit_pushes_with_nan_inf_or_a_bad_scale_change_nothing(start_psd, sync
         msg = assert_error(st, hd, out, 400, word, "'w'", f"element {element}")
         assert "float32" in msg
         assert_unchanged(p, before)
+    # an F32 tensor beside a 16-bit one is checked too (the widened body is checked whole)
+    w32 = np.ones(1000, F32)
+    w32[321] = np.nan
+    body = body16([("a", "BF16", ok_a, [8]), ("w", "F32", w32.tobytes(), [1000])], meta)
+    msg = assert_error(*http("POST", p.url + "/v1/grads", body), 400, "NaN", "'w'", "element 321")
+    assert_unchanged(p, before)
     for bad in ("3", "0.5", "0", "33554432", "-4", "x", "inf"):
         body = body16([("w", "F16", np.ones(1000, np.float16).tobytes(), [1000])], {**meta, "loss_scale": bad})
         st, hd, out = http("POST", p.url + "/v1/grads", body)

@@ -62,8 +62,9 @@ static void test_ties_go_to_even(void **state)
     assert_int_equal(wire_f32_to_f16(-0.0f), 0x8000);
 }
 
-/* wire_encode (F16C where the CPU has it) gives the portable cast's bits,
- * over float32 values of every exponent. */
+/* wire_encode and wire_decode (F16C and AVX2 where the CPU has them) give
+ * the portable casts' bits, over float32 values of every exponent and every
+ * float16 pattern. */
 static void test_the_fast_casts_are_the_portable_ones(void **state)
 {
     (void)state;
@@ -74,23 +75,33 @@ static void test_the_fast_casts_are_the_portable_ones(void **state)
     assert_non_null(back);
     assert_non_null(h);
     for (uint64_t base = 0; base < (1ull << 32); base += (uint64_t)N * 61) {
-        int n = 0;
-        for (uint64_t k = 0; k < N; k++) {
-            uint32_t u = (uint32_t)(base + k * 61);
-            if (fabsf(f_of(u)) <= 65504.0f) /* finite, in float16's range */
-                x[n++] = f_of(u);
+        int n = 0, nb = 0;
+        for (uint64_t k = 0; k < N; k++) { /* (a value past a type's range stops the cast: tested below) */
+            float v = f_of((uint32_t)(base + k * 61));
+            if (fabsf(v) <= 65504.0f)
+                x[n++] = v;
         }
-        /* (it stops at a value past float16's range: those are tested below) */
         assert_int_equal(wire_encode(WIRE_F16, x, (size_t)n, 1.0f, h), -1);
         for (int i = 0; i < n; i++)
             if (h[i] != wire_f32_to_f16(x[i]))
                 fail_msg("%a: %04x, the portable cast %04x", (double)x[i], h[i], wire_f32_to_f16(x[i]));
-        wire_decode(WIRE_F16, h, (size_t)n, 1.0f, back);
-        for (int i = 0; i < n; i++) {
-            float want = wire_f16_to_f32(h[i]);
-            if (!isnan(want) && memcmp(&back[i], &want, 4) != 0)
-                fail_msg("%04x: %a, the portable cast %a", h[i], (double)back[i], (double)want);
+        for (uint64_t k = 0; k < N; k++) {
+            float v = f_of((uint32_t)(base + k * 61));
+            if (fabsf(v) < 0x1p127f)
+                x[nb++] = v;
         }
+        assert_int_equal(wire_encode(WIRE_BF16, x, (size_t)nb, 1.0f, h), -1);
+        for (int i = 0; i < nb; i++)
+            if (h[i] != wire_f32_to_bf16(x[i]))
+                fail_msg("%a: %04x, the portable bf16 cast %04x", (double)x[i], h[i], wire_f32_to_bf16(x[i]));
+    }
+    for (uint32_t k = 0; k < N; k++)
+        h[k] = (uint16_t)k;
+    wire_decode(WIRE_F16, h, N, 1.0f, back);
+    for (uint32_t k = 0; k < N; k++) {
+        float want = wire_f16_to_f32(h[k]);
+        if (!isnan(want) && memcmp(&back[k], &want, 4) != 0)
+            fail_msg("%04x: %a, the portable cast %a", h[k], (double)back[k], (double)want);
     }
     free(x);
     free(back);
