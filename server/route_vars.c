@@ -339,6 +339,11 @@ enum MHD_Result h_var_put_check(request *r)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST,
                                 "body of %llu bytes does not match shape [%s] (%llu bytes of float32)",
                                 (unsigned long long)r->expect_len, xs, (unsigned long long)need);
+    sparse_decl sd;
+    if (store_sparse_peek(&req_srv(r)->store, r->name, &sd) == STORE_OK)
+        return http_reply_error(r, MHD_HTTP_CONFLICT,
+                                "'%s' is a sparse variable: its rows are read and pushed by ids (/v1/vars/%s/rows)",
+                                r->name, r->name);
     const char *inm = http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH);
     if (inm && strcmp(inm, "*") == 0 && store_peek(&req_srv(r)->store, r->name, NULL) == STORE_OK)
         return http_reply_error(r, MHD_HTTP_PRECONDITION_FAILED, "variable '%s' exists", r->name);

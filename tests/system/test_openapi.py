@@ -1145,6 +1145,7 @@ def exercise_sparse(rec, p):
     rec(p, "PUT", "/v1/vars/emb/sparse", body=b'{"rows":0,"dim":3}', expect=409)
     rec(p, "PUT", "/v1/vars/dense", body=f32(1, 2), headers={"X-Shape": "2"}, expect=201)
     rec(p, "PUT", "/v1/vars/dense/sparse", body=b'{"rows":0,"dim":2}', expect=409)
+    rec(p, "PUT", "/v1/vars/emb", body=f32(1, 2), headers={"X-Shape": "2"}, expect=409)  # a sparse one's name
     rec(p, "PUT", "/v1/vars/z/sparse", body=b'{"rows":0}', expect=400)
     rec(p, "PUT", "/v1/vars/z/sparse", body=b'{"rows":0,"dim":2,"init":"normal"}', expect=400)
     rec(p, "PUT", "/v1/vars/z/sparse", body=b"[]", expect=400)
