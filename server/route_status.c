@@ -64,6 +64,12 @@ json_t *status_json(server *srv)
     json_object_set_new(o, "waiting_pulls", json_integer(waiters_count(srv->waiters, WAIT_STEP) + waiters_count(srv->waiters, WAIT_CLOCK)));
     pthread_mutex_lock(&srv->info_mu);
     json_object_set_new(o, "workers_done", json_integer(srv->n_done));
+    json_t *fin = json_array(); /* which: the chief's wait at the end names the others */
+    for (int i = 0; fin && i < STORE_MAX_WORKERS && (int)json_array_size(fin) < srv->n_done; i++)
+        if (srv->done[i])
+            json_array_append_new(fin, json_integer(i));
+    if (fin)
+        json_object_set_new(o, "workers_finished", fin);
     if (srv->eval.has)
         json_object_set_new(o, "eval",
                             json_pack("{s:I,s:f,s:f,s:I}", "global_step",

@@ -177,8 +177,39 @@ int train_chief_put_back(const train_config *c, ps_client *pc, shards *sh, const
     return 0;
 }
 
+/* "worker 1 (host:port), worker 2 (host:port)": the training tasks other
+ * than this one not in finished (psd's workers_finished), at most 8 named. */
+static void name_unfinished(const train_config *c, const json_t *finished, char *out, size_t n)
+{
+    const cluster_spec *cs = c->cluster;
+    int has_chief = cs->jobs[JOB_CHIEF].n > 0, named = 0, more = 0;
+    size_t at = 0;
+    out[0] = '\0';
+    for (int t = 0; t < c->n_trainers; t++) {
+        int fin = t == c->trainer;
+        for (size_t i = 0; !fin && i < json_array_size(finished); i++)
+            fin = json_integer_value(json_array_get(finished, i)) == t;
+        if (fin)
+            continue;
+        if (named == 8) {
+            more++;
+            continue;
+        }
+        int job = has_chief && t == 0 ? JOB_CHIEF : JOB_WORKER, idx = has_chief && t > 0 ? t - 1 : t;
+        const cluster_addr *task = &cs->jobs[job].tasks[idx];
+        int k = snprintf(out + at, n - at, "%s%s %d (%s:%d)", named ? ", " : "", job == JOB_CHIEF ? "chief" : "worker",
+                         idx, task->host, task->port);
+        if (k < 0 || (size_t)k >= n - at)
+            break;
+        at += (size_t)k;
+        named++;
+    }
+    if (more && at < n)
+        snprintf(out + at, n - at, " and %d more", more);
+}
+
 /* Wait up to secs for the other tasks to say they finished (self_done: the
- * chief said so too). */
+ * chief said so too), naming those it waits for. */
 static void wait_others(const train_config *c, ps_client *pc, double secs, int self_done)
 {
     double start = clk_mono_secs(), said = start;
@@ -187,18 +218,21 @@ static void wait_others(const train_config *c, ps_client *pc, double secs, int s
         if (ps_status(pc, 0, &st) != PS_OK)
             return;
         int done = (int)json_integer_value(json_object_get(st, "workers_done"));
+        char who[512];
+        name_unfinished(c, json_object_get(st, "workers_finished"), who, sizeof(who));
         json_decref(st);
         /* workers_done counts the chief too: it said so before waiting */
         done = self_done && done > 0 ? done - 1 : done;
         if (done >= c->n_trainers - 1)
             return;
         if (clk_mono_secs() - start > secs || train_stop_requested()) {
-            printf("%s: %d of %d other tasks said they finished; not waiting longer\n", c->name,
-                   done, c->n_trainers - 1);
+            printf("%s: %d of %d other tasks said they finished; not waiting longer for %s\n", c->name,
+                   done, c->n_trainers - 1, who);
             return;
         }
         if (clk_mono_secs() - said > 5) {
-            printf("%s: waiting for %d other tasks to finish\n", c->name, c->n_trainers - 1 - done);
+            printf("%s: waiting for %d other task%s to finish: %s\n", c->name, c->n_trainers - 1 - done,
+                   c->n_trainers - 1 - done == 1 ? "" : "s", who);
             said = clk_mono_secs();
         }
         train_sleep(0.1);

@@ -448,6 +448,9 @@ static int run_role(train_config *c, const workerd_flags *f)
 
 int main(int argc, char **argv)
 {
+    /* a line as soon as it is written, also into a pipe or a file (systemd's
+     * journal, kubectl logs, a test reading the log as the job runs) */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     workerd_flags f;
     int st = workerd_parse_flags(&f, argc, argv);
     if (st >= 0)
