@@ -165,6 +165,25 @@ static enum MHD_Result lookup_error(request *r, int rc, const char *err)
     return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory");
 }
 
+/* An answer of nv floats past --max_body_bytes (an answer as large as the
+ * largest body psd takes), or past 2^20 values as JSON: 400 sent, 1. */
+static int answer_too_big(request *r, size_t nv, int json)
+{
+    const uint64_t bytes = (uint64_t)nv * 4, max = req_srv(r)->cfg.max_body_bytes;
+    if (json && nv > ((size_t)1 << 20)) {
+        http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%zu values are too many for JSON (at most 1048576): ask for "
+                                                  "fewer ids, or the raw form", nv);
+        return 1;
+    }
+    if (bytes > max) {
+        http_reply_error(r, MHD_HTTP_BAD_REQUEST, "the rows asked for are %llu bytes, over --max_body_bytes (%llu): "
+                                                  "ask for fewer ids at a time", (unsigned long long)bytes,
+                         (unsigned long long)max);
+        return 1;
+    }
+    return 0;
+}
+
 enum MHD_Result h_rows_get(request *r)
 {
     server *srv = req_srv(r);
@@ -181,6 +200,10 @@ enum MHD_Result h_rows_get(request *r)
     if (n < 0)
         return http_reply_error(r, n == -2 ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_BAD_REQUEST, "%s", err);
     size_t nv = (size_t)n * (size_t)d.dim;
+    if (answer_too_big(r, nv, json)) {
+        free(ids);
+        return MHD_YES;
+    }
     float *vals = malloc(sizeof(float) * nv);
     int64_t step;
     int rc = vals ? store_sparse_lookup(&srv->store, r->name, ids, n, vals, &step, err, sizeof(err)) : STORE_ENOMEM;
@@ -282,6 +305,10 @@ enum MHD_Result h_rows_post(request *r)
     if (store_sparse_peek(&srv->store, r->name, &d) != STORE_OK) {
         st_file_free(&f);
         return http_reply_error(r, MHD_HTTP_NOT_FOUND, "no sparse variable '%s'", r->name);
+    }
+    if (answer_too_big(r, (size_t)n * (size_t)d.dim, 0)) {
+        st_file_free(&f);
+        return MHD_YES;
     }
     tensor_shape vs = {.ndim = 2, .dims = {n, d.dim}};
     st_desc desc = {"values", "F32", &vs};

@@ -253,6 +253,7 @@ def test_bad_input_is_refused_and_changes_nothing(start_psd):
         assert_error(st, hd, out, 400, word)
     st, hd, out = http("GET", f"{p.url}/v1/vars/nope/rows?ids=1")
     assert_error(st, hd, out, 404, "nope")
+
     for decl, word in [({"rows": 0}, "dim"), ({"rows": -1, "dim": 2}, "rows"), ({"rows": 0, "dim": 2, "x": 1}, "x"),
                        ({"rows": 0, "dim": 2, "init": "normal"}, "init"),
                        ({"rows": 0, "dim": 2, "shard": 3, "shards": 3}, "shard")]:
@@ -262,6 +263,18 @@ def test_bad_input_is_refused_and_changes_nothing(start_psd):
     # the positive control: the same push with good ids is applied
     push(p, sparse_grad("E", [1, 9], ok))
     assert state() != before
+
+
+def test_an_answer_past_max_body_bytes_is_refused_before_it_is_built(start_psd):
+    p = start_psd("--logdir=", "--max_body_bytes=300000")
+    declare(p, "W", rows=0, dim=65536)
+    assert rows(p, "W", [7], 65536).shape == (1, 65536)  # 256 KiB: within the limit
+    st, hd, out = http("GET", f"{p.url}/v1/vars/W/rows?ids=" + ",".join(["1"] * 400))  # 100 MiB
+    assert_error(st, hd, out, 400, "--max_body_bytes")
+    st, hd, out = http("POST", f"{p.url}/v1/vars/W/rows", body([("ids", "I64", np.arange(400))]))
+    assert_error(st, hd, out, 400, "--max_body_bytes")
+    st, hd, out = http("GET", f"{p.url}/v1/vars/W/rows?ids=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17&format=json")
+    assert_error(st, hd, out, 400, "JSON")
 
 
 def rss_kib(pid):
