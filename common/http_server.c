@@ -608,6 +608,23 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
     *req_cls = NULL;
 }
 
+/* libmicrohttpd's own messages, in this layer's log format. A client that
+ * went away while its answer was being sent (a page closed during its event
+ * stream: "Failed to send the chunked response body ... forcibly closed by
+ * remote peer") is normal for a server and left out. */
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    const http_server *s = cls;
+    char msg[1024];
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    if (strstr(msg, "Failed to send the chunked response body") && strstr(msg, "closed by remote peer"))
+        return;
+    size_t n = strlen(msg);
+    while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r'))
+        msg[--n] = '\0';
+    log_info("%s: libmicrohttpd: %s", s->logname, msg);
+}
+
 int http_server_start(http_server *s, char *err, size_t errlen)
 {
     const http_server_config *c = &s->cfg;
@@ -619,8 +636,9 @@ int http_server_start(http_server *s, char *err, size_t errlen)
         flags |= MHD_USE_TLS;
     if (s->has_addr && s->addr.ss_family == AF_INET6)
         flags |= c->dual_stack ? MHD_USE_DUAL_STACK : MHD_USE_IPv6;
-    struct MHD_OptionItem opts[16];
+    struct MHD_OptionItem opts[20];
     int n = 0;
+    opts[n++] = (struct MHD_OptionItem){MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)mhd_log, s};
     opts[n++] = (struct MHD_OptionItem){MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, s};
     opts[n++] = (struct MHD_OptionItem){MHD_OPTION_UNESCAPE_CALLBACK, (intptr_t)http_unescape, NULL};
     opts[n++] = (struct MHD_OptionItem){MHD_OPTION_CONNECTION_MEMORY_LIMIT, (intptr_t)c->conn_memory, NULL};

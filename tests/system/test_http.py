@@ -268,3 +268,24 @@ def test_libps_reports_unreachable_shard():
         if p.poll() is None:
             os.kill(p.pid, signal.SIGTERM)
         p.communicate(timeout=10)
+
+
+def test_a_page_closed_during_its_event_stream_leaves_no_raw_libmicrohttpd_line(start_psd):
+    # issue 37: each page visit left "Failed to send the chunked response body for the request for
+    # `/v1/events'. Error: The connection was forcibly closed by remote peer" in psd's log
+    import socket
+    p = start_psd()
+    w = np.zeros(4, np.float32).tobytes()
+    assert http("PUT", p.url + "/v1/vars/w", w, {"X-Shape": "4"})[0] in (200, 201)
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", p.port))
+        s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.3)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, as a tab closing
+        s.close()
+        for _ in range(15):  # steps the stream would send
+            assert http("POST", p.url + "/v1/vars/w/grad", w)[0] == 200
+            time.sleep(0.03)
+    time.sleep(0.5)
+    err = p.read_stderr()
+    assert "Failed to send" not in err and "forcibly closed" not in err, err[-2000:]
