@@ -860,6 +860,20 @@ def exercise_sync(rec, p):
         _, _, out = rec(p, "POST", "/v1/heartbeat", body=bad, expect=400)
         assert json.loads(out) == {"error": 'body must be {"worker": index}'}, (bad, out)
     assert without_clocks(get_sync(p)) == without_clocks(sy), "a heartbeat changed the step"
+    # a heartbeat's step spans: GET /v1/timeline gives them back on psd's clock; a bad one is 400
+    _, _, b = rec(p, "GET", "/v1/timeline", expect=200)
+    assert json.loads(b)["workers"] == [], b
+    spans = [["pull", 0, -9.5, -8.0], ["wait", 0, -8.0, -3.0, "the step's gradients"], ["compute", 0, -3.0, -1.0]]
+    rec(p, "POST", "/v1/heartbeat", body=json.dumps({"worker": 1, "timeline": spans}).encode(), expect=200)
+    _, _, b = rec(p, "GET", "/v1/timeline", query={"secs": "60"}, expect=200)
+    tl = json.loads(b)
+    assert [w["worker"] for w in tl["workers"]] == [1] and tl["secs"] == 60, tl
+    assert [(s["kind"], s.get("for")) for s in tl["workers"][0]["spans"]] == \
+        [("pull", None), ("wait", "the step's gradients"), ("compute", None)], tl
+    rec(p, "HEAD", "/v1/timeline", expect=200)
+    rec(p, "GET", "/v1/timeline", query={"secs": "0"}, expect=400)
+    rec(p, "HEAD", "/v1/timeline", query={"secs": "601"}, expect=400)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 1, "timeline": [["nap", 0, -2, -1]]}', expect=400)
 
     # worker 0 pushed: the step has its gradient and waits for worker 1
     _, _, b = rec(p, "POST", "/v1/grads", body=safetensors(
@@ -1238,7 +1252,7 @@ def exercise_auth_reads(rec, p):
     for path in ("/v1/status", "/v1/vars", "/v1/vars/w", "/v1/vars/w/stats", "/v1/params",
                  "/v1/vars/missing", "/v1/vars/a..b", "/v1/config", "/metrics", "/v1/history",
                  "/v1/events", "/", "/app.js", "/style.css", "/v1/checkpoint", "/v1/sync",
-                 "/v1/placement"):
+                 "/v1/placement", "/v1/timeline"):
         rec(p, "GET", path, expect=401)
         rec(p, "HEAD", path, expect=401)
     rec(p, "GET", "/v1/params", query={"min_step": "-1"}, expect=401)  # the token first
