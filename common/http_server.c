@@ -514,17 +514,18 @@ static enum MHD_Result on_upload(http_req *r, const char *data, size_t size)
 }
 
 /* Every byte resets libmicrohttpd's idle timeout, so a body sent a byte a
- * second would hold its connection for ever: after the first
- * header_timeout_secs a body must average body_min_rate bytes a second, or
- * the connection is closed. */
+ * second would hold its connection for ever: after its grace
+ * (body_grace_secs, else header_timeout_secs) a body must average
+ * body_min_rate (HTTP_BODY_MIN_RATE) bytes a second, or the connection is
+ * closed. Every endpoint of the layer: psd, the ring's, a pipeline stage's. */
 static int body_too_slow(const http_req *r)
 {
     const http_server_config *c = &r->server->cfg;
-    if (!c->body_min_rate)
-        return 0;
+    uint64_t rate = c->body_min_rate ? c->body_min_rate : HTTP_BODY_MIN_RATE;
+    uint64_t grace = c->body_grace_secs ? c->body_grace_secs : c->header_timeout_secs;
     uint64_t now = clk_mono_ns();
     uint64_t secs = now > r->t_start_ns ? (now - r->t_start_ns) / 1000000000u : 0;
-    return secs >= (uint64_t)c->header_timeout_secs && r->bytes_in < secs * c->body_min_rate;
+    return secs >= grace && r->bytes_in < secs * rate;
 }
 
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,

@@ -174,6 +174,10 @@ struct http_req {
     uint64_t limit;                /* this request's body limit */
 };
 
+/* The floor under a request body's average rate: past its grace a body that
+ * trickles slower holds a connection (a slot) no longer. */
+#define HTTP_BODY_MIN_RATE 1024
+
 typedef struct http_server_config {
     const char *name;           /* "psd", "ring endpoint": log lines */
     /* The program, for the layer's log lines (the connection tracker's
@@ -195,8 +199,10 @@ typedef struct http_server_config {
     unsigned idle_timeout_secs; /* libmicrohttpd's idle timeout */
     unsigned header_timeout_secs; /* a head must arrive within this (and a
                                    * body's rate is checked from then on) */
-    unsigned body_min_rate;     /* bytes/s a body must average after
-                                 * header_timeout_secs; 0: no cut */
+    unsigned body_min_rate;     /* bytes/s a body must average after its
+                                 * grace; 0: HTTP_BODY_MIN_RATE (every
+                                 * endpoint has the floor) */
+    unsigned body_grace_secs;   /* the grace; 0: header_timeout_secs */
     unsigned max_conns;
     size_t conn_memory;         /* libmicrohttpd's per-connection memory */
     const char *token;          /* the bearer token (borrowed); NULL: none */

@@ -24,6 +24,7 @@
 
 #define LINK_MAX_CONNS 64
 #define LINK_HEADER_SECS 30
+#define BODY_GRACE_SECS 10 /* then a message's body must average 1 KiB/s (the shared layer's floor) */
 #define LINK_TRY_MS 100 /* between tries of a neighbour that does not answer */
 
 struct pipe_link {
@@ -636,7 +637,7 @@ pipe_link *pipe_link_new(const pipe_link_options *o, char *err, size_t errlen)
     http_server_config cfg = {.name = "pipeline stage", .listen_fd = -1,
                               .bind_addr = v6 ? (const struct sockaddr *)&sa6 : (const struct sockaddr *)&sa,
                               .dual_stack = !loop, .threads = 0, .idle_timeout_secs = 120,
-                              .header_timeout_secs = LINK_HEADER_SECS, .body_min_rate = 0,
+                              .header_timeout_secs = LINK_HEADER_SECS, .body_grace_secs = BODY_GRACE_SECS,
                               .max_conns = LINK_MAX_CONNS, .conn_memory = 256 * 1024, .token = l->token};
     l->srv = http_server_new(&cfg, err, errlen);
     http_module mod = {.name = "pipeline", .routes = link_routes,

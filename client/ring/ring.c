@@ -40,6 +40,7 @@
  * within RING_HEADER_SECS, as psd's --connection_timeout default. */
 #define RING_MAX_CONNS 256
 #define RING_HEADER_SECS 60
+#define RING_BODY_GRACE_SECS 10 /* then a piece's body must average 1 KiB/s (the shared layer's floor) */
 
 struct ring {
     int n, rank;
@@ -997,6 +998,7 @@ static int new_endpoint(ring *r, const ring_options *o, char *err, size_t errlen
         .threads = 0, /* a thread per connection */
         .idle_timeout_secs = 120,
         .header_timeout_secs = RING_HEADER_SECS,
+        .body_grace_secs = RING_BODY_GRACE_SECS,
         .max_conns = RING_MAX_CONNS,
         .conn_memory = 256 * 1024,
         .token = r->token,

@@ -73,3 +73,43 @@ def test_ring_endpoint_idle_flood_does_not_lock_a_neighbour_out(procs):  # noqa:
                 pass
     # the member still serves once they are gone
     assert http("GET", base + "/healthz", timeout=2)[0] == 200
+
+
+def test_ring_endpoint_cuts_a_body_that_trickles(procs):  # noqa: F811
+    # issue 37: the ring's endpoint (and a pipeline stage's) had no floor under a body's rate (psd
+    # has 1 KiB/s): a piece's body sent a byte a second held its connection, a slot of 256, for as
+    # long as the sender liked (each byte reset the idle timeout); now, past 10 s, a body must
+    # average 1 KiB/s there too, and the connection is closed
+    import socket
+    h = hosts(2)
+    port = int(h.split(",")[0].rsplit(":", 1)[1])
+    procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10000",
+                 "--piece_bytes=4096", "--timeout_secs=60"])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if http("GET", base + "/healthz", timeout=1)[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.05)
+    # a piece the member expects (worker 1's first 4 KiB), its body a byte a second
+    s = socket.create_connection(("127.0.0.1", port), timeout=2)
+    s.sendall(b"POST /v1/ring/chunk?step=0&k=0&offset=0&from=1&n=2&floats=10000 HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Length: 4096\r\n\r\n")
+    t0, closed = time.time(), None
+    try:
+        while time.time() - t0 < 25 and closed is None:
+            try:
+                s.send(b"\0")
+                s.settimeout(1.0)
+                if s.recv(1) == b"":
+                    closed = time.time() - t0
+            except socket.timeout:
+                pass
+            except OSError:
+                closed = time.time() - t0
+    finally:
+        s.close()
+    assert closed is not None and 9 <= closed <= 20, f"a body trickling a byte a second: closed after {closed} s"
+    print(f"a trickling body was cut after {closed:.1f} s")
+    assert http("GET", base + "/healthz", timeout=2)[0] == 200
