@@ -12,9 +12,11 @@ make fuzz): loaded with SCHEMATHESIS_HOOKS=st_hooks (PYTHONPATH=tests/support).
   must be equal. The run uses one worker (-w 1), so nothing else changes the
   shard in between: the comparison is sound, and an accepted write is never
   compared.
-- the long polls stay short: `timeout_ms` (GET/HEAD /v1/params) is capped at
-  RESTPS_ST_POLL_MS (default 200) so a poll for a step that never comes ends
-  well inside --request-timeout; the code that waits still runs.
+- the long polls stay short: `timeout_ms` (GET/HEAD /v1/params, POST
+  /v1/grads?return=params) is capped at RESTPS_ST_POLL_MS (default 200), and
+  set to it where a wait (min_step, min_clock) comes without one, so a poll
+  for a step that never comes ends well inside --request-timeout; the code
+  that waits still runs.
 
 RESTPS_ST_URL is the psd's base URL, RESTPS_ST_TOKEN its bearer token (both
 set by whoever starts schemathesis).
@@ -85,6 +87,8 @@ def _may_change(case):
 
 
 def _short_polls(query):
+    if isinstance(query, dict) and "timeout_ms" not in query and ("min_step" in query or "min_clock" in query):
+        query["timeout_ms"] = POLL_MS  # the default is 30 s (a long poll, or a push with return=params)
     if not isinstance(query, dict) or "timeout_ms" not in query:
         return
     t = query["timeout_ms"]
