@@ -193,6 +193,10 @@ enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t ste
         meta[2 * n_meta] = "outcome";
         meta[2 * n_meta++ + 1] = outcome;
     }
+    if (outcome && req_psd(r)->parked) { /* a push's answer that waited (min_step, min_clock) */
+        meta[2 * n_meta] = "waited";
+        meta[2 * n_meta++ + 1] = "1";
+    }
     char *head, err[256];
     size_t head_len;
     if (st_header_build(d, n, meta, n_meta, &head, &head_len, err, sizeof(err)) != 0) {

@@ -49,7 +49,8 @@ enum MHD_Result h_grads_post(request *r);
  * handler runs again once resumed); the shard's variables v[0..n) at step as
  * one safetensors body in dtype dt (a cast of the float32 values; float16
  * that cannot hold one: 409), outcome (may be NULL) in its metadata and in
- * X-Push-Outcome; the dtype= query (absent: fp32), -1 when it is bad. */
+ * X-Push-Outcome (and "waited" when the request was parked); the dtype=
+ * query (absent: fp32), -1 when it is bad. */
 enum MHD_Result params_park(request *r, int ch, int64_t min, long long timeout_ms);
 enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t step, int avg, wire_dtype dt,
                              const char *outcome);

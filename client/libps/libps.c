@@ -327,7 +327,8 @@ static int returned(ps_client *c, ps_push_req *r, const sink *s)
                     s->has_step ? err : "no X-Global-Step header");
         return PS_EPROTO;
     }
-    const char *o = st_meta_get(&f, "outcome");
+    const char *o = st_meta_get(&f, "outcome"), *waited = st_meta_get(&f, "waited");
+    r->ret_waited = waited && strcmp(waited, "1") == 0;
     r->outcome = !o ? PS_PUSH_APPLIED
                  : strcmp(o, "duplicate") == 0 ? PS_PUSH_DUPLICATE
                  : strcmp(o, "stale") == 0   ? PS_PUSH_STALE

@@ -187,6 +187,7 @@ typedef struct ps_push_req {
     int64_t ret_min_step, ret_min_clock, ret_clock;
     long ret_timeout_ms;
     int ret_worker;
+    int ret_waited;       /* out: the answer waited (min_step, min_clock) before it came */
     int64_t global_step;  /* out */
     int outcome;          /* out: PS_PUSH_* */
 } ps_push_req;

@@ -414,6 +414,15 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
         for (int k = 0; k < n && rc == PS_OK; k++)
             rc = take_answer(sh, ret, r[k].shard, r[k].ret_len, r[k].global_step, step);
         count_back(sh);
+        /* stale-synchronous: when ps 0 waited for the slowest worker, the
+         * other shards' answers predate the updates it waited for: read
+         * them again (as shards_pull_ssp reads them after ps 0) */
+        if (rc == PS_OK && min_clock > 0 && r[0].ret_waited && sh->n > 1) {
+            int64_t want[sh->n], ignored;
+            for (int i = 0; i < sh->n; i++)
+                want[i] = -1;
+            rc = pull_range(sh, ret, want, timeout_ms, m->worker, 0, 0, 1, sh->n, &ignored);
+        }
     }
 out:
     for (int i = 0; i < sh->n; i++) {

@@ -117,8 +117,8 @@ int shards_set_wire(shards *sh, wire_dtype d);
  * the update (POST /v1/grads?return=params), copied into params as a pull
  * copies them (*step: ps 0's step then). min_clock > 0: ps 0 answers once the
  * slowest live worker completed min_clock iterations, and the worker starts
- * iteration clock (> 0) then: stale-synchronous, one ps only (with several,
- * the others' answers would predate ps 0's wait: use the pull). */
+ * iteration clock (> 0) then (stale-synchronous); when ps 0 had to wait, the
+ * other shards (whose answers came before that) are pulled again after it. */
 int shards_push_pull(shards *sh, const float *grads, const push_meta *m, float *params, int64_t min_clock,
                      int64_t clock, long timeout_ms, int64_t *step, int *outcome);
 

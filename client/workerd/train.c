@@ -463,20 +463,20 @@ static int step_push(worker *w)
     if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!sync || nb.k < c->train_steps))
         ps_set_while_waiting(w->pc, stage_next_batch, &nb);
     double t0 = clk_mono_secs();
-    /* async, and stale-synchronous on one ps: the push answers with the
-     * parameters after it (and, SSP, once the next iteration may start),
-     * which saves the pull */
-    int ret = c->one_round_trip && !sync && (w->ssp < 0 || w->sh.n == 1);
+    /* async and stale-synchronous: the push answers with the parameters
+     * after it (and, SSP, once the next iteration may start), which saves
+     * the pull */
+    int ret = c->one_round_trip && !sync;
     int prc = ret ? shards_push_pull(&w->sh, w->rb.grads, &pm, w->rb.params, w->ssp >= 0 ? w->k - w->ssp : 0,
                                      w->ssp >= 0 ? w->k : 0, 30000, &w->after, &outcome)
                   : shards_push(&w->sh, w->rb.grads, &pm, &w->after, &outcome);
-    if (ret && prc == PS_OK) {
-        w->returned = 1;
-        w->step = w->after;
-    }
     ps_set_while_waiting(w->pc, NULL, NULL); /* nb goes out of scope */
     if (prc == PS_OK)
         step_timeline_add(w->tl, TL_PUSH, w->step, t0, clk_mono_secs(), NULL);
+    if (ret && prc == PS_OK) { /* the parameters came with the answer: the next step's */
+        w->returned = 1;
+        w->step = w->after;
+    }
     if (prc == PS_EHTTP && ps_http_status(w->pc) == 409 && sync) {
         /* a shard is behind the step we computed from: it restarted
          * from a checkpoint; pull again and compute for its step */

@@ -212,7 +212,7 @@ def test_a_push_that_returns_the_parameters(start_psd):
     st, hd, out = http("POST", p.url + "/v1/grads?return=params", grads)
     assert st == 200 and hd["x-push-outcome"] == "applied" and hd["x-global-step"] == "1", out
     t, meta = parse(out)
-    assert meta["outcome"] == "applied" and meta["global_step"] == "1"
+    assert meta["outcome"] == "applied" and meta["global_step"] == "1" and "waited" not in meta
     assert t["w"] == ("F32", [6], (w - F32(0.5) * g).tobytes())
     assert t["w"][2] == value(p, "w").tobytes()
     # in bf16: the cast of the values after the update
@@ -248,7 +248,9 @@ def test_a_sync_push_with_min_step_answers_when_the_step_is_done(start_psd):
     th.join(20)
     st, hd, out = got["r"]
     assert st == 200 and hd["x-push-outcome"] == "pending" and hd["x-global-step"] == "1", out
-    assert parse(out)[0]["w"][2] == np.full(4, -2, F32).tobytes()  # the mean of 1 and 3, at rate 1
+    t, meta = parse(out)
+    assert t["w"][2] == np.full(4, -2, F32).tobytes()  # the mean of 1 and 3, at rate 1
+    assert meta["waited"] == "1" and meta["outcome"] == "pending"
     assert got["t"] >= 0.6
 
 
