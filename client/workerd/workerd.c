@@ -419,6 +419,14 @@ static int run_role(train_config *c, const workerd_flags *f)
     int st = configure_training(c, f);
     if (st != 0)
         return st;
+    if (c->wire != WIRE_F32 && (f->local || c->data_langid || c->pipeline_stages || c->ring)) {
+        /* what moves there is not the bulk push and pull --wire_dtype casts */
+        fprintf(stderr, "workerd: --wire_dtype=%s is for training with the ps (async, sync, stale-synchronous); %s "
+                        "moves float32\n", wire_dtype_name((wire_dtype)c->wire),
+                f->local ? "--local" : c->data_langid ? "--data=langid" : c->pipeline_stages ? "--pipeline_stages"
+                                                                                           : "--allreduce=ring");
+        return 2;
+    }
     if (f->local) {
         c->name = "local";
         c->n_trainers = 1;

@@ -302,9 +302,14 @@ def test_sync_training_with_16bit_bodies_ends_close_to_fp32(cluster, tmp_path):
         assert any(not np.array_equal(models[dt][k], models["fp32"][k]) for k in models[dt]), dt
 
 
+@needs_data
 def test_wire_dtype_flag_is_checked_and_documented():
     r = subprocess.run([binary("workerd"), "--wire_dtype=fp8"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--wire_dtype must be fp32, bf16 or fp16" in r.stderr, r.stderr
+    for extra in (["--local"], ["--allreduce=ring", "--worker_hosts=127.0.0.1:1"]):
+        r = subprocess.run([binary("workerd"), "--wire_dtype=bf16", f"--data_dir={DATA}"] + extra,
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and "--wire_dtype=bf16 is for training with the ps" in r.stderr, r.stderr
     h = subprocess.run([binary("workerd"), "--help"], capture_output=True, text=True, timeout=30)
     text = h.stdout + h.stderr
     assert re.search(r"--wire_dtype", text) and "bf16" in text and "--one_round_trip" in text
