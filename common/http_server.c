@@ -845,6 +845,19 @@ enum MHD_Result http_reply_stream(http_req *r, unsigned status, const char *cont
                                   MHD_ContentReaderCallback read, void *cls, MHD_ContentReaderFreeCallback done,
                                   const char *const *headers)
 {
+    if (strcmp(r->method, "HEAD") == 0) {
+        /* the headers alone: a chunked answer to HEAD would carry its
+         * terminator ("0\r\n\r\n", libmicrohttpd 0.9.75), bytes a client on a
+         * kept-alive connection reads as the start of its next answer */
+        done(cls);
+        struct MHD_Response *resp = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+        if (!resp)
+            return http_reply_response(r, status, NULL, 0);
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+        for (int i = 0; headers && headers[i]; i += 2)
+            MHD_add_response_header(resp, headers[i], headers[i + 1]);
+        return http_reply_response(r, status, resp, 0);
+    }
     stream_ctx *s = malloc(sizeof(*s));
     struct http_counter *c = calloc(1, sizeof(*c));
     if (!s || !c || r->streamed) {

@@ -289,3 +289,24 @@ def test_a_page_closed_during_its_event_stream_leaves_no_raw_libmicrohttpd_line(
     time.sleep(0.5)
     err = p.read_stderr()
     assert "Failed to send" not in err and "forcibly closed" not in err, err[-2000:]
+
+
+def test_head_of_a_streamed_answer_has_no_body_and_the_connection_goes_on(start_psd):
+    # a HEAD of a streamed (chunked) answer (format=json, /v1/events) carried the chunked terminator,
+    # which a client on the same kept-alive connection read as its next answer (schemathesis:
+    # "Connection aborted"); now the headers alone, and the next request on it is answered
+    import socket
+    p = start_psd()
+    assert http("PUT", p.url + "/v1/vars/w", np.zeros(4, np.float32).tobytes(), {"X-Shape": "4"})[0] in (200, 201)
+    for path in (b"/v1/vars/w?format=json&count=0", b"/v1/vars/w?format=json", b"/v1/events"):
+        s = socket.create_connection(("127.0.0.1", p.port), timeout=5)
+        s.sendall(b"HEAD " + path + b" HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        got, t0 = b"", time.time()
+        while got.count(b"HTTP/1.1 ") < 2 or not got.endswith(b"}\n"):
+            chunk = s.recv(65536)
+            if not chunk or time.time() - t0 > 5:
+                break
+            got += chunk
+        s.close()
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and rest.startswith(b"HTTP/1.1 200"), (path, got[:600])
