@@ -123,6 +123,7 @@ typedef struct ps_stall {
     double secs;     /* how long nothing has moved, or since the first try */
     int again;       /* 1: bytes move again after a stall that was reported */
     int long_poll;
+    double budget;   /* the retry budget now (ps_set_retry_ms), seconds; 0: only the few retries */
 } ps_stall;
 void ps_set_stall_report(ps_client *c, void (*fn)(void *arg, const ps_stall *s), void *arg);
 

@@ -216,7 +216,8 @@ static size_t on_read(char *p, size_t size, size_t nmemb, void *ud)
 static void stall_report(ps_client *c, const xfer *x, double secs, int again, const char *err)
 {
     ps_stall s = {.label = c->label[x->shard], .method = x->method, .path = x->path, .err = err,
-                  .secs = secs, .again = again, .long_poll = x->long_poll};
+                  .secs = secs, .again = again, .long_poll = x->long_poll,
+                  .budget = (double)c->opt.retry_ms / 1e3};
     c->stall_fn(c->stall_arg, &s);
 }
 

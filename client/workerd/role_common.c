@@ -73,17 +73,24 @@ int train_load(const train_config *c, idx_dataset *ds)
 
 /* What a request to a ps waits for, said as it waits (ps_set_stall_report):
  * a ps or its link down shows in the log within seconds, not after the
- * request's limit and the retry budget. Retries are said once in 10 s. */
+ * request's limit and the retry budget. Retries are said once in 5 s. */
 static void say_stall(void *arg, const ps_stall *s)
 {
     static _Thread_local double retry_said = -1e9;
+    static _Thread_local int said; /* a wait was printed: its end is printed too */
     const train_config *c = arg;
     int plen = (int)strcspn(s->path, "?");
     if (strncmp(s->path, "/v1/heartbeat", 13) == 0)
         return; /* the beat in the background: the request the task waits on says it */
     if (s->again) {
+        if (!said)
+            return;
+        said = 0;
         printf("%s: %s answers again after %.0f s\n", c->name, s->label, s->secs);
     } else if (s->err) {
+        /* before training runs (no retry budget yet) the caller's own wait says it */
+        if (s->budget <= 0)
+            return;
         double now = clk_mono_secs();
         if (now - retry_said < 5 && s->secs > 0)
             return;
@@ -96,14 +103,17 @@ static void say_stall(void *arg, const ps_stall *s)
         char hms[16] = "?";
         if (localtime_r(&since, &tm))
             strftime(hms, sizeof(hms), "%H:%M:%S", &tm);
-        double left = c->retry_secs - s->secs;
+        double left = s->budget - s->secs;
+        said = 1;
         printf("%s: %s %s since %s (%s); retrying for %.0f s more (--ps_retry_secs)\n", c->name, s->label,
                strstr(why, ": HTTP ") ? "not ready" : "unreachable", hms, why, left > 0 ? left : 0);
     } else if (s->long_poll) {
+        said = 1;
         printf("%s: waiting for %s: %.0f s without an answer to %s %.*s (a step that waits for other "
                "workers' gradients, or the ps or its link down)\n",
                c->name, s->label, s->secs, s->method, plen, s->path);
     } else {
+        said = 1;
         printf("%s: waiting for %s: nothing moved for %.0f s in %s %.*s (the ps or its link down?); the "
                "request gives up after --timeout_ms, then retries for %.0f s (--ps_retry_secs)\n",
                c->name, s->label, s->secs, s->method, plen, s->path, c->retry_secs);
