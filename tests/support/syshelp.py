@@ -218,6 +218,7 @@ def snapshot(url, headers=None):
               "stale_dropped", "pending_gradients", "waiting_pulls", "workers_done", "eval",
               "waiting_for"):
         snap[k] = status[k]
+    snap["sparse"] = status.get("sparse")  # the row-sparse tables: rows held, updates
     # what the shard knows of each worker, but the clock
     snap["workers"] = [{k: v for k, v in w.items() if k != "last_seen_secs_ago"}
                        for w in status["workers"]]

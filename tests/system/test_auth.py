@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import binary, http
-from syshelp import (assert_error, connect, curl_req, first_event, read_response,
+from syshelp import (assert_error, connect, curl_req, first_event, read_response, st_body,
                      request_head, snapshot, st_grads)
 
 TOKEN = "s3cr3t-Token_0123456789abcdef"
@@ -54,6 +54,9 @@ def route_table():
 ROUTES = route_table()
 WRITES = [r for r in ROUTES if r[2]]
 READS = [r for r in ROUTES if not r[2]]
+# reads that take a body, so POST (the worker's pull of a sparse table's rows by ids)
+READ_POSTS = {(m, p) for m, p, w, _ in ROUTES if not w and m != "GET"}
+SPARSE = {"rows": 16, "dim": 2}  # the seeded table "e"
 
 
 def test_route_table_has_the_contract():
@@ -75,10 +78,33 @@ def test_route_table_has_the_contract():
     assert want <= set(ROUTES)
 
 
+def st_body_of(tensors):
+    """(name, numpy dtype, array) tensors -> a safetensors body."""
+    header, data = {}, b""
+    for name, dt, arr in tensors:
+        a = np.ascontiguousarray(arr, dtype=dt)
+        header[name] = {"dtype": {"<i8": "I64", "<f4": "F32"}[dt], "shape": list(a.shape),
+                        "data_offsets": [len(data), len(data) + a.nbytes]}
+        data += a.tobytes()
+    return st_body(header, data)
+
+
 def recipe(method, path):
     """A valid request for a route of the table: (path, headers, body, want status,
     how the state must differ afterwards: a function of (before, after))."""
     p = path.replace("{name}", "w")
+    if (method, path) == ("PUT", "/v1/vars/{name}/sparse"):
+        return "/v1/vars/f/sparse", ["Content-Type: application/json"], b'{"rows": 8, "dim": 3}', 201, \
+            lambda b, a: "f" not in b["sparse"] and a["sparse"]["f"]["dim"] == 3 and same_but(b, a, "sparse")
+    if (method, path) == ("POST", "/v1/vars/{name}/rows/grad"):
+        body = st_body_of([("ids", "<i8", np.array([3])), ("values", "<f4", np.ones((1, 2)))])
+        return "/v1/vars/e/rows/grad", [], body, 200, \
+            lambda b, a: a["sparse"]["e"]["held_rows"] == b["sparse"]["e"]["held_rows"] + 1 and \
+            a["sparse"]["e"]["updates"] == b["sparse"]["e"]["updates"] + 1
+    if (method, path) == ("POST", "/v1/vars/{name}/rows"):
+        return "/v1/vars/e/rows", [], st_body_of([("ids", "<i8", np.array([1, 2]))]), 200, lambda b, a: a == b
+    if (method, path) == ("GET", "/v1/vars/{name}/rows"):
+        return "/v1/vars/e/rows?ids=1,2", [], None, 200, lambda b, a: a == b
     if (method, path) == ("PUT", "/v1/vars/{name}"):
         new = np.full((3, 4), 2.0, np.float32)
         return p, ["X-Shape: 3,4"], new.tobytes(), 200, \
@@ -136,7 +162,7 @@ READ_TYPES = {
     "/metrics": "text/plain", "/v1/history": "application/json",
     "/v1/events": "text/event-stream", "/v1/checkpoint": "application/octet-stream",
     "/v1/sync": "application/json", "/v1/placement": "application/json",
-    "/v1/timeline": "application/json",
+    "/v1/timeline": "application/json", "/v1/vars/{name}/rows": "application/octet-stream",
 }
 
 
@@ -209,6 +235,9 @@ def seeded(start_psd, token_file, *extra):
     st, _, body = http("PUT", p.url + "/v1/placement", json.dumps(PLACEMENT).encode(),
                        {"Authorization": "Bearer " + TOKEN})
     assert st == 200, body  # so GET /v1/placement has a map to answer with
+    st, _, body = http("PUT", p.url + "/v1/vars/e/sparse", json.dumps(SPARSE).encode(),
+                       {"Authorization": "Bearer " + TOKEN})
+    assert st == 201, body  # so the sparse routes have a table
     st, _, body = http("POST", p.url + "/v1/checkpoint", None, {"Authorization": "Bearer " + TOKEN})
     assert st == 200, body  # so GET /v1/checkpoint has a file to serve
     before = snapshot_auth(p)
@@ -320,9 +349,10 @@ def test_reads_open_without_auth_reads(start_psd, token_file, route):
     st, hd, out = send(p, route[0], path, hdrs, body)
     assert st == want, out
     assert_read(route[1], hd, out, before)
-    st, hd, out = http("HEAD", p.url + path)
-    assert st == want and out == b"", (st, out)
-    assert hd.get("content-type", "").split(";")[0] == READ_TYPES[route[1]], hd
+    if route[0] == "GET":  # (a read POST has no HEAD: that is its GET sibling's)
+        st, hd, out = http("HEAD", p.url + path)
+        assert st == want and out == b"", (st, out)
+        assert hd.get("content-type", "").split(";")[0] == READ_TYPES[route[1]], hd
     assert_unchanged_auth(p, before)
 
 
@@ -455,7 +485,7 @@ def test_every_write_of_the_contract_is_a_write_route():
     table marked write (so the 401 tests above walk it); no GET is."""
     table = {(m, p): w for m, p, w, _ in ROUTES}
     contract = openapi_routes()
-    writes = {r for r in contract if r[0] in ("PUT", "POST", "DELETE", "PATCH")}
+    writes = {r for r in contract if r[0] in ("PUT", "POST", "DELETE", "PATCH")} - READ_POSTS
     assert writes, "the contract lists no write operation"
     for r in writes:
         assert table.get(r) is True, f"{r} is in openapi.yaml but not a write route of psd --routes"
@@ -484,6 +514,8 @@ def test_no_method_writes_without_the_token(start_psd, token_file, auth):
                                 dict(auth_h, **{"Content-Type": "application/json"}))
             if (m, path) in writes:
                 assert_401((st, hd, body))
+            elif (m, path) in READ_POSTS:
+                assert st not in (401, 405) and st < 500, (m, path, st, body)  # a read, this body refused
             else:
                 assert st == 405, (m, path, st, body)
             tried += 1

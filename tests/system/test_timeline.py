@@ -46,10 +46,12 @@ def test_a_sync_job_reports_its_steps_and_the_fast_worker_waits_for_the_slow_one
     assert set(by) == {0, 1}, t
     for w, spans in by.items():
         assert {s["kind"] for s in spans} >= {"pull", "compute", "push"}, (w, spans[:8])
-        # one after the other, each on the ps's clock, none in the future
+        # one after the other, each on the ps's clock, none in the future; spans of different
+        # heartbeats are anchored at their arrivals, whose delays differ by a few ms under load
+        slack = 0.05
         for a, b in zip(spans, spans[1:]):
-            assert a["start"] <= a["end"] <= b["start"] + 1e-3, (w, a, b)
-        assert spans[-1]["end"] <= t["now"] + 1e-3
+            assert a["start"] <= a["end"] <= b["start"] + slack, (w, a, b)
+        assert spans[-1]["end"] <= t["now"] + slack
         steps = [s["step"] for s in spans]
         assert steps == sorted(steps), w
     mid = lambda spans, kind: sorted(s["end"] - s["start"] for s in spans if s["kind"] == kind)  # noqa: E731
