@@ -54,6 +54,18 @@ TESTS = {
     ("test_pipeline.py", "test_with_the_ps_one_seed_one_file"): "two more runs (9 s under ASan) of the ps "
         "paths the ps equivalence matrix runs under the sanitizer; determinism is a property of the normal "
         "build's floats",
+    ("test_langid.py", "test_local_matches_numpy_and_beats_the_logistic_regression_baseline"): "an accuracy "
+        "comparison with numpy over 3,000 words a language (27 s under ASan); the embedding bag, the n-gram "
+        "hashing and the langid data run under the sanitizer in test_sync_two_workers_equal_local_with_twice_"
+        "the_batch and test_async_over_two_ps_trains",
+    ("test_torch_worker.py", "test_async_mixed_job_reaches_the_c_jobs_accuracy"): "an accuracy comparison; "
+        "the Python worker's pulls and pushes reach psd under the sanitizer in the sync case",
+    ("test_hostile_ring.py", "test_ring_endpoint_cuts_a_body_that_trickles"): "10 s of a body trickling in; "
+        "the floor (body_too_slow in common/http_server.c, one for every endpoint) runs under the sanitizer in "
+        "test_hostile's trickled bodies against psd",
+    ("test_ps_unreachable.py", "test_a_stopped_ps_is_said_at_once_and_the_worker_gives_up_in_one_clear_line"):
+        "9 s of a worker's retry budget; the stall report's retry and its end run under the sanitizer in "
+        "test_a_ps_back_within_the_budget_is_said_to_answer_again",
     ("test_python_client.py", "test_bodies_are_what_pypi_safetensors_reads_and_writes"): "the Python "
         "package's safetensors codec against PyPI's: no C code runs",
     ("test_python_client.py", "test_pip_installs_the_package_into_a_fresh_venv"): "pip installs the Python "
@@ -86,6 +98,10 @@ MATRICES = {
         lambda p: p["auth"] == "none" or p["route"][1] == READ_KEPT,
         f"the sanitizer build runs every bad token on GET {READ_KEPT} and every route without a "
         "token; the token check runs before any route and does not depend on it"),
+    ("test_onnx.py", "test_onnx_export_runs_in_onnxruntime_as_restps"): (
+        lambda p: p["name"] != "tutorial cnn",
+        "the sanitizer build exports 3 of the 4 models (the MLPs and the valid-padding CNN: every layer "
+        "kind's ONNX nodes); the tutorial CNN (8 s under ASan) repeats conv, pool and dense with other sizes"),
     ("test_history.py", "test_events_at_most_ten_a_second"): (
         lambda p: "--http_threads=2" in p["mode"],
         "a rate limit measured over seconds of pushes; the event stream runs under the sanitizer "
