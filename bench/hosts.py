@@ -5,7 +5,7 @@ bandwidth becomes the bottleneck; ring all-reduce has no central node."
 Every task on its own host (deploy/netns/hosts.sh: network namespaces on one
 bridge, each NIC shaped to 1 Gbit/s both ways by tbf), sync training of
 mlp:1024,1024 (784-1024-1024-10: 1.86 M parameters, M = 7.5 MB of float32 on
-the wire each way) at batch 16 with plain SGD: a step's compute is ~10-20 ms
+the wire each way) at batch 16 with plain SGD: a step's compute is ~3 ms
 of one core while its transfer at 1 Gbit/s is 60 ms or more, so 2 cores can
 host 8 workers and the network, not the CPU, sets the pace. For N = 1, 2, 4, 8
 workers: 1 ps, k = 2 and 4 ps shards (variables split by rows over the shards:
