@@ -23,11 +23,11 @@ from test_hostile_exhaustion import flood, normal_client_time, want_fds
 from test_ring import hosts, procs  # noqa: F401 (fixture)
 
 
-def waiting_member(procs):  # noqa: F811
+def waiting_member(procs, floats=10, piece_bytes=8):  # noqa: F811
     h = hosts(2)
     port = int(h.split(",")[0].rsplit(":", 1)[1])
-    procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10",
-                 "--piece_bytes=8", "--timeout_secs=60"])
+    procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", f"--floats={floats}",
+                 f"--piece_bytes={piece_bytes}", "--timeout_secs=60"])
     base = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -81,17 +81,7 @@ def test_ring_endpoint_cuts_a_body_that_trickles(procs):  # noqa: F811
     # long as the sender liked (each byte reset the idle timeout); now, past 10 s, a body must
     # average 1 KiB/s there too, and the connection is closed
     import socket
-    h = hosts(2)
-    port = int(h.split(",")[0].rsplit(":", 1)[1])
-    procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10000",
-                 "--piece_bytes=4096", "--timeout_secs=60"])
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if http("GET", base + "/healthz", timeout=1)[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.05)
+    port, base = waiting_member(procs, floats=10000, piece_bytes=4096)
     # a piece the member expects (worker 1's first 4 KiB), its body a byte a second
     s = socket.create_connection(("127.0.0.1", port), timeout=2)
     s.sendall(b"POST /v1/ring/chunk?step=0&k=0&offset=0&from=1&n=2&floats=10000 HTTP/1.1\r\nHost: x\r\n"

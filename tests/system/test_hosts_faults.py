@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-import hostbed
 from conftest import BIN, binary
-from test_hosts import PORT, TRAIN, hosts_job, same_model
+from test_hosts import PORT, TRAIN, bed_of, hosts_job, same_model  # noqa: F401 (bed_of: a fixture)
 
 ASAN = "asan" in BIN
 pytestmark = [
@@ -19,22 +18,6 @@ pytestmark = [
                                     "hosts: over the make test budget under ASan); the retry, lease, ring "
                                     "and pipeline stop paths run under ASan on loopback"),
 ]
-
-
-@pytest.fixture
-def bed_of(tmp_path):
-    why = hostbed.refused()
-    if why:
-        pytest.skip(why)
-    beds = []
-
-    def make(n, **kw):
-        b = hostbed.HostBed(n, tmp_path, **kw).__enter__()
-        beds.append(b)
-        return b
-    yield make
-    for b in beds:
-        b.__exit__(None, None, None)
 
 
 def cluster_of(bed, nps, nworkers):
