@@ -169,6 +169,27 @@ void sparse_acc_free(sparse_acc *a)
     memset(a, 0, sizeof(*a));
 }
 
+/* The open-addressing index of ids[0..n) (-1: empty) at most half full for
+ * need entries: doubled (from 128) and rebuilt when it would be fuller. */
+static int hash_room(int64_t **hash, size_t *hcap, const int64_t *ids, int64_t n, int64_t need)
+{
+    if ((size_t)need * 2 <= *hcap)
+        return 0;
+    size_t hc = *hcap ? *hcap : 128;
+    while ((size_t)need * 2 > hc)
+        hc *= 2;
+    int64_t *nh = malloc(sizeof(int64_t) * hc);
+    if (!nh)
+        return -1;
+    memset(nh, 0xff, sizeof(int64_t) * hc);
+    for (int64_t i = 0; i < n; i++)
+        nh[slot_of(nh, hc, ids, ids[i])] = i;
+    free(*hash);
+    *hash = nh;
+    *hcap = hc;
+    return 0;
+}
+
 static int acc_room(sparse_acc *a, int64_t need)
 {
     if (need > a->cap) {
@@ -185,21 +206,7 @@ static int acc_room(sparse_acc *a, int64_t need)
         a->vals = nv;
         a->cap = nc;
     }
-    if ((size_t)need * 2 > a->hcap) {
-        size_t hc = a->hcap ? a->hcap : 128;
-        while ((size_t)need * 2 > hc)
-            hc *= 2;
-        int64_t *nh = malloc(sizeof(int64_t) * hc);
-        if (!nh)
-            return -1;
-        memset(nh, 0xff, sizeof(int64_t) * hc);
-        for (int64_t i = 0; i < a->n; i++)
-            nh[slot_of(nh, hc, a->ids, a->ids[i])] = i;
-        free(a->hash);
-        a->hash = nh;
-        a->hcap = hc;
-    }
-    return 0;
+    return hash_room(&a->hash, &a->hcap, a->ids, a->n, need);
 }
 
 int sparse_acc_add(sparse_acc *a, const unsigned char *ids, const float *vals, int64_t n)
@@ -254,21 +261,7 @@ static int table_room(sparse_table *t, int64_t need)
 #undef GROW
         t->cap = nc;
     }
-    if ((size_t)need * 2 > t->hcap) {
-        size_t hc = t->hcap;
-        while ((size_t)need * 2 > hc)
-            hc *= 2;
-        int64_t *nh = malloc(sizeof(int64_t) * hc);
-        if (!nh)
-            return -1;
-        memset(nh, 0xff, sizeof(int64_t) * hc);
-        for (int64_t r = 0; r < t->n; r++)
-            nh[slot_of(nh, hc, t->ids, t->ids[r])] = r;
-        free(t->hash);
-        t->hash = nh;
-        t->hcap = hc;
-    }
-    return 0;
+    return hash_room(&t->hash, &t->hcap, t->ids, t->n, need);
 }
 
 static void lru_unlink(sparse_table *t, int64_t r)
