@@ -23,6 +23,7 @@
 #include "history.h"
 #include "shard_view.h"
 #include "metrics.h"
+#include "task_claims.h"
 #include "timeline.h"
 #include "workers.h"
 #include "log.h"
@@ -356,9 +357,11 @@ static int build_parts(server *srv, const psd_flags *o)
     srv->metrics = metrics_new();
     srv->workers = workers_new();
     srv->timeline = timeline_new();
+    srv->claims = task_claims_new();
     srv->history = history_new();
     srv->shards = shard_view_new();
-    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->timeline || !srv->history || !srv->shards) {
+    if (!srv->waiters || !srv->metrics || !srv->workers || !srv->timeline || !srv->claims || !srv->history ||
+        !srv->shards) {
         fprintf(stderr, "psd: out of memory\n");
         return 1;
     }
@@ -512,6 +515,7 @@ static int stop(server *srv, http_server *hs)
     shard_view_free(srv->shards);
     workers_free(srv->workers);
     timeline_free(srv->timeline);
+    task_claims_free(srv->claims);
     metrics_free(srv->metrics);
     store_destroy(&srv->store);
     bufpool_free(srv->pool);

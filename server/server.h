@@ -46,6 +46,7 @@ typedef struct server {
     struct metrics *metrics;   /* counters and histograms for /metrics (metrics.c) */
     struct workers *workers;   /* each worker's last step, last seen, stale drops (workers.c) */
     struct timeline *timeline; /* the workers' step spans, for the page (timeline.c) */
+    struct task_claims *claims; /* which process holds each worker task id (task_claims.c) */
     struct history *history;   /* global_step and loss over time (history.c) */
     struct shard_view *shards; /* ps 0's view of the other shards (shard_view.c) */
     struct summaries *summaries; /* ps 0's TensorBoard event files (summaries.c), or NULL */

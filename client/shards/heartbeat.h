@@ -16,5 +16,9 @@ void heartbeat_stop(heartbeat *h);
 /* From now on every beat also carries the spans t gathered since the last
  * one (the ps's live timeline); t must outlive h. NULL: none. */
 void heartbeat_set_timeline(heartbeat *h, step_timeline *t);
+/* From now on every beat carries this process's instance string (the task
+ * id's claim on the ps, server/task_claims.h; copied); a beat refused because
+ * another process holds the id is said once on stderr. NULL: none. */
+void heartbeat_set_instance(heartbeat *h, const char *instance);
 
 #endif

@@ -50,6 +50,7 @@ typedef struct worker {
     int64_t next_k; /* the batch number bp.x[cur ^ 1] holds (staged), or -1 */
     int stopped, near_end, ran_out;
     int returned; /* the last push answered with the parameters (one round trip): no pull */
+    char instance[128]; /* this process's claim on its task id (task_claim.c) */
     /* what ps 0 restored from its checkpoint (-1: nothing) and where; doubtful:
      * this task follows a restored configuration its flags differ from,
      * which the chief may refuse (then the ps tasks stop: leave within
@@ -135,13 +136,24 @@ static int nothing_to_train(worker *w, int64_t now);
 static int join(worker *w)
 {
     const train_config *c = w->c;
+    train_task_instance(w->instance, sizeof(w->instance));
     if (c->is_chief) {
+        /* a second process with this task id must not configure the job */
+        train_wait_for_all(c, w->pc, "/healthz", "the ps tasks");
+        if (train_claim_task(c, w->pc, w->instance) != 0) {
+            w->rc = 2;
+            return -1;
+        }
         int rc = train_chief_setup(c, w->pc, &w->sh, w->rb.params);
         if (rc != 0)
             w->rc = rc;
         return rc != 0 ? -1 : 0;
     }
     train_wait_for_all(c, w->pc, "/readyz", "the chief to initialize the variables");
+    if (train_claim_task(c, w->pc, w->instance) != 0) {
+        w->rc = 2;
+        return -1;
+    }
     if (train_check_placement(c, w->pc, &w->sh) != 0) {
         w->rc = 2;
         return -1;
@@ -200,6 +212,7 @@ static void prepare(worker *w)
          * worker), and the steps' spans for the live timeline (every mode) */
         ps_client *hpc = train_connect_ps(c, 5000);
         w->hb = hpc ? heartbeat_start(hpc, c->trainer, 1000) : NULL;
+        heartbeat_set_instance(w->hb, w->instance);
         w->tl = w->hb ? step_timeline_new() : NULL;
         heartbeat_set_timeline(w->hb, w->tl);
     }

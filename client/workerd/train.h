@@ -140,6 +140,14 @@ ps_client *train_connect_ps(const train_config *c, long timeout_ms);
 /* Poll path on every ps until each answers 200, saying what it waits for
  * (exits on a wrong token or certificate, or on a stop). */
 void train_wait_for_all(const train_config *c, ps_client *pc, const char *path, const char *what);
+/* This process's instance string (host, pid, random: task_claim.c) into
+ * out (at least 80 bytes). */
+void train_task_instance(char *out, size_t n);
+/* Claim this task's id on ps 0 (POST /v1/heartbeat with the instance): 0
+ * claimed (or a ps that does not know claims); -1 after a message naming
+ * the process and address that hold it (after waiting a few seconds for a
+ * previous process's claim to lapse). */
+int train_claim_task(const train_config *c, ps_client *pc, const char *instance);
 /* The chief's placement (GET /v1/placement on ps 0) must be this task's: the
  * same model, --placement and --partition_bytes. 0 when it is, else -1
  * after a message (naming both models when they differ). */

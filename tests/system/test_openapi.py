@@ -874,6 +874,12 @@ def exercise_sync(rec, p):
     rec(p, "GET", "/v1/timeline", query={"secs": "0"}, expect=400)
     rec(p, "HEAD", "/v1/timeline", query={"secs": "601"}, expect=400)
     rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 1, "timeline": [["nap", 0, -2, -1]]}', expect=400)
+    # a task id held by one process (instance): another is 409, the holder's last beat frees it
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 7, "instance": "pid-1@a/0"}', expect=200)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 7, "instance": "pid-2@b/0"}', expect=409)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 7, "instance": "a b"}', expect=400)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 7, "instance": "pid-1@a/0", "leaving": true}', expect=200)
+    rec(p, "POST", "/v1/heartbeat", body=b'{"worker": 7, "instance": "pid-2@b/0", "leaving": true}', expect=200)
 
     # worker 0 pushed: the step has its gradient and waits for worker 1
     _, _, b = rec(p, "POST", "/v1/grads", body=safetensors(
