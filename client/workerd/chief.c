@@ -3,7 +3,8 @@
  * a placement already there (a restarted chief with other flags), create the
  * variables with create-only PUTs (leaving any that exist, e.g. restored),
  * send the placement map and the training configuration (which marks each ps
- * ready); at the end, wait (bounded) for the other tasks to finish. */
+ * ready); at the end, wait (bounded) for the other tasks to finish, and
+ * for an evaluator's report of the last step before the ps tasks stop. */
 #include "workerd/train.h"
 
 #include <errno.h>
@@ -16,6 +17,7 @@
 #include "shards/shards.h"
 
 static void wait_others(const train_config *c, ps_client *pc, double secs, int self_done);
+static void stop_ps_now(const train_config *c, ps_client *pc);
 
 /* POST /v1/checkpoint on ps i; a ps whose checkpoints are off (409) is left alone. */
 static void checkpoint_now(const train_config *c, ps_client *pc, int i, const char *when)
@@ -74,7 +76,7 @@ static void chief_give_up(const train_config *c, ps_client *pc)
     if (c->keep_ps)
         return;
     wait_others(c, pc, 5, 0);
-    train_chief_stop_ps(c, pc);
+    stop_ps_now(c, pc);
 }
 
 int train_chief_setup(const train_config *c, ps_client *pc, shards *sh, float *params)
@@ -242,12 +244,56 @@ static void wait_others(const train_config *c, ps_client *pc, double secs, int s
 /* After the chief's last step: wait (bounded) for the others to finish. */
 void train_chief_wait_others(const train_config *c, ps_client *pc) { wait_others(c, pc, 60, 1); }
 
-void train_chief_stop_ps(const train_config *c, ps_client *pc)
+/* An evaluator reports to ps 0 (eval in /v1/status) and evaluates the final
+ * model as soon as the global step reaches --train_steps: before the ps
+ * tasks stop, wait (60 s at most, saying so every 5 s) for its report of
+ * that step, so the evaluator's last line and the page show the final
+ * model. No evaluator reported yet: no wait. */
+static void wait_evaluator(const train_config *c, ps_client *pc)
 {
-    if (c->keep_ps)
-        return;
+    double start = clk_mono_secs(), said = start;
+    int first = 1;
+    for (;;) {
+        json_t *st;
+        if (ps_status(pc, 0, &st) != PS_OK)
+            return;
+        int64_t step = json_integer_value(json_object_get(st, "global_step"));
+        const json_t *ev = json_object_get(st, "eval");
+        int64_t at = json_is_object(ev) ? json_integer_value(json_object_get(ev, "global_step")) : -1;
+        json_decref(st);
+        int64_t want = step < c->train_steps ? step : c->train_steps;
+        if (at < 0 || at >= want)
+            return;
+        double waited = clk_mono_secs() - start;
+        if (waited > 60 || train_stop_requested()) {
+            printf("%s: the evaluator has not reported global step %lld (its last report: global step %lld); "
+                   "not waiting longer\n", c->name, (long long)want, (long long)at);
+            return;
+        }
+        if (first || clk_mono_secs() - said > 5) {
+            printf("%s: waiting for the evaluator's report of global step %lld (its last: global step %lld; "
+                   "at most %.0f s more)\n", c->name, (long long)want, (long long)at, 60 - waited);
+            fflush(stdout);
+            said = clk_mono_secs();
+            first = 0;
+        }
+        train_sleep(0.1);
+    }
+}
+
+/* Ask every ps task to stop, now. */
+static void stop_ps_now(const train_config *c, ps_client *pc)
+{
     for (int i = 0; i < ps_shards(pc); i++)
         if (ps_json(pc, i, "POST", "/v1/shutdown", NULL, 0, NULL) != PS_OK)
             fprintf(stderr, "workerd: shutdown: %s\n", ps_error(pc));
     printf("%s: asked the ps tasks to stop (--keep_ps keeps them)\n", c->name);
+}
+
+void train_chief_stop_ps(const train_config *c, ps_client *pc)
+{
+    if (c->keep_ps)
+        return;
+    wait_evaluator(c, pc);
+    stop_ps_now(c, pc);
 }

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "onnx/onnx_export.h"
 #include "safetensors.h"
 #include "shards/shards.h"
@@ -347,6 +348,49 @@ int train_convert_file(const train_config *c, const char *path, const char *onnx
     return rc;
 }
 
+/* The evaluator's one evaluation of the parameters of global step step:
+ * printed and reported to ps 0 (POST /v1/eval). 0, or -1. */
+static int evaluate_and_report(const train_config *c, ps_client *pc, model *m, const float *params,
+                               const idx_dataset *ds, int64_t step)
+{
+    double loss, acc;
+    if (model_evaluate(m, params, ds->test.images, ds->test.labels, ds->test.n, &loss, &acc) != 0) {
+        fprintf(stderr, "workerd: evaluation failed at global step %lld\n", (long long)step);
+        return -1;
+    }
+    printf("%s: global step %lld: test loss %.4f, test accuracy %.4f\n", c->name, (long long)step, loss, acc);
+    fflush(stdout);
+    json_t *rep = json_pack("{s:I,s:f,s:f,s:I}", "global_step", (json_int_t)step, "loss", loss, "accuracy", acc,
+                            "examples", (json_int_t)ds->test.n);
+    if (ps_json(pc, 0, "POST", "/v1/eval", rep, 1, NULL) != PS_OK)
+        fprintf(stderr, "workerd: eval report: %s\n", ps_error(pc));
+    json_decref(rep);
+    return 0;
+}
+
+/* Between two evaluations: until --eval_secs after the last one began, or
+ * sooner once ps 0's global step reaches --train_steps, so that the final
+ * model is evaluated (and reported) at once, while the chief waits for it
+ * before it stops the ps tasks. ps 0's step is read every second at most
+ * (GET /v1/status). 1 when training reached --train_steps, 0 when the time
+ * is up or a signal came, -1 when ps 0 no longer answers. */
+static int wait_next(const train_config *c, ps_client *pc, double began)
+{
+    for (;;) {
+        double left = began + c->eval_secs - clk_mono_secs();
+        json_t *st;
+        if (ps_status(pc, 0, &st) != PS_OK)
+            return -1;
+        int64_t step = json_integer_value(json_object_get(st, "global_step"));
+        json_decref(st);
+        if (step >= c->train_steps)
+            return 1;
+        if (left <= 0 || train_stop_requested())
+            return 0;
+        train_sleep(left < 1 ? left : 1);
+    }
+}
+
 int train_evaluator(const train_config *c)
 {
     idx_dataset ds;
@@ -381,6 +425,7 @@ int train_evaluator(const train_config *c)
     int64_t last = -1;
     for (;;) {
         int64_t step;
+        double began = clk_mono_secs();
         if (shards_pull(&sh, params, -1, 0, &step) != PS_OK) {
             if (ps_http_status(pc) == 0 && last >= 0) {
                 printf("%s: the ps stopped; last evaluated global step %lld\n", c->name, (long long)last);
@@ -391,26 +436,20 @@ int train_evaluator(const train_config *c)
             goto out;
         }
         if (step != last) {
-            double loss, acc;
-            if (model_evaluate(m, params, ds.test.images, ds.test.labels, ds.test.n, &loss, &acc) != 0) {
-                fprintf(stderr, "workerd: evaluation failed at global step %lld\n", (long long)step);
+            if (evaluate_and_report(c, pc, m, params, &ds, step) != 0)
                 goto out;
-            }
-            printf("%s: global step %lld: test loss %.4f, test accuracy %.4f\n", c->name,
-                   (long long)step, loss, acc);
-            fflush(stdout);
-            json_t *rep = json_pack("{s:I,s:f,s:f,s:I}", "global_step", (json_int_t)step, "loss",
-                                    loss, "accuracy", acc, "examples", (json_int_t)ds.test.n);
-            if (ps_json(pc, 0, "POST", "/v1/eval", rep, 1, NULL) != PS_OK)
-                fprintf(stderr, "workerd: eval report: %s\n", ps_error(pc));
-            json_decref(rep);
             last = step;
         }
         if (step >= c->train_steps) {
             rc = 0;
             goto out;
         }
-        train_sleep(c->eval_secs);
+        int w = wait_next(c, pc, began);
+        if (w < 0 && !train_stop_requested()) {
+            printf("%s: the ps stopped; last evaluated global step %lld\n", c->name, (long long)last);
+            rc = 0;
+            goto out;
+        }
         if (train_stop_requested()) {
             printf("%s: stopped by a signal; last evaluated global step %lld\n", c->name,
                    (long long)last);

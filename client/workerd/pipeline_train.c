@@ -414,8 +414,10 @@ static int ps_start(const train_config *c, const size_t *poff, const size_t *pn,
 /* --pipeline_updates=ps, at the end: every ps told this task is done; the
  * chief waits for the others, pulls the whole model (the moving averages
  * when on), reports, exports and stops the ps tasks (unless --keep_ps).
- * The exit status. */
-static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds, int mb)
+ * The report evaluates in batches of eval_batch (--batch_size, not a
+ * micro-batch: fewer, larger GEMMs; the CNN's 15,000 examples took 4.5 s
+ * instead of 5.1 here). The exit status. */
+static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds, int eval_batch)
 {
     char err[512];
     ps_set_abort(pc, NULL);
@@ -434,7 +436,7 @@ static int ps_finish(const train_config *c, ps_client *pc, const idx_dataset *ds
     int rc = 1;
     if (shards_init(&sh, pc, L, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
         !(whole = malloc(sizeof(float) * (L->n_params ? L->n_params : 1))) ||
-        !(eval = model_new(model_device_backend(), L, mb, err, sizeof(err)))) {
+        !(eval = model_new(model_device_backend(), L, eval_batch, err, sizeof(err)))) {
         fprintf(stderr, "workerd: %s\n", eval || !whole ? "out of memory for the whole model" : err);
         goto out;
     }
@@ -994,7 +996,8 @@ static void report_times(const stage_train *t, double secs, double steady)
 }
 
 /* Stage 0 at the end: its training buffers freed, then the whole model's
- * parameters (its own, the others' as they arrive), the test accuracy and
+ * parameters (its own, the others' as they arrive), the test accuracy (in
+ * batches of --batch_size, not of a micro-batch, as ps_finish) and
  * --export. The exit status. */
 static int gather_and_report(stage_train *t, int64_t fin)
 {
@@ -1005,7 +1008,7 @@ static int gather_and_report(stage_train *t, int64_t fin)
         t->inst[i] = NULL;
     }
     if (!(t->whole = malloc(sizeof(float) * (t->np ? t->np : 1))) ||
-        !(t->eval = model_new(model_device_backend(), t->L, t->mb, err, sizeof(err)))) {
+        !(t->eval = model_new(model_device_backend(), t->L, t->B, err, sizeof(err)))) {
         fprintf(stderr, "workerd: %s\n", t->whole ? err : "out of memory for the whole model's parameters");
         return 1;
     }
@@ -1051,7 +1054,7 @@ static int finish(stage_train *t)
             model_free(t->inst[i]);
             t->inst[i] = NULL;
         }
-        return ps_finish(c, t->pc, &t->ds, t->mb);
+        return ps_finish(c, t->pc, &t->ds, t->B);
     }
     if (t->g.replica > 0) /* replica 0 holds the same parameters */
         return 0;
