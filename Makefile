@@ -205,11 +205,14 @@ coverage: deps
 
 # The hostile campaign's long form (issue 23; make test runs its short form,
 # tests/system/test_hostile_campaign.py) against the normal and the sanitizer
-# build, then the exhaustion tests at the issue's figures
-hostile: all
+# build, psd's and then the ring's, a stage's and the files' (issue 37), then
+# the exhaustion tests at the issue's figures
+hostile: all unit-bins
 	$(MAKE) asan
 	/usr/bin/python3 tests/helpers/campaign.py --long --bin $(BIN)
 	/usr/bin/python3 tests/helpers/campaign.py --long --bin build/asan/bin
+	/usr/bin/python3 tests/helpers/campaign_endpoints.py --long --bin $(BIN)
+	/usr/bin/python3 tests/helpers/campaign_endpoints.py --long --bin build/asan/bin
 	RESTPS_HOSTILE_LONG=1 RESTPS_BIN_DIR=$(BIN) pytest-3 -q -rs -p no:cacheprovider tests/system/test_hostile_exhaustion.py
 
 # MODEL=cnn make demo trains the CNN instead (deploy/local/demo.sh says how long)

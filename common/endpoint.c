@@ -89,6 +89,7 @@ int endpoint_host_is_loopback(const char *host)
 struct framing {
     int n_cl, n_te;
     const char *bad_key; /* the first field with a byte RFC 9110 refuses */
+    const char *ws_key;  /* the first field name with whitespace in it */
 };
 
 /* 1 when s[0..n) holds a NUL or a control byte other than HTAB (or is not
@@ -117,6 +118,10 @@ static enum MHD_Result framing_field(void *cls, enum MHD_ValueKind kind, const c
     if (!f->bad_key && (has_control(key, key_size, 0) || !value ||
                         has_control(value, value_size, 1)))
         f->bad_key = key;
+    /* "Content-Length : 4": libmicrohttpd keeps the space in the name, a
+     * proxy in front may not (RFC 9112 5.1: a server must refuse it) */
+    if (!f->ws_key && strpbrk(key, " \t"))
+        f->ws_key = key;
     return MHD_YES;
 }
 
@@ -305,10 +310,14 @@ unsigned endpoint_check_framing(struct MHD_Connection *c, const char *method, co
         snprintf(msg, cap, "%s", why);
         return MHD_HTTP_URI_TOO_LONG;
     }
-    struct framing f = {0, 0, NULL};
+    struct framing f = {0, 0, NULL, NULL};
     MHD_get_connection_values_n(c, MHD_HEADER_KIND, framing_field, &f);
     if (f.bad_key) {
         snprintf(msg, cap, "header '%.60s' holds a NUL or control byte", f.bad_key);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (f.ws_key) {
+        snprintf(msg, cap, "header name '%.60s' holds whitespace (none may come before the colon)", f.ws_key);
         return MHD_HTTP_BAD_REQUEST;
     }
     if (head_hides_bytes(c, method, url, version)) {

@@ -195,6 +195,16 @@ static enum MHD_Result msg_handle(http_req *r)
     if (r->body_len != q->floats * 4)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "the body ended after %zu of %zu bytes", r->body_len,
                                 q->floats * 4);
+    /* a NaN or an Inf would poison every stage after it (psd and the ring
+     * refuse them alike); a stage whose own values went non-finite says so */
+    const unsigned char *b = r->body_data;
+    for (size_t i = 0; i < q->floats; i++) {
+        float v;
+        memcpy(&v, b + 4 * i, 4);
+        if (!isfinite(v))
+            return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s: float %zu of %zu is %s: not taken",
+                                    pipe_dir_name(q->key.dir), i, q->floats, isnan(v) ? "NaN" : "infinite");
+    }
     unsigned st = pipe_mailbox_put(l->box, &q->key, r->body_data, q->floats, q->example0, msg, sizeof(msg));
     if (st)
         return http_reply_error(r, st, "%s", msg);

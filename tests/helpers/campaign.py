@@ -201,6 +201,7 @@ def invalid_cases(rng):
               b"PUT /v1/vars/w HTTP/1.1\r\nHost: x\r\n" + A.encode() + b"\r\nX-Shape: 1\r\n"
               b"Content-Length:\r\n 4\r\n\r\n" + ONE))
     c.append(("framing", "TE gzip", put(["X-Shape: 1", "Transfer-Encoding: gzip"], cl=False)))
+    c.append(("framing", "space before a header's colon", put(["X-Shape: 1", "X-Dtype : float32"])))
     c.append(("framing", "chunk size overflow",
               put(["X-Shape: 1", "Transfer-Encoding: chunked"], b"ffffffffffffffffff\r\n" + ONE, cl=False)))
     c.append(("framing", "chunked longer than the shape",
