@@ -348,6 +348,34 @@ static json_t *info_json(const train_config *c, const pipe_plan *p, const pipe_s
                      c->batch_size, "split", stages, "table", table, "plan", plan);
 }
 
+/* --pipeline_updates=ps: the ps tasks restored a checkpoint at or past
+ * --train_steps (the same job run again on its --logdir), st being ps 0's
+ * /v1/status: say so and what to do, leave the job; the chief waits for
+ * the other stages to leave, then stops the ps tasks (unless --keep_ps).
+ * Nothing is trained, reported or exported (as train.c's nothing_to_train). */
+static void nothing_to_train(const train_config *c, ps_client *pc, const json_t *st, int64_t now)
+{
+    const char *file =
+        json_string_value(json_object_get(json_object_get(json_object_get(st, "checkpoint"), "restored_from"), "file"));
+    char dir[256];
+    snprintf(dir, sizeof(dir), "%s", file ? file : "its --logdir");
+    char *slash = file ? strrchr(dir, '/') : NULL;
+    if (slash && slash != dir)
+        *slash = '\0';
+    printf("%s: already at step %lld: nothing to train (ps 0 restored it from the checkpoint in %s); to train "
+           "again, give the ps tasks a new --logdir, or remove %s\n",
+           c->name, (long long)now, dir, dir);
+    fflush(stdout);
+    json_t *done = json_pack("{s:i}", "worker", c->trainer);
+    for (int i = 0; i < ps_shards(pc); i++)
+        ps_json(pc, i, "POST", "/v1/done", done, 1, NULL);
+    json_decref(done);
+    if (c->is_chief) {
+        train_chief_wait_others(c, pc);
+        train_chief_stop_ps(c, pc);
+    }
+}
+
 /* --pipeline_updates=ps, at the start: the ps client, this stage's pieces,
  * the chief's set-up as a sync chief's (the whole model initialized once,
  * each ps told how many pushes make its step) or the others' wait for it,
@@ -399,6 +427,11 @@ static int ps_start(const train_config *c, const size_t *poff, const size_t *pn,
         return 1;
     }
     *step0 = json_integer_value(json_object_get(st, "global_step"));
+    if (*step0 >= c->train_steps) {
+        nothing_to_train(c, pc, st, *step0);
+        json_decref(st);
+        return TRAIN_NOTHING_TO_DO;
+    }
     json_decref(st);
     char where[256];
     int at = 0;

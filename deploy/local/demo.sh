@@ -24,10 +24,10 @@ mkdir -p "$LOGDIR"
 
 echo "demo: model $SHOWN, Adam $LR, sync, batch $BATCH per worker, $STEPS steps, data $DATA"
 if [ "$MODEL" = cnn ]; then
-  # Measured on the 2-core build machine, shared (load ~25): 2 sync workers x 50
-  # did 0.56 steps/s (2 s a step); then the final evaluation and the
-  # evaluator's last pass, ~3 minutes (DEMO_STEPS=30 took 6.8 minutes in all).
-  echo "demo: the CNN takes about $((STEPS * 2 / 60 + 3)) minutes on 2 shared cores (measured: ~2 s a step, +3 min of evaluation); DEMO_STEPS=N for fewer"
+  # Measured on the 2-core build machine: 550 steps of 2 sync workers x 50 and
+  # the evaluations took 52 s at load 2 (12 steps/s, 2026-12-03); at load ~25
+  # the same ran at 0.56 steps/s, ~20 minutes. The time depends on the load.
+  echo "demo: the CNN's $STEPS steps take about $((STEPS / 12 + 10)) s on 2 idle cores (12 steps/s measured), up to 30 times as long on a loaded machine; DEMO_STEPS=N for fewer"
 fi
 # 1 ps, 2 workers (worker 0, the chief, shown here) and an evaluator, every log
 # in $LOGDIR. Ctrl-C or SIGTERM here: the launcher stops everything it started.
