@@ -110,6 +110,11 @@ MATRICES = {
         lambda p: p["name"] != "tutorial cnn",
         "the sanitizer build exports 3 of the 4 models (the MLPs and the valid-padding CNN: every layer "
         "kind's ONNX nodes); the tutorial CNN (8 s under ASan) repeats conv, pool and dense with other sizes"),
+    ("test_readme_blocks.py", "test_a_by_hand_block_runs_as_written_twice"): (
+        lambda p: p["rel"] == "README.md",
+        "the sanitizer build runs the README's blocks (sync, async with an evaluator, each twice: the rerun's "
+        "'nothing to train'); docs/pipeline.md's are CNN pipelines whose final evaluation takes minutes under "
+        "ASan, and their paths (the stages with and without the ps, a restored step) run there in test_pipeline"),
     ("test_history.py", "test_events_at_most_ten_a_second"): (
         lambda p: "--http_threads=2" in p["mode"],
         "a rate limit measured over seconds of pushes; the event stream runs under the sanitizer "
