@@ -34,8 +34,8 @@ TESTS = {
         "a whole sync job beside a refused second chief (11 s under ASan); every sanitizer test's workerd claims "
         "its task id, and psd's refusal (409 naming the holder) runs there in test_heartbeat_instances_over_http"),
     ("test_task_claim.py", "test_a_worker_killed_and_restarted_at_once_takes_its_id_back"): (
-        "waits out a killed process's claim (3 s) in a running job; the claim's lapse and release run under "
-        "the sanitizer in test_heartbeat_instances_over_http"),
+        "waits out a killed process's claim (3 s) in a running job; the claim code (task_claims.c: the 409, "
+        "a holder's release) runs under the sanitizer in test_heartbeat_instances_over_http"),
     ("test_openapi.py", "test_spec_is_valid_openapi"): "validates the spec file with the OpenAPI "
         "validator: no C code runs (the live answers are checked under the sanitizer)",
     ("test_openapi.py", "test_route_table_matches_spec"): "compares psd --routes (which test_auth runs "
