@@ -284,6 +284,30 @@
   /* ------------------------------------------------------------ status */
 
   var lastStatus = null, lastStatusAt = 0, prevStep = null, prevEvalKey = "", prevUptime = null;
+  var rateSamples = [];  /* [ms, global_step] of the last ~10 s: pageRate */
+
+  /* steps a second from global_step over the last ~10 s of statuses (a
+   * pipeline stage reports no rate); null until 1 s of them is seen */
+  function pageRate(step) {
+    var t = now();
+    if (!isNum(step)) return null;
+    var last = rateSamples[rateSamples.length - 1];
+    if (last && step < last[1]) rateSamples = [];  /* a new job */
+    rateSamples.push([t, step]);
+    while (rateSamples.length > 2 && t - rateSamples[1][0] >= 10000) rateSamples.shift();
+    var first = rateSamples[0];
+    return t - first[0] >= 1000 ? (step - first[1]) * 1000 / (t - first[0]) : null;
+  }
+
+  /* The empty chart's words: the history is still loading, or it has no
+   * point although the status reports a loss, or no loss at all yet. */
+  function emptyText() {
+    if (hist.available === null || (hist.available === true && hist.count === 0)) return "loading the loss history\u2026";
+    if (lastStatus && isNum(lastStatus.last_loss))
+      return "no point in the loss history yet (last loss " + fmtLoss(lastStatus.last_loss) +
+             (isNum(lastStatus.global_step) ? " at step " + fmtInt(lastStatus.global_step) : "") + ")";
+    return "no loss reported yet";
+  }
   var ageCells = [];   /* [td, secs_ago at receipt] of the workers table */
 
   function renderStatus(s) {
@@ -302,24 +326,39 @@
       prevUptime = s.uptime_secs;
     }
 
+    /* a pipeline stage's endpoint (mode "pipeline") says less than psd:
+     * what it does not report is said so, not left blank */
+    var pipe = s.mode === "pipeline";
     var task = s.task && typeof s.task === "object" && s.task.type !== undefined
-      ? s.task.type + ":" + s.task.index : DASH;
+      ? s.task.type + ":" + s.task.index
+      : pipe && isNum(s.stage) && isNum(s.stages)
+        ? "stage " + s.stage + " of " + s.stages +
+          (isNum(s.replica) && isNum(s.replicas) && s.replicas > 1 ? ", replica " + s.replica + " of " + s.replicas : "")
+        : DASH;
     setText("task", task);
     var mode = typeof s.mode === "string" ? s.mode : DASH;
     var m = $("mode");
-    setText("mode", mode === DASH ? DASH : mode + " mode");
-    m.className = "badge" + (mode === "sync" || mode === "async" ? " mode-" + mode : "");
+    setText("mode", mode === DASH ? DASH : pipe ? "pipeline" : mode + " mode");
+    m.className = "badge" + (mode === "sync" || mode === "async" || pipe ? " mode-" + mode : "");
     var opt = typeof s.optimizer === "string" ? s.optimizer : "";
     var lr = isNum(s.learning_rate) ? "lr " + fmtNum(s.learning_rate) : "";
-    setText("optimizer", [opt, lr].filter(Boolean).join(" \u00b7 ") || DASH);
+    setText("optimizer", [opt, lr].filter(Boolean).join(" \u00b7 ") || (pipe ? "optimizer: see the stages' logs" : DASH));
 
     setText("global-step", fmtInt(s.global_step));
     $("global-step").setAttribute("data-value", isNum(s.global_step) ? String(s.global_step) : "");
     document.title = isNum(s.global_step) ? "restps \u00b7 step " + fmtInt(s.global_step) : "restps";
     setText("last-loss", fmtLoss(s.last_loss));
-    setText("steps-per-sec", fmtSI(s.steps_per_sec), isNum(s.steps_per_sec) ? String(s.steps_per_sec) : "");
+    var sps = s.steps_per_sec, spsSub = "";
+    if (!isNum(sps) && pipe) {
+      /* a stage reports no rate: the page's own, from global_step over time */
+      sps = pageRate(s.global_step);
+      spsSub = isNum(sps) ? "measured by this page" : "measuring\u2026";
+    }
+    setText("steps-per-sec", fmtSI(sps), isNum(sps) ? String(sps) : "");
+    setText("steps-per-sec-sub", spsSub);
     setText("examples-per-sec", fmtSI(s.examples_per_sec),
             isNum(s.examples_per_sec) ? String(s.examples_per_sec) : "");
+    setText("examples-per-sec-sub", !isNum(s.examples_per_sec) && pipe ? "not reported by a stage" : "");
 
     var ev = s.eval && typeof s.eval === "object" ? s.eval : null;
     setText("eval-loss", fmtLoss(ev && ev.loss));
@@ -333,10 +372,18 @@
     }
 
     var nWorkers = Array.isArray(s.workers) ? s.workers.length : (isNum(s.workers) ? s.workers : null);
+    var stagesUp = null;
+    if (!isNum(s.live_workers) && pipe && Array.isArray(s.pipeline)) {
+      /* the stages of this replica that answer its GET /v1/pipeline */
+      stagesUp = s.pipeline.filter(function (e) { return e && typeof e === "object" && e.error === undefined; }).length;
+    }
     setText("live-workers", isNum(s.live_workers)
-      ? fmtInt(s.live_workers) + (nWorkers !== null ? " / " + fmtInt(nWorkers) : "") : DASH);
+      ? fmtInt(s.live_workers) + (nWorkers !== null ? " / " + fmtInt(nWorkers) : "")
+      : stagesUp !== null ? fmtInt(stagesUp) + " / " + fmtInt(s.pipeline.length) : DASH);
+    setText("live-workers-sub", stagesUp !== null ? "stages answering" : "");
     setText("variables", fmtInt(s.variables));
-    setText("bytes", isNum(s.bytes) ? fmtBytes(s.bytes) : "", isNum(s.bytes) ? fmtInt(s.bytes) + " bytes" : "");
+    setText("bytes", isNum(s.bytes) ? fmtBytes(s.bytes) : !isNum(s.variables) && pipe ? "held by the stages, not reported" : "",
+            isNum(s.bytes) ? fmtInt(s.bytes) + " bytes" : "");
     setText("uptime", fmtDuration(s.uptime_secs));
     setText("requests", fmtSI(s.requests_served));
 
@@ -347,6 +394,7 @@
     tick();
 
     statusPoint(s);
+    if (!P.step.length && !E.step.length) requestDraw();  /* the empty chart's words follow the status */
     if (s.global_step !== prevStep || evalKey !== prevEvalKey) {
       prevStep = s.global_step;
       prevEvalKey = evalKey;
@@ -759,6 +807,7 @@
 
     var n = P.step.length, ne = E.step.length;
     $("chart-empty").hidden = n + ne > 0;
+    if (!n && !ne) setText("chart-empty", emptyText());
     updateChartFoot();
     if (!n && !ne) { finishDraw(t0, 0); return; }
 

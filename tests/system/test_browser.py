@@ -756,6 +756,26 @@ def test_missing_fields_and_number_formats(start_psd, browser):
     print(f"\nformats: {fmt}; screenshot {b.screenshot('formats-phone')}")
 
 
+def test_while_the_history_loads_the_chart_does_not_say_no_loss(start_psd, browser):
+    """Issue 37: while /v1/history had not answered, the chart said "no loss
+    reported yet" beside a last-loss card with the status's value. With the
+    history held back (blocked), the chart says it is loading; the card
+    shows psd's last loss."""
+    p = start_psd()
+    put_var(p.url, "w", np.zeros(4, np.float32))
+    body = st_grads([("w", np.full(4, 0.001, np.float32))], meta={"worker": "0", "step": "0", "loss": "0.75"})
+    st, _, out = http("POST", p.url + "/v1/grads", body)
+    assert st == 200, out
+    b = browser(1024, 768)
+    b.driver.execute_cdp_cmd("Network.enable", {})
+    b.driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/v1/history*"]})
+    b.driver.get(p.url + "/")
+    wait_for(lambda: b.text("last-loss") == "0.7500", 10, "the status's loss is not shown")
+    assert b.js("return document.getElementById('chart-empty').hidden") is False
+    assert b.text("chart-empty") == "loading the loss history\u2026", b.text("chart-empty")
+    assert not b.js_errors(allow=("net::ERR_BLOCKED_BY_CLIENT", "v1/history"))
+
+
 def test_the_step_timeline_draws_every_workers_last_steps(start_psd, browser):
     """Two workers' heartbeats carry their step spans (POST /v1/heartbeat's
     timeline, as workerd sends them); the page's timeline panel draws one row
@@ -878,10 +898,21 @@ def test_a_pipeline_chief_shows_its_stages(browser):
                  "the chief's page shows no loss")
         assert b.js("return document.getElementById('chart').getAttribute('data-source')") == "history"
         assert 0 < float(b.js("return document.getElementById('last-loss').textContent")) < 10
+        # issue 37: a stage reports no task, rate, workers or variables; the page says what it
+        # knows (the stage, its steps/s measured from global_step, the stages answering) and
+        # what a stage does not report, instead of blanks
+        assert b.text("task") == "stage 0 of 2" and b.text("mode") == "pipeline", (b.text("task"), b.text("mode"))
+        wait_for(lambda: b.text("steps-per-sec-sub") == "measured by this page", 10, "no steps/s of the stage")
+        assert float(b.text("steps-per-sec").rstrip("kM")) > 0, b.text("steps-per-sec")
+        assert b.text("examples-per-sec-sub") == "not reported by a stage"
+        assert b.text("live-workers") == "2 / 2" and b.text("live-workers-sub") == "stages answering"
+        assert b.text("bytes") == "held by the stages, not reported"
+        assert b.text("optimizer") != "\u2014"
         procs[0].kill()  # stage 1
         procs[0].wait()
         wait_for(lambda: len(rows()) == 2 and rows()[1][1] not in ("", "\u2014") and len(rows()[1]) == 2, 15,
                  "the dead stage's row does not say it does not answer")
+        assert b.text("live-workers") == "1 / 2", b.text("live-workers")
         assert not [e for e in b.js_errors(allow=("net::ERR_BLOCKED_BY_CLIENT", "v1/events"))]
     finally:
         for p in procs:
