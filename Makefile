@@ -55,7 +55,7 @@ MODEL_SRC    = client/model/model.c client/model/model_spec.c client/model/model
 DEVICE_SRC   = client/model/model_device.c
 DATA_SRC     = client/data/idx.c client/data/batcher.c client/data/langid.c
 SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/heartbeat.c \
-               client/shards/step_timeline.c
+               client/shards/step_timeline.c client/shards/overlap.c
 RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c
 PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
                client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c

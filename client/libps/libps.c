@@ -267,7 +267,8 @@ int ps_pull_params_many(ps_client *c, ps_pull_req *r, int n)
                      c->moving_average ? "/v1/params?moving_average=1" : "/v1/params",
                      !r[i].dtype ? "" : c->moving_average ? "&dtype=" : "?dtype=", r[i].dtype ? r[i].dtype : "");
         }
-        ss[i] = (sink){.buf = r[i].buf, .cap = r[i].cap};
+        ss[i] = (sink){.buf = r[i].buf, .cap = r[i].cap, .landed = r[i].landed, .landed_arg = r[i].landed_arg,
+                       .shard = r[i].shard};
         xs[i] = (xfer){.shard = r[i].shard, .method = "GET", .path = paths[i], .s = &ss[i],
                        .mode = RETRY_ANY};
     }
@@ -366,8 +367,11 @@ int ps_push_grads_many(ps_client *c, ps_push_req *r, int n)
             snprintf(idh[i], sizeof(idh[i]), "X-Push-Id: %s", r[i].push_id);
             extra[i][1] = idh[i];
         }
-        src[i] = (source){.part = {r[i].head, r[i].data}, .len = {r[i].head_len, r[i].data_len}};
-        ss[i] = r[i].ret_buf ? (sink){.buf = r[i].ret_buf, .cap = r[i].ret_cap} : (sink){.growable = 1};
+        src[i] = (source){.part = {r[i].head, r[i].data}, .len = {r[i].head_len, r[i].data_len},
+                          .more = r[i].parts, .n_more = r[i].n_parts, .gate = r[i].gate, .gate_arg = r[i].gate_arg};
+        ss[i] = r[i].ret_buf ? (sink){.buf = r[i].ret_buf, .cap = r[i].ret_cap, .landed = r[i].landed,
+                                      .landed_arg = r[i].landed_arg, .shard = r[i].shard}
+                             : (sink){.growable = 1};
         push_path(&r[i], paths[i], sizeof(paths[i]), &wait_ms);
         xs[i] = (xfer){.shard = r[i].shard, .method = "POST", .path = paths[i], .extra = extra[i],
                        .src = &src[i], .s = &ss[i],

@@ -138,6 +138,20 @@ void ps_set_retry_ms(ps_client *c, long retry_ms);
  * (GET /v1/params?moving_average=1, --moving_average_decay) */
 void ps_set_moving_average(ps_client *c, int on);
 
+/* Streaming (workerd --overlap), on the thread that runs the request:
+ * landed(arg, shard, len, global_step) each time answer bytes land in a
+ * pull's buf (or a push's ret_buf): len is how many are there now (0: a new
+ * try starts over), global_step the answer's X-Global-Step (-1 when it had
+ * none). A push's data may come in pieces (parts, n_parts, instead of data
+ * and data_len), and gate(arg, k) (not NULL) is asked before the body reads
+ * from piece k, on every try: it returns once the piece may be read (0), or
+ * nonzero to stop the request (PS_ENET). */
+typedef struct ps_part {
+    const void *data;
+    size_t len;
+} ps_part;
+typedef void (*ps_landed_fn)(void *arg, int shard, size_t len, int64_t global_step);
+
 /* What became of a bulk push (ps_push_req.outcome). */
 enum { PS_PUSH_APPLIED, PS_PUSH_DUPLICATE, PS_PUSH_STALE, PS_PUSH_PENDING };
 
@@ -161,6 +175,8 @@ typedef struct ps_pull_req {
     const char *dtype;  /* NULL or "fp32": float32 bodies; "bf16", "fp16": 16-bit (&dtype=) */
     void *buf;
     size_t cap;
+    ps_landed_fn landed;  /* may be NULL (above) */
+    void *landed_arg;
     size_t len;           /* out */
     int64_t global_step;  /* out */
 } ps_pull_req;
@@ -173,6 +189,12 @@ typedef struct ps_push_req {
     const void *data;
     size_t data_len;
     const char *push_id;  /* may be NULL */
+    const ps_part *parts; /* n_parts > 0: the data in these pieces, in order (streaming, above) */
+    int n_parts;
+    int (*gate)(void *arg, int part);
+    void *gate_arg;
+    ps_landed_fn landed;  /* for ret_buf; may be NULL */
+    void *landed_arg;
     /* ret_buf != NULL: POST /v1/grads?return=params, one round trip: the
      * answer is the shard's variables after the update (a GET /v1/params
      * body, in ret_dtype: NULL/"fp32", "bf16", "fp16") into ret_buf

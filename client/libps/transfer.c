@@ -141,6 +141,8 @@ static size_t on_write(char *p, size_t size, size_t nmemb, void *ud)
     }
     memcpy(s->buf + s->len, p, n);
     s->len += n;
+    if (s->landed)
+        s->landed(s->landed_arg, s->shard, s->len, s->has_step ? s->global_step : -1);
     return n;
 }
 
@@ -191,19 +193,39 @@ static size_t on_header(char *p, size_t size, size_t nmemb, void *ud)
     return n;
 }
 
+size_t source_total(const source *src)
+{
+    size_t t = src->len[0] + (src->n_more > 0 ? 0 : src->len[1]);
+    for (int k = 0; k < src->n_more; k++)
+        t += src->more[k].len;
+    return t;
+}
+
 static size_t on_read(char *p, size_t size, size_t nmemb, void *ud)
 {
     source *src = ud;
     size_t room = size * nmemb, done = 0;
-    while (done < room && src->idx < 2) {
-        size_t left = src->len[src->idx] - src->pos;
+    const size_t n = src->n_more > 0 ? 1 + (size_t)src->n_more : 2;
+    while (done < room && src->idx < n) {
+        const unsigned char *at = src->idx == 0 || src->n_more == 0 ? src->part[src->idx]
+                                                                   : src->more[src->idx - 1].data;
+        size_t len = src->idx == 0 || src->n_more == 0 ? src->len[src->idx] : src->more[src->idx - 1].len;
+        if (src->idx > 0 && src->gate && src->gated < (int)src->idx) {
+            /* a piece not yet ready (streaming): what is here goes first */
+            if (done > 0)
+                break;
+            if (src->gate(src->gate_arg, (int)src->idx - 1) != 0)
+                return CURL_READFUNC_ABORT;
+            src->gated = (int)src->idx;
+        }
+        size_t left = len - src->pos;
         if (left == 0) {
             src->idx++;
             src->pos = 0;
             continue;
         }
         size_t k = left < room - done ? left : room - done;
-        memcpy(p + done, src->part[src->idx] + src->pos, k);
+        memcpy(p + done, at + src->pos, k);
         src->pos += k;
         done += k;
     }
@@ -328,6 +350,8 @@ static CURL *xfer_setup(ps_client *c, xfer *x)
     s->overflow = 0;
     s->errlen = 0;
     s->errbody[0] = '\0';
+    if (s->landed) /* a new try: what landed before does not count */
+        s->landed(s->landed_arg, s->shard, s->len, -1);
     curl_easy_setopt(h, CURLOPT_URL, x->url);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, x->hdrs);
     curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_write);
@@ -365,7 +389,8 @@ static CURL *xfer_setup(ps_client *c, xfer *x)
     if (x->src) {
         x->src->idx = 0;
         x->src->pos = 0;
-        curl_off_t total = (curl_off_t)(x->src->len[0] + x->src->len[1]);
+        x->src->gated = 0;
+        curl_off_t total = (curl_off_t)source_total(x->src);
         curl_easy_setopt(h, CURLOPT_READFUNCTION, on_read);
         curl_easy_setopt(h, CURLOPT_READDATA, x->src);
         if (strcmp(x->method, "PUT") == 0) {
@@ -435,7 +460,7 @@ static int bodies_sent(ps_client *c, xfer *xs, int n)
             continue;
         curl_off_t up = 0;
         if (!xs[i].src || curl_easy_getinfo(c->h[xs[i].shard], CURLINFO_SIZE_UPLOAD_T, &up) != CURLE_OK ||
-            up < (curl_off_t)(xs[i].src->len[0] + xs[i].src->len[1]))
+            up < (curl_off_t)source_total(xs[i].src))
             return 0;
     }
     return 1;
@@ -517,7 +542,7 @@ static void xfer_try(ps_client *c, xfer *xs, int n)
     size_t biggest = 0;
     for (int i = 0; i < n; i++)
         if (!xs[i].done) {
-            size_t b = xs[i].src ? xs[i].src->len[0] + xs[i].src->len[1] : xs[i].s->cap;
+            size_t b = xs[i].src ? source_total(xs[i].src) : xs[i].s->cap;
             if (b > biggest)
                 biggest = b;
         }

@@ -53,14 +53,25 @@ typedef struct sink {
     uint64_t version;
     int64_t global_step;
     int has_step;
+    ps_landed_fn landed; /* streaming: bytes landed in buf (libps.h) */
+    void *landed_arg;
+    int shard;
 } sink;
 
-/* What a request sends. */
+/* What a request sends: part[0] then part[1], or with n_more > 0 part[0]
+ * then the pieces more[0..n_more) (each asked of gate first, libps.h). */
 typedef struct source {
     const unsigned char *part[2];
     size_t len[2];
     size_t idx, pos;
+    const ps_part *more;
+    int n_more;
+    int (*gate)(void *arg, int part);
+    void *gate_arg;
+    int gated;  /* pieces the gate let through on this try */
 } source;
+/* Its bytes in all. */
+size_t source_total(const source *src);
 
 /* Which failures a request retries: any network error and 503 (idempotent
  * requests), or only a connection that was never made. */

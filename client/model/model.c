@@ -139,7 +139,24 @@ int model_forward_backward(model *m, const float *params, const float *x, const 
 {
     if (!m || !params || !x || !labels || !grads || !loss || batch < 1 || batch > m->max_batch)
         return -1;
-    return m->backend->forward_backward(m, params, x, labels, batch, ctx, grads, loss);
+    if (!ctx || m->backend->layer_hooks || (!ctx->wait_params && !ctx->loss_done && !ctx->grads_done))
+        return m->backend->forward_backward(m, params, x, labels, batch, ctx, grads, loss);
+    /* a backend that does not call the overlap hooks: all of them around it */
+    const model_layout *ly = &m->layout;
+    for (int l = 0; l < ly->n_layers; l++)
+        if (ly->layers[l].w >= 0 && ctx->wait_params && ctx->wait_params(ctx->hook_arg, l) != 0)
+            return -1;
+    model_ctx plain = *ctx;
+    plain.wait_params = NULL;
+    plain.loss_done = NULL;
+    plain.grads_done = NULL;
+    int rc = m->backend->forward_backward(m, params, x, labels, batch, &plain, grads, loss);
+    if (rc != 0 || (ctx->loss_done && ctx->loss_done(ctx->hook_arg, *loss) != 0))
+        return -1;
+    for (int l = ly->n_layers - 1; l >= 0; l--)
+        if (ly->layers[l].w >= 0 && ctx->grads_done)
+            ctx->grads_done(ctx->hook_arg, l);
+    return 0;
 }
 
 int model_evaluate(model *m, const float *params, const float *x, const uint8_t *labels,

@@ -197,6 +197,18 @@ typedef struct model_ctx {
     const int64_t *example; /* [batch] or NULL */
     int64_t example0;
     int inference;
+    /* Overlap hooks (workerd --overlap; NULL: none), called from inside
+     * model_forward_backward on its thread: wait_params(arg, l) before layer l
+     * (one with parameters) reads them, nonzero stops the step (the call
+     * returns -1); loss_done(arg, loss) once the loss is known, nonzero stops
+     * the step; grads_done(arg, l) once layer l's parameter gradients are
+     * written (the last layer first). The floats are those of a call without
+     * hooks. A backend with layer_hooks 0 gets them all called around its
+     * forward_backward by the front door (no overlap, the same order). */
+    int (*wait_params)(void *arg, int layer);
+    int (*loss_done)(void *arg, double loss);
+    void (*grads_done)(void *arg, int layer);
+    void *hook_arg;
 } model_ctx;
 
 /* The example index of row i under ctx (NULL: i). */
@@ -297,6 +309,7 @@ struct model_backend {
                        const int64_t *off, int batch, int mean, float *out);
     int (*bag_backward)(model *m, const float *dout, int64_t n_rows, int dim, const int32_t *idx,
                         const int64_t *off, int batch, int mean, float *drows);
+    int layer_hooks; /* 1: forward_backward calls model_ctx's overlap hooks itself, layer by layer */
 };
 
 /* The OpenBLAS backend (model_cpu.c). */

@@ -1139,9 +1139,11 @@ static model *cpu_create(const model_layout *layout, int max_batch, char *err, s
     return &c->base;
 }
 
-/* Layers first..last on in; returns the last layer's output (internal). */
+/* Layers first..last on in; returns the last layer's output (internal), or
+ * NULL when hooks' wait_params stopped it (model_ctx's overlap hooks; hooks
+ * NULL: none). */
 static const float *forward(model_cpu *c, int first, int last, const float *params, const float *in,
-                            int B, const model_ctx *ctx)
+                            int B, const model_ctx *ctx, const model_ctx *hooks)
 {
     const model_layout *ly = &c->base.layout;
     const float *x = in;
@@ -1160,6 +1162,8 @@ static const float *forward(model_cpu *c, int first, int last, const float *para
             x = c->act[li] = c->own[li];
             continue;
         }
+        if (hooks && l->w >= 0 && hooks->wait_params && hooks->wait_params(hooks->hook_arg, li) != 0)
+            return NULL; /* its parameters did not come */
         if (l->kind != LAYER_FLATTEN)
             c->act[li] = c->own[li]; /* a ReLU fused in an earlier forward pointed elsewhere */
         float *y = c->act[li];
@@ -1237,9 +1241,10 @@ static int params_below(const model_layout *ly, int first, int upto)
 
 /* add 0: grads gets the range's parameter gradients; 1: they are added to
  * its floats (a dense layer's sgemm adds them itself; a convolution's go
- * through a buffer of the layer's size, then are added). */
+ * through a buffer of the layer's size, then are added). hooks (may be
+ * NULL): its grads_done after each layer's parameter gradients. */
 static int backward(model_cpu *c, int first, int last, const float *params, const float *dout, int B,
-                    float *din, float *grads, int add)
+                    float *din, float *grads, int add, const model_ctx *hooks)
 {
     const model_layout *ly = &c->base.layout;
     if (c->fwd_first != first || c->fwd_last != last || c->fwd_batch != B)
@@ -1313,6 +1318,8 @@ static int backward(model_cpu *c, int first, int last, const float *params, cons
                 dx = (float *)g; /* the same floats */
             break;
         }
+        if (hooks && hooks->grads_done && l->w >= 0)
+            hooks->grads_done(hooks->hook_arg, li);
         g = dx;
     }
     return 0;
@@ -1360,7 +1367,7 @@ static int cpu_forward_range(model *m, int first, int last, const float *params,
                              int B, const model_ctx *ctx, float *out)
 {
     model_cpu *c = (model_cpu *)m;
-    const float *y = forward(c, first, last, params, in, B, ctx);
+    const float *y = forward(c, first, last, params, in, B, ctx, NULL);
     if (y != out)
         memmove(out, y, (size_t)B * m->layout.layers[last].out_numel * sizeof(float));
     return 0;
@@ -1369,13 +1376,13 @@ static int cpu_forward_range(model *m, int first, int last, const float *params,
 static int cpu_backward_range(model *m, int first, int last, const float *params, const float *dout,
                               int B, float *din, float *grads)
 {
-    return backward((model_cpu *)m, first, last, params, dout, B, din, grads, 0);
+    return backward((model_cpu *)m, first, last, params, dout, B, din, grads, 0, NULL);
 }
 
 static int cpu_backward_range_add(model *m, int first, int last, const float *params, const float *dout,
                                   int B, float *din, float *grads)
 {
-    return backward((model_cpu *)m, first, last, params, dout, B, din, grads, 1);
+    return backward((model_cpu *)m, first, last, params, dout, B, din, grads, 1, NULL);
 }
 
 static int cpu_loss_head(model *m, const float *logits, const uint8_t *labels, int B, float *dlogits,
@@ -1390,10 +1397,13 @@ static int cpu_forward_backward(model *m, const float *params, const float *x,
 {
     model_cpu *c = (model_cpu *)m;
     const int L = m->layout.n_layers;
-    const float *logits = forward(c, 0, L - 1, params, x, B, ctx);
-    if (loss_and_grad(logits, labels, B, m->layout.n_classes, c->d[0], loss) != 0)
+    const model_ctx *hooks = ctx && (ctx->wait_params || ctx->loss_done || ctx->grads_done) ? ctx : NULL;
+    const float *logits = forward(c, 0, L - 1, params, x, B, ctx, hooks);
+    if (!logits || loss_and_grad(logits, labels, B, m->layout.n_classes, c->d[0], loss) != 0)
         return -1;
-    return backward(c, 0, L - 1, params, c->d[0], B, NULL, grads, 0);
+    if (hooks && hooks->loss_done && hooks->loss_done(hooks->hook_arg, *loss) != 0)
+        return -1;
+    return backward(c, 0, L - 1, params, c->d[0], B, NULL, grads, 0, hooks);
 }
 
 static int cpu_evaluate(model *m, const float *params, const float *x, const uint8_t *labels,
@@ -1410,7 +1420,7 @@ static int cpu_evaluate(model *m, const float *params, const float *x, const uin
     int64_t correct = 0;
     for (int64_t start = 0; start < n; start += m->max_batch) {
         int B = (int)(n - start < m->max_batch ? n - start : m->max_batch);
-        const float *logits = forward(c, 0, L - 1, params, x + (size_t)start * ly->n_in, B, &inference);
+        const float *logits = forward(c, 0, L - 1, params, x + (size_t)start * ly->n_in, B, &inference, NULL);
         for (int i = 0; i < B; i++) {
             const float *zi = logits + (size_t)i * C;
             int arg = 0;
@@ -1436,6 +1446,7 @@ static int cpu_evaluate(model *m, const float *params, const float *x, const uin
 
 const model_backend model_backend_cpu = {
     .name = "cpu",
+    .layer_hooks = 1,
     .create = cpu_create,
     .destroy = cpu_destroy,
     .forward_backward = cpu_forward_backward,

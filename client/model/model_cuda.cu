@@ -1381,7 +1381,7 @@ static int cuda_evaluate(model *m, const float *params, const float *x, const ui
     const model_layout *ly = &m->layout;
     const int L = ly->n_layers, C = ly->n_classes;
     const size_t D = ly->n_in;
-    const model_ctx inference = {0, 0, NULL, 0, 1};
+    const model_ctx inference = {0, 0, NULL, 0, 1, NULL, NULL, NULL, NULL};
     char err[512];
     const size_t errlen = sizeof(err);
     stage_end(c); /* evaluate ends the staging too (model.h); it uses slot 0 */
@@ -1679,4 +1679,5 @@ extern "C" const model_backend model_backend_cuda = {
     nullptr, /* backward_range_add: model_backward_range_add's sum over backward_range */
     cuda_bag_forward,
     cuda_bag_backward,
+    0, /* layer_hooks: the front door calls model_ctx's overlap hooks around forward_backward */
 };

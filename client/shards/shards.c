@@ -144,6 +144,8 @@ static int unpack(shards *sh, int i, size_t len, float *params, int *missing)
                 rc = PS_EPROTO;
                 break;
             }
+            if (pass == 1 && !params) /* streaming: the overlap copies it */
+                continue;
             if (pass == 1 && dt == WIRE_F32)
                 memcpy(params + pc->offset, s->rx + f.data_start + f.tensors[j].begin, pc->numel * 4);
             else if (pass == 1) /* 16-bit: widened (the ps checked them finite as float32) */
@@ -201,14 +203,17 @@ static int pull_range(shards *sh, float *params, const int64_t *want, long timeo
                                    .clock = i == 0 ? clock : 0,
                                    .dtype = sh->wire == WIRE_F32 ? NULL : wire_dtype_name(sh->wire),
                                    .buf = sh->s[i].rx,
-                                   .cap = sh->s[i].rx_cap};
+                                   .cap = sh->s[i].rx_cap,
+                                   .landed = sh->st.pull ? sh->st.landed : NULL,
+                                   .landed_arg = sh->st.arg};
     if (n == 0)
         return PS_OK;
     int rc = ps_pull_params_many(sh->c, r, n);
     if (rc != PS_OK)
         return rc;
     for (int k = 0; k < n; k++)
-        if ((rc = take_answer(sh, params, r[k].shard, r[k].len, r[k].global_step, step)) != PS_OK)
+        if ((rc = take_answer(sh, sh->st.pull ? NULL : params, r[k].shard, r[k].len, r[k].global_step, step)) !=
+            PS_OK)
             return rc;
     count_back(sh);
     return PS_OK;
@@ -323,6 +328,21 @@ static void encode_all(shards *sh, const float **dense)
     }
 }
 
+/* Streaming pushes: piece k of shard i's body (last layer first) may be
+ * read once its layer's gradients are there. */
+typedef struct push_gate {
+    shards *sh;
+    int i;
+} push_gate;
+
+static int gate_piece(void *arg, int k)
+{
+    const push_gate *g = arg;
+    const shard *s = &g->sh->s[g->i];
+    const place_piece *pc = &g->sh->pl.pieces[s->p[s->n_p - 1 - k]];
+    return g->sh->st.layer_ready(g->sh->st.arg, g->sh->L->tensors[pc->tensor].layer);
+}
+
 /* One push to every shard (ret: with each shard's variables back into
  * params, shards_push_pull). */
 static int push_all(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, float *ret,
@@ -337,9 +357,15 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
     char *heads[sh->n];
     unsigned char *joined[sh->n]; /* a shard's dense gradients and extra tensors, one after the other */
     const float *dense[sh->n];
+    ps_part *parts[sh->n]; /* streaming: the pieces, last layer first, straight from grads */
+    push_gate gates[sh->n];
+    const int stream = sh->st.push && sh->wire == WIRE_F32 && !extra;
     memset(heads, 0, sizeof(heads));
     memset(joined, 0, sizeof(joined));
-    gather(sh, grads, dense);
+    memset(parts, 0, sizeof(parts));
+    memset(dense, 0, sizeof(dense));
+    if (!stream) /* (streaming reads each piece only once it is there) */
+        gather(sh, grads, dense);
     if (sh->wire != WIRE_F32)
         encode_all(sh, dense);
     snprintf(scale, sizeof(scale), "%.0f", sh->loss_scale);
@@ -351,8 +377,18 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
         if (s->n_p == 0 && ne == 0)
             continue; /* nothing of the model there (ps 0 always holds something) */
         st_desc d[s->n_p + ne];
-        for (int k = 0; k < s->n_p; k++)
-            d[k] = (st_desc){sh->pl.pieces[s->p[k]].name, wire_dtype_st(sh->wire), &sh->pl.pieces[s->p[k]].shape};
+        if (stream && !(parts[i] = malloc(sizeof(ps_part) * (size_t)(s->n_p ? s->n_p : 1)))) {
+            fprintf(stderr, "workerd: out of memory building a push\n");
+            rc = PS_ENOMEM;
+            goto out;
+        }
+        for (int k = 0; k < s->n_p; k++) {
+            const place_piece *pc = &sh->pl.pieces[s->p[stream ? s->n_p - 1 - k : k]];
+            d[k] = (st_desc){pc->name, wire_dtype_st(sh->wire), &pc->shape};
+            if (stream)
+                parts[i][k] = (ps_part){grads + pc->offset, pc->numel * 4};
+        }
+        gates[i] = (push_gate){sh, i};
         for (int k = 0; k < ne; k++)
             d[s->n_p + k] = extra[i].d[k];
         snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
@@ -397,12 +433,20 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
                                .data_len = data_len, .push_id = m->push_id};
         if (ret)
             r[n - 1] = (ps_push_req){.shard = i, .head = heads[i], .head_len = hl, .data = data,
-                                     .data_len = data_len, .push_id = m->push_id, .ret_buf = s->rx,
+                                     .data_len = data_len, .push_id = m->push_id,
+                                     .landed = sh->st.pull ? sh->st.landed : NULL, .landed_arg = sh->st.arg,
+                                     .ret_buf = s->rx,
                                      .ret_cap = s->rx_cap, .ret_min_step = -1,
                                      .ret_dtype = sh->wire == WIRE_F32 ? NULL : wire_dtype_name(sh->wire),
                                      .ret_worker = i == 0 ? m->worker : -1,
                                      .ret_min_clock = i == 0 ? min_clock : 0, .ret_clock = i == 0 ? clock : 0,
                                      .ret_timeout_ms = timeout_ms};
+        if (stream) {
+            r[n - 1].parts = parts[i];
+            r[n - 1].n_parts = s->n_p;
+            r[n - 1].gate = gate_piece;
+            r[n - 1].gate_arg = &gates[i];
+        }
     }
     if ((rc = ps_push_grads_many(sh->c, r, n)) != PS_OK)
         goto out;
@@ -412,7 +456,7 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
     *step = r[0].global_step;
     if (ret) {
         for (int k = 0; k < n && rc == PS_OK; k++)
-            rc = take_answer(sh, ret, r[k].shard, r[k].ret_len, r[k].global_step, step);
+            rc = take_answer(sh, sh->st.pull ? NULL : ret, r[k].shard, r[k].ret_len, r[k].global_step, step);
         count_back(sh);
         /* stale-synchronous: when ps 0 waited for the slowest worker, the
          * other shards' answers predate the updates it waited for: read
@@ -428,6 +472,7 @@ out:
     for (int i = 0; i < sh->n; i++) {
         free(heads[i]);
         free(joined[i]);
+        free(parts[i]);
     }
     return rc;
 }

@@ -31,6 +31,18 @@ typedef struct shard {
     int64_t back_step;          /* its global_step then */
 } shard;
 
+/* Streaming (overlap.h sets it while a transfer runs on its thread): pull
+ * 1: pulls (and ?return=params answers) tell landed as their bytes land and
+ * leave params alone (the overlap copies each layer as it comes); push 1:
+ * a push's body holds its tensors last layer first, each read once
+ * layer_ready(arg, its layer) returned 0 (float32, no extra tensors). */
+typedef struct shards_stream {
+    int pull, push;
+    ps_landed_fn landed;
+    int (*layer_ready)(void *arg, int layer);
+    void *arg;
+} shards_stream;
+
 typedef struct shards {
     ps_client *c;
     const model_layout *L;
@@ -53,6 +65,7 @@ typedef struct shards {
     double loss_scale;
     int64_t clean;     /* pushes since the scale last moved */
     int64_t backoffs;  /* times it was halved */
+    shards_stream st;
 } shards;
 
 int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,

@@ -28,6 +28,7 @@
 
 #include "clock.h"
 #include "log.h"
+#include "shards/overlap.h"
 #include "shards/shards.h"
 #include "workerd/progress.h"
 
@@ -41,6 +42,8 @@ typedef struct worker {
     json_t *cfg; /* the chief's configuration, as a worker reads it */
     heartbeat *hb;
     step_timeline *tl; /* the steps' spans, to the ps with the heartbeat */
+    overlap *ov;       /* --overlap: the transfer thread, or NULL */
+    int64_t ov_pulls, ov_pushes; /* --overlap: pulls streamed into the forward pass, pushes from the backward */
     int sync;
     const char *opt_name;
     int64_t ssp;       /* stale-synchronous: the staleness bound, or -1 */
@@ -216,6 +219,10 @@ static void prepare(worker *w)
         w->tl = w->hb ? step_timeline_new() : NULL;
         heartbeat_set_timeline(w->hb, w->tl);
     }
+    /* --overlap: the transfers on a thread of their own (float32 only: a
+     * 16-bit push is cast, and scaled, whole) */
+    if (c->overlap && c->wire == WIRE_F32 && !(w->ov = overlap_new(&w->sh)))
+        fprintf(stderr, "workerd: %s: no thread for --overlap: training without it\n", c->name);
     w->max_local = c->num_epochs > 0
                        ? (int64_t)(c->num_epochs * (double)(w->rb.b.count / ((int64_t)c->n_trainers * c->batch_size)))
                        : -1;
@@ -398,42 +405,52 @@ static int pulled(worker *w)
     return GO_ON;
 }
 
-/* Pull every shard (sync: long-poll for the step we need). */
-static int step_pull(worker *w)
+/* The pull of this mode into params (k: this task's iteration); *step =
+ * ps 0's global step. */
+static int pull_request(worker *w, int64_t k, int64_t *step)
 {
     const train_config *c = w->c;
-    int behind = 0, prc;
-    if (w->returned) { /* the push's answer held them: one round trip a step */
-        w->returned = 0;
-        return pulled(w);
-    }
-    double t0 = clk_mono_secs();
-    if (w->sync)
-        prc = shards_pull_sync(&w->sh, w->rb.params, c->trainer, 30000, c->train_steps, &w->step, &behind);
-    else if (w->ssp >= 0 && w->k >= 0)
+    int behind = 0;
+    if (w->sync) /* sync: behind or not, a gradient for the current step goes out; a
+                    shard that holds ours already answers "duplicate" */
+        return shards_pull_sync(&w->sh, w->rb.params, c->trainer, 30000, c->train_steps, step, &behind);
+    if (w->ssp >= 0 && k >= 0)
         /* stale-synchronous: iteration k starts once the slowest live
          * worker completed k - S (a long poll on ps 0) */
-        prc = shards_pull_ssp(&w->sh, w->rb.params, c->trainer, w->k, w->k - w->ssp, 30000, &w->step);
-    else
-        prc = shards_pull(&w->sh, w->rb.params, -1, 0, &w->step);
-    (void)behind; /* sync: behind or not, a gradient for the current step goes out; a
-                     shard that holds ours already answers "duplicate" */
-    if (prc != PS_OK)
-        return ps_failed(w, prc, "pull");
-    /* the wait for the answer's first byte: sync, the step's other gradients;
-     * stale-synchronous, the slowest worker; then the parameters' transfer */
-    double t1 = clk_mono_secs(), waited = ps_last_wait_secs(w->pc);
+        return shards_pull_ssp(&w->sh, w->rb.params, c->trainer, k, k - w->ssp, 30000, step);
+    return shards_pull(&w->sh, w->rb.params, -1, 0, step);
+}
+
+/* A pull's spans, from t0 to t1: the wait for the answer's first byte
+ * (sync, the step's other gradients; stale-synchronous, the slowest
+ * worker), then the parameters' transfer. */
+static void pull_spans(worker *w, double t0, double t1, double waited)
+{
     if (waited > t1 - t0)
         waited = t1 - t0;
     if (waited >= 0.0005)
         step_timeline_add(w->tl, TL_WAIT, w->step, t0, t0 + waited,
                           w->sync ? "the step's gradients" : w->ssp >= 0 ? "the slowest worker" : "the ps");
     step_timeline_add(w->tl, TL_PULL, w->step, t0 + waited, t1, NULL);
+}
+
+/* Pull every shard (sync: long-poll for the step we need). */
+static int step_pull(worker *w)
+{
+    if (w->returned) { /* the push's answer held them: one round trip a step */
+        w->returned = 0;
+        return pulled(w);
+    }
+    double t0 = clk_mono_secs();
+    int prc = pull_request(w, w->k, &w->step);
+    if (prc != PS_OK)
+        return ps_failed(w, prc, "pull");
+    pull_spans(w, t0, clk_mono_secs(), ps_last_wait_secs(w->pc));
     return pulled(w);
 }
 
-/* Forward and backward on this task's next batch. */
-static int step_compute(worker *w)
+/* This step's batch into rb->cur. */
+static void choose_batch(worker *w)
 {
     const train_config *c = w->c;
     role_bufs *rb = &w->rb;
@@ -451,6 +468,14 @@ static int step_compute(worker *w)
         role_bufs_gather(rb, w->sync ? w->step : w->k, rb->cur);
     w->next_k = -1; /* the forward_backward below ends the staging either way */
     w->k++;
+}
+
+/* Forward and backward on this task's next batch. */
+static int step_compute(worker *w)
+{
+    const train_config *c = w->c;
+    role_bufs *rb = &w->rb;
+    choose_batch(w);
     double t0 = clk_mono_secs();
     if (role_bufs_forward_backward(rb, w->step, &w->loss) != 0) {
         fprintf(stderr, "workerd: forward/backward failed\n");
@@ -461,6 +486,8 @@ static int step_compute(worker *w)
     step_timeline_add(w->tl, TL_COMPUTE, w->step, t0, clk_mono_secs(), NULL);
     return GO_ON;
 }
+
+static int push_result(worker *w, int prc, int ret, double t0, double t1);
 
 /* Push the gradients with an id that makes a retry harmless. */
 static int step_push(worker *w)
@@ -484,8 +511,17 @@ static int step_push(worker *w)
                                      w->ssp >= 0 ? w->k : 0, 30000, &w->after, &outcome)
                   : shards_push(&w->sh, w->rb.grads, &pm, &w->after, &outcome);
     ps_set_while_waiting(w->pc, NULL, NULL); /* nb goes out of scope */
+    return push_result(w, prc, ret, t0, clk_mono_secs());
+}
+
+/* What a push from t0 to t1 (ret: with the parameters back) says: its span,
+ * the next step's parameters, or pull again (a shard restarted), or leave. */
+static int push_result(worker *w, int prc, int ret, double t0, double t1)
+{
+    const train_config *c = w->c;
+    int sync = w->sync;
     if (prc == PS_OK)
-        step_timeline_add(w->tl, TL_PUSH, w->step, t0, clk_mono_secs(), NULL);
+        step_timeline_add(w->tl, TL_PUSH, w->step, t0, t1, NULL);
     if (ret && prc == PS_OK) { /* the parameters came with the answer: the next step's */
         w->returned = 1;
         w->step = w->after;
@@ -533,17 +569,192 @@ static int step_account(worker *w)
     return GO_ON;
 }
 
+/* --overlap (shards/overlap.h): a transfer thread's job, what it takes
+ * and what it gives back. */
+typedef struct ov_job {
+    worker *w;
+    int64_t k;          /* the pull: this task's iteration */
+    int64_t step;       /* the pull: ps 0's global step */
+    push_meta pm;       /* the push */
+    char id[64];
+    int ret;            /* the push answers with the parameters */
+    int64_t min_clock, clock, after;
+    int outcome;
+    int prc;
+    double t0, t1, waited;
+} ov_job;
+
+static int job_pull(void *arg)
+{
+    ov_job *j = arg;
+    j->t0 = clk_mono_secs();
+    j->prc = pull_request(j->w, j->k, &j->step);
+    j->t1 = clk_mono_secs();
+    j->waited = ps_last_wait_secs(j->w->pc);
+    return j->prc;
+}
+
+static int job_push(void *arg)
+{
+    ov_job *j = arg;
+    worker *w = j->w;
+    j->t0 = clk_mono_secs();
+    j->prc = j->ret ? shards_push_pull(&w->sh, w->rb.grads, &j->pm, w->rb.params, j->min_clock, j->clock, 30000,
+                                       &j->after, &j->outcome)
+                    : shards_push(&w->sh, w->rb.grads, &j->pm, &j->after, &j->outcome);
+    j->t1 = clk_mono_secs();
+    return j->prc;
+}
+
+/* One overlapped step, as its hooks see it. */
+typedef struct ov_step {
+    worker *w;
+    ov_job pull, push;
+    int pulling;       /* the pull streams into this forward pass */
+    int pushing;       /* the push job runs */
+    int64_t predicted; /* the step the pull is for, as the batch was chosen */
+    int verdict;       /* a hook stopped the step: what the loop does, or -1 */
+} ov_step;
+
+/* The streamed pull, waited for: its spans, and what it says (pulled).
+ * A try that started over after some of it was taken, or a step that is
+ * not the one the batch was chosen for, pulls again (in the usual way). */
+static int ov_pull_done(ov_step *x)
+{
+    worker *w = x->w;
+    overlap_wait(w->ov);
+    int torn = overlap_pull_end(w->ov);
+    x->pulling = 0;
+    if (x->pull.prc != PS_OK)
+        return ps_failed(w, x->pull.prc, "pull");
+    w->step = x->pull.step;
+    pull_spans(w, x->pull.t0, x->pull.t1, x->pull.waited);
+    int r = pulled(w);
+    if (r == GO_ON && (torn || (w->sync && w->step != x->predicted)))
+        return PULL_AGAIN;
+    return r;
+}
+
+static int hook_wait_params(void *arg, int layer)
+{
+    ov_step *x = arg;
+    return x->pulling ? overlap_take_layer(x->w->ov, layer, x->w->rb.params) : 0;
+}
+
+/* The loss is there: the pull is over (its last layer came); the push
+ * starts, each layer's gradients going out as the backward pass has them. */
+static int hook_loss_done(void *arg, double loss)
+{
+    ov_step *x = arg;
+    worker *w = x->w;
+    const train_config *c = w->c;
+    w->loss = loss;
+    if (x->pulling) {
+        int r = ov_pull_done(x);
+        if (r != GO_ON) {
+            x->verdict = r;
+            return 1;
+        }
+    }
+    ov_job *j = &x->push;
+    *j = (ov_job){.w = w, .ret = c->one_round_trip && !w->sync, .min_clock = w->ssp >= 0 ? w->k - w->ssp : 0,
+                  .clock = w->ssp >= 0 ? w->k : 0};
+    snprintf(j->id, sizeof(j->id), "t%d-%08x-%lld", c->trainer, w->nonce, (long long)w->pushes++);
+    j->pm = (push_meta){c->trainer, w->step, w->loss, c->batch_size, j->id, w->ssp >= 0 ? w->k - 1 : -1};
+    overlap_push_begin(w->ov);
+    overlap_run(w->ov, job_push, j);
+    x->pushing = 1;
+    return 0;
+}
+
+static void hook_grads_done(void *arg, int layer)
+{
+    ov_step *x = arg;
+    if (x->pushing)
+        overlap_grads_done(x->w->ov, layer);
+}
+
+/* A step with its transfers beside its compute: the pull (unless the last
+ * push brought the parameters) streams into the forward pass, the push
+ * starts with the backward pass; the next batch is staged while the push
+ * finishes. Sync: the batch is the step's, so the pull streams only when
+ * the step it waits for is known (the one after the last push) and the
+ * answer holds it; async and stale-synchronous, a model with dropout (whose
+ * mask is the step's) pulls first. */
+static int step_overlapped(worker *w)
+{
+    const train_config *c = w->c;
+    role_bufs *rb = &w->rb;
+    ov_step x = {.w = w, .verdict = -1};
+    x.predicted = w->sync ? w->sh.s[0].want : w->step;
+    if (!w->returned && w->k >= 0 && (w->sync ? x.predicted > 0 : c->layout.n_dropout == 0)) {
+        x.pull = (ov_job){.w = w, .k = w->k};
+        overlap_pull_begin(w->ov);
+        overlap_run(w->ov, job_pull, &x.pull);
+        x.pulling = 1;
+        w->ov_pulls++;
+        w->step = x.predicted;
+    } else {
+        int r = step_pull(w);
+        if (r != GO_ON)
+            return r;
+    }
+    choose_batch(w);
+    const model_ctx ctx = {.seed = c->seed, .step = w->step, .example0 = rb->bp.example0[rb->cur],
+                           .wait_params = hook_wait_params, .loss_done = hook_loss_done,
+                           .grads_done = hook_grads_done, .hook_arg = &x};
+    double t0 = clk_mono_secs();
+    int rc = model_forward_backward(rb->m, rb->params, rb->bp.x[rb->cur], rb->bp.y[rb->cur], c->batch_size, &ctx,
+                                    rb->grads, &w->loss);
+    if (x.pulling) { /* a layer's tensors did not come: the pull says why, or pull again */
+        int r = ov_pull_done(&x);
+        w->k--; /* this batch again */
+        return r == GO_ON ? PULL_AGAIN : r;
+    }
+    if (x.verdict >= 0) {
+        if (x.verdict == PULL_AGAIN)
+            w->k--;
+        return x.verdict;
+    }
+    if (rc != 0) {
+        if (x.pushing) {
+            overlap_cancel(w->ov);
+            overlap_wait(w->ov);
+            overlap_push_end(w->ov);
+        }
+        fprintf(stderr, "workerd: forward/backward failed\n");
+        return LEAVE;
+    }
+    overlap_grads_done(w->ov, 0);
+    if (c->step_delay_ms > 0) /* test hook: a slow worker */
+        train_sleep((double)c->step_delay_ms / 1000.0);
+    step_timeline_add(w->tl, TL_COMPUTE, w->step, t0, clk_mono_secs(), NULL);
+    /* the next batch (as predicted) while the push finishes */
+    int64_t nk = w->sync ? w->step + 1 : w->k;
+    if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!w->sync || nk < c->train_steps)) {
+        role_bufs_stage(rb, nk, rb->cur ^ 1);
+        w->next_k = nk;
+    }
+    overlap_wait(w->ov);
+    overlap_push_end(w->ov);
+    w->ov_pushes++;
+    w->after = x.push.after;
+    return push_result(w, x.push.prc, x.push.ret, x.push.t0, x.push.t1);
+}
+
 /* The steps until the last one, a stop or the end of this task's data; 0,
  * or -1 to leave at once with w->rc. */
 static int run_steps(worker *w)
 {
     for (;;) {
         int r = step_begin(w);
-        if (r == GO_ON)
+        if (r == GO_ON && w->ov)
+            r = step_overlapped(w);
+        if (r == GO_ON && !w->ov)
             r = step_pull(w);
-        if (r == GO_ON)
+        if (r == GO_ON && !w->ov)
             r = step_compute(w);
-        if (r == GO_ON)
+        if (r == GO_ON && !w->ov)
             r = step_push(w);
         if (r == GO_ON)
             r = step_account(w);
@@ -612,6 +823,9 @@ static int finish(worker *w)
     double secs = clk_mono_secs() - w->rb.t_start;
     printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
            (long long)w->local, secs, (double)w->local / secs);
+    if (w->ov)
+        printf("%s: --overlap: %lld pulls streamed into the forward pass, %lld pushes from the backward pass\n",
+               c->name, (long long)w->ov_pulls, (long long)w->ov_pushes);
     fflush(stdout);
     return c->is_chief ? chief_end(w) : 0;
 }
@@ -645,6 +859,8 @@ static int nothing_to_train(worker *w, int64_t now)
 /* Free what the worker holds; its exit status. */
 static int leave(worker *w)
 {
+    overlap_free(w->ov);
+    w->ov = NULL;
     heartbeat_stop(w->hb);
     step_timeline_free(w->tl);
     json_decref(w->cfg);

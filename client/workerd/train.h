@@ -50,6 +50,7 @@ typedef struct train_config {
     int step_delay_ms;      /* test hook: sleep this long in each step */
     int wire;               /* --wire_dtype: a wire_dtype (WIRE_F32, WIRE_BF16, WIRE_F16) */
     int one_round_trip;     /* async/SSP: the push answers with the parameters (no pull) */
+    int overlap;            /* --overlap: transfers layer by layer beside the compute (shards/overlap.h) */
     /* --allreduce=ring (ring_train.c): workers as peers, no ps */
     int ring;
     double ring_timeout_secs;   /* wait this long for a neighbour */
