@@ -180,6 +180,13 @@ static int load_model_file(const char *flag, const char *path, model_layout *L, 
     rc = 2;
     const char *spec = st_meta_get(f, "model"), *shape_s = st_meta_get(f, "input_shape");
     model_shape shape;
+    const char *data = st_meta_get(f, "data");
+    if (data && strcmp(data, "langid") == 0) {
+        fprintf(stderr, "workerd: --%s=%s: a --data=langid model (%.200s): --evaluate_model and --convert_model "
+                        "read Fashion-MNIST models; the run that trained it printed its test accuracy\n",
+                flag, path, spec ? spec : "embed");
+        goto out;
+    }
     if (!spec || !shape_s) {
         fprintf(stderr, "workerd: --%s=%s: the file has no model and input_shape in its "
                         "__metadata__ (exported by an older workerd?): cannot rebuild the model\n",

@@ -428,6 +428,11 @@ static int run_role(train_config *c, const workerd_flags *f)
                                                                                            : "--allreduce=ring");
         return 2;
     }
+    if (c->data_langid && c->onnx_path) {
+        fprintf(stderr, "workerd: --export_onnx: a --data=langid model (an embedding bag over hashed n-grams, a "
+                        "sparse table) has no ONNX export; --export=FILE writes it as safetensors\n");
+        return 2;
+    }
     if (f->local) {
         c->name = "local";
         c->n_trainers = 1;

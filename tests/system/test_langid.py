@@ -18,6 +18,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -176,3 +177,21 @@ def test_modes_without_the_ps_refuse_a_sparse_variable(flag, word):
                         "--job_name=worker", "--task_index=0"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, r.stdout + r.stderr
     assert word in r.stderr and "sparse variable" in r.stderr, r.stderr
+
+
+def test_a_langid_model_is_refused_by_what_reads_fashion_mnist_models_and_by_export_onnx(tmp_path):
+    """--export_onnx was ignored with --data=langid (exit 0, no file), and
+    --evaluate_model on a langid export said it had no model in its
+    metadata (exported by an older workerd?): both now say what the file is."""
+    out = tmp_path / "l.safetensors"
+    workerd("--local", "--train_steps=5", f"--export={out}")
+    for flag in ([f"--evaluate_model={out}"], [f"--convert_model={out}", f"--export_onnx={tmp_path / 'x.onnx'}"]):
+        r = subprocess.run([binary("workerd"), "--device=cpu"] + flag, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "a --data=langid model (embed:" in r.stderr and "older workerd" not in r.stderr, r.stderr
+    t0 = time.time()
+    r = subprocess.run([binary("workerd"), "--data=langid", "--local", "--train_steps=5", "--device=cpu",
+                        f"--export_onnx={tmp_path / 'l.onnx'}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--export_onnx" in r.stderr and "no ONNX export" in r.stderr, r.stdout + r.stderr
+    assert "training locally" not in r.stdout and time.time() - t0 < 20  # refused before it trains
+    assert not (tmp_path / "l.onnx").exists() and not (tmp_path / "x.onnx").exists()
