@@ -56,7 +56,7 @@ int workerd_parse_flags(workerd_flags *o, int argc, char **argv)
         {"seed", FLAG_U64, &o->seed, "seed of the initialization and the data order (default 1)", 0},
         {"log_every", FLAG_INT, &o->log_every, "print a line every this many local steps (default 100; 0 = never)", 0},
         {"recovery_wait_secs", FLAG_FLOAT, &o->recovery_wait, "seconds between polls while waiting for the ps or the chief (default 1)", 0},
-        {"eval_secs", FLAG_FLOAT, &o->eval_secs, "evaluator: seconds between evaluations (default 10)", 0},
+        {"eval_secs", FLAG_FLOAT, &o->eval_secs, "evaluator: seconds from the start of one evaluation to the next (default 10); the final step, once the global step reaches --train_steps, is evaluated at once", 0},
         {"export", FLAG_STRING, &o->export_path, "chief (or --local): write the trained model to this safetensors file", 0},
         {"export_onnx", FLAG_STRING, &o->onnx_path, "chief (or --local): write the trained model (the moving averages with --moving_average_decay, as --export) to this ONNX file (opset 13: input NHWC [batch, H, W, C], outputs logits and probabilities); with --convert_model (or --evaluate_model), the file the conversion writes", 0},
         {"convert_model", FLAG_STRING, &o->convert_path, "convert this exported safetensors file (its model from its __metadata__ alone, as --evaluate_model) to the ONNX file --export_onnx names, and exit", 0},
