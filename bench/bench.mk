@@ -27,7 +27,7 @@ $(BIN)/ring_allreduce: $(BUILD)/bench/ring_allreduce.o $(BUILD)/client/ring/ring
 
 # What make bench runs, in this order, one recipe line each (make stops at the
 # first that fails): the HTTP load against nginx, push, training, small steps,
-# the CNN against torch and its accuracy, async accuracy, scaling, the ring,
+# the step's transfers beside its compute (--overlap), the CNN against torch and its accuracy, async accuracy, scaling, the ring,
 # many hosts (network namespaces: the ps's bandwidth against the ring's), the
 # ring against gloo, torch's RPC parameter server, the pipeline, TLS, then
 # TensorFlow from its own venv (bench/requirements.txt).
@@ -36,6 +36,7 @@ sh bench/run.sh
 BIN_DIR=$(BIN) sh bench/push.sh
 sh bench/train.sh
 /usr/bin/python3 bench/small_step.py --bin=$(BIN)
+/usr/bin/python3 bench/overlap.py --bin=$(BIN)
 /usr/bin/python3 bench/cnn_compare.py --bin=$(BIN)
 BIN=$(BIN) sh bench/cnn_accuracy.sh
 /usr/bin/python3 bench/async_accuracy.py
