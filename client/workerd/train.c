@@ -187,6 +187,28 @@ static int join(worker *w)
     return 0;
 }
 
+/* What the overlap can hide is the bytes of every layer but the first with
+ * parameters (the last the backward pass writes, the first the forward pass
+ * reads): below OVERLAP_MIN_HIDDEN (loopback moves a MiB in ~0.4 ms, about
+ * what the transfer thread's hand-offs cost a step) it only adds them, and
+ * is left off, saying so. */
+#define OVERLAP_MIN_HIDDEN ((size_t)1 << 20)
+static int overlap_worth_it(const worker *w)
+{
+    const model_layout *L = &w->c->layout;
+    size_t first = 0;
+    for (int l = 0; l < L->n_layers && !first; l++)
+        for (int t = 0; t < L->n_tensors; t++)
+            if (L->tensors[t].layer == l)
+                first += L->tensors[t].numel * 4;
+    size_t hidden = L->n_params * 4 - first;
+    if (hidden >= OVERLAP_MIN_HIDDEN)
+        return 1;
+    printf("%s: --overlap: all but %zu KB of the model's %zu KB are its first layer's, which no compute can "
+           "hide: training without it\n", w->c->name, hidden >> 10, (L->n_params * 4) >> 10);
+    return 0;
+}
+
 /* Before the steps: the retries, the staleness bound, the lease, the end of
  * this task's data, the start line, the push ids' nonce and the clocks. */
 static void prepare(worker *w)
@@ -221,7 +243,7 @@ static void prepare(worker *w)
     }
     /* --overlap: the transfers on a thread of their own (float32 only: a
      * 16-bit push is cast, and scaled, whole) */
-    if (c->overlap && c->wire == WIRE_F32 && !(w->ov = overlap_new(&w->sh)))
+    if (c->overlap && c->wire == WIRE_F32 && overlap_worth_it(w) && !(w->ov = overlap_new(&w->sh)))
         fprintf(stderr, "workerd: %s: no thread for --overlap: training without it\n", c->name);
     w->max_local = c->num_epochs > 0
                        ? (int64_t)(c->num_epochs * (double)(w->rb.b.count / ((int64_t)c->n_trainers * c->batch_size)))

@@ -17,10 +17,11 @@ from conftest import binary, http
 from procs import communicate, free_port, kill_all
 from test_train import DATA, load_model, needs_data
 
-# three dense layers and a dropout (whose mask is the step's): a model the
-# overlap splits into layers; small, so that a run takes a second or two
+# dense layers and a dropout (whose mask is the step's): a model the overlap
+# splits into layers, with more than the MiB it needs past the first layer
+# (below that workerd leaves it off); small, so that a run takes seconds
 MODEL = ["--batch_size=50", "--log_every=0", "--threads=1", "--seed=5"]
-DROPOUT = "--model=dense:64,dropout:0.25,dense:32,dense:10"
+DROPOUT = "--model=dense:32,dropout:0.25,dense:512,dense:512,dense:10"
 
 
 def train(start_psd, n_ps, n_workers, args, export=None):
@@ -83,12 +84,20 @@ def test_sync_with_overlap_ends_with_the_same_floats_as_without(start_psd, tmp_p
 
 
 @needs_data
+def test_overlap_is_left_off_where_the_first_layer_holds_nearly_every_byte(start_psd):
+    # the example's model: 98.7 % of its bytes are hid_w's, needed first and written last
+    _, outs = train(start_psd, 1, 1, ["--hidden_units=100", "--sync=1", "--train_steps=5", "--overlap=true"])
+    assert "which no compute can hide: training without it" in outs[0], outs[0]
+    assert "pulls streamed" not in outs[0]
+
+
+@needs_data
 @pytest.mark.parametrize("mode", [["--sync=0"], ["--sync=0", "--one_round_trip=false"], ["--sync=0", "--staleness=1"]],
                          ids=["async", "async-push-then-pull", "ssp"])
 def test_async_and_ssp_with_overlap_count_every_push_once(start_psd, mode):
-    steps = 60
+    steps = 40
     # no dropout: an async pull streams only where the mask does not need the step it brings
-    ps, outs = train(start_psd, 1, 2, mode + ["--model=mlp:64,32", "--optimizer=sgd", "--learning_rate=0.05", f"--train_steps={steps}",
+    ps, outs = train(start_psd, 1, 2, mode + ["--model=mlp:32,512,512", "--optimizer=sgd", "--learning_rate=0.05", f"--train_steps={steps}",
                                               "--overlap=true"])
     for o in outs:
         m = re.search(r"--overlap: (\d+) pulls streamed into the forward pass, (\d+) pushes", o)
