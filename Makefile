@@ -40,7 +40,7 @@ SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_sta
              server/waiters.c server/ticker.c server/changes.c \
              server/metrics.c server/workers.c server/shard_view.c server/membership.c server/timeline.c server/task_claims.c \
              server/checkpoint.c server/saver.c server/summaries.c \
-             server/routes.c server/request.c server/reply_blobs.c \
+             server/routes.c server/request.c server/reply_blobs.c server/push_stream.c \
              server/route_params.c server/route_grads.c server/route_vars.c server/route_config.c \
              server/route_run.c server/route_placement.c server/route_sync.c server/route_timeline.c server/route_status.c \
              server/route_history.c server/route_metrics.c server/route_events.c \

@@ -294,7 +294,7 @@ static enum MHD_Result body_headers(http_req *r)
     }
     if (rt->before_body) {
         enum MHD_Result rc = rt->before_body(r);
-        if (rc != MHD_YES || r->answered || r->discard || r->body_fixed)
+        if (rc != MHD_YES || r->answered || r->discard || r->body_fixed || r->sink)
             return rc;
     }
     /* the buffer grows as the bytes arrive (on_upload): a head that
@@ -454,7 +454,7 @@ static enum MHD_Result on_upload(http_req *r, const char *data, size_t size)
         r->discarded += size;
         return r->discarded > DISCARD_MAX ? MHD_NO : MHD_YES;
     }
-    if (r->answered || !r->body_data)
+    if (r->answered || (!r->body_data && !r->sink))
         return MHD_YES; /* discard what follows a refusal */
     uint64_t have = r->body_len;
     if (r->body_fixed) {
@@ -483,6 +483,11 @@ static enum MHD_Result on_upload(http_req *r, const char *data, size_t size)
                  (unsigned long long)r->expect_len, m->length_header ? " or " : "",
                  m->length_header ? m->length_header : "");
         refuse_later(r, MHD_HTTP_BAD_REQUEST, msg);
+        return MHD_YES;
+    }
+    if (r->sink) { /* http_body_sink: the piece as it came, no copy */
+        r->body_len = have + size;
+        r->sink(r->sink_cls, (const unsigned char *)data, size);
         return MHD_YES;
     }
     if (have + size > r->body_cap) {
@@ -889,6 +894,15 @@ void http_body_into(http_req *r, void *buf, size_t len)
     r->body_data = buf;
     r->body_cap = len;
     r->body_len = 0;
+}
+
+void http_body_sink(http_req *r, void (*fn)(void *cls, const unsigned char *data, size_t n), void *cls)
+{
+    r->sink = fn;
+    r->sink_cls = cls;
+    r->body_h = NULL;
+    r->body_data = NULL;
+    r->body_len = r->body_cap = 0;
 }
 
 enum MHD_Result http_refuse_after_body(http_req *r, unsigned status, const char *fmt, ...)

@@ -22,8 +22,9 @@
  *   5. a body route: one Content-Length at most, digits only (400),
  *      Transfer-Encoding chunked or none (400), the body limit (413 before a
  *      byte is read), then the route's before_body hook, which may answer,
- *      refuse after the body (http_refuse_after_body) or point the body
- *      into a caller's buffer (http_body_into);
+ *      refuse after the body (http_refuse_after_body), point the body
+ *      into a caller's buffer (http_body_into) or take it piece by piece
+ *      as it arrives (http_body_sink);
  *   6. the body, read as it arrives: a body that trickles in (under
  *      body_min_rate bytes/s on average after header_timeout_secs) closes
  *      the connection; one over the limit or longer than announced is
@@ -172,6 +173,8 @@ struct http_req {
     char discard_msg[400];
     uint64_t discarded;
     uint64_t limit;                /* this request's body limit */
+    void (*sink)(void *cls, const unsigned char *data, size_t n); /* http_body_sink */
+    void *sink_cls;
 };
 
 /* The floor under a request body's average rate: past its grace a body that
@@ -281,6 +284,12 @@ enum MHD_Result http_reply_stream(http_req *r, unsigned status, const char *cont
 /* The body goes to buf, exactly len bytes (the handler runs only when all
  * of them came: else 400; more is refused as longer than announced). */
 void http_body_into(http_req *r, void *buf, size_t len);
+/* Every piece of the body goes to fn(cls, data, n) as libmicrohttpd reads
+ * it (data valid during the call only), within the limit and the
+ * Content-Length checks; nothing is buffered and body_h stays NULL. The
+ * handler runs once the whole body came; a body cut short never reaches
+ * it (the module's done hook sees the end). */
+void http_body_sink(http_req *r, void (*fn)(void *cls, const unsigned char *data, size_t n), void *cls);
 /* Read and drop the body (up to 16 MiB, then the connection is cut), then
  * answer {"error": msg} with status. Returns MHD_YES. */
 enum MHD_Result http_refuse_after_body(http_req *r, unsigned status, const char *fmt, ...)

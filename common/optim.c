@@ -273,6 +273,44 @@ int64_t optim_sgd_into_grad(const optim_config *c, const float *restrict w, floa
     return -1;
 }
 
+void optim_sgd_next(const optim_config *c, const float *w, const float *restrict g, float *out, int64_t step,
+                    size_t n)
+{
+    const float lr = optim_learning_rate(c, step), scale = 1.0f;
+    const float wd = lr * c->weight_decay;
+    /* the expressions of optim_apply's OPTIM_SGD: the same floats */
+    for (size_t i = 0; i < n; i++) {
+        float wi = w[i] - wd * w[i];
+        out[i] = wi - lr * (g[i] * scale);
+    }
+}
+
+int64_t optim_sgd_next_bytes(const optim_config *c, const float *w, const unsigned char *restrict g,
+                             float *restrict out, int64_t step, size_t n)
+{
+    const float lr = optim_learning_rate(c, step), scale = 1.0f;
+    const float wd = lr * c->weight_decay;
+    uint32_t flag = 0; /* tensor_find_nonfinite's sweep, in the same loop */
+    for (size_t i = 0; i < n; i++) {
+        float gi;
+        uint32_t b;
+        memcpy(&gi, g + 4 * i, 4);
+        memcpy(&b, g + 4 * i, 4);
+        flag |= (b & 0x7f800000u) + 0x00800000u;
+        float wi = w[i] - wd * w[i];
+        out[i] = wi - lr * (gi * scale);
+    }
+    if (!(flag & 0x80000000u))
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        float gi;
+        memcpy(&gi, g + 4 * i, 4);
+        if (!isfinite(gi))
+            return (int64_t)i;
+    }
+    return -1;
+}
+
 void optim_ema(float *restrict shadow, const float *restrict w, float decay, size_t n)
 {
     const float k = 1.0f - decay;

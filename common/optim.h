@@ -81,6 +81,17 @@ void optim_apply(const optim_config *c, const float *w, float *out, const float 
 int64_t optim_sgd_into_grad(const optim_config *c, const float *w, float *g, float scale, int64_t step,
                             size_t n);
 
+/* OPTIM_SGD's step of optim_apply without clipping (c->clip_norm must be
+ * 0), bit for bit: out[i] = w[i]'s next value for the finite gradient g[i],
+ * scale 1, at global_step `step`. out may equal w; g must overlap neither. */
+void optim_sgd_next(const optim_config *c, const float *w, const float *g, float *out, int64_t step, size_t n);
+/* The same, the gradient as n little-endian float32 at any alignment (a
+ * network buffer), checked in the same pass: -1 when all were finite (out
+ * holds the next values), else the index of the first NaN or Inf (out is
+ * then undefined). */
+int64_t optim_sgd_next_bytes(const optim_config *c, const float *w, const unsigned char *g, float *out,
+                             int64_t step, size_t n);
+
 /* tf.train.ExponentialMovingAverage's update of a shadow copy after an apply,
  * with a constant decay (TF's default, num_updates=None):
  * shadow -= (1 - decay) * (shadow - w), i.e. decay * shadow + (1 - decay) * w,

@@ -46,7 +46,7 @@ blob *blob_grow(blob *b, size_t len);
 
 /* Lower the idle allowance (never above keep_bytes); idle blobs over it are
  * freed now. The store sets it from what it holds, so psd's memory stays
- * within 1.5x the stored bytes plus a little. */
+ * within 2x the stored bytes plus a little. */
 void bufpool_set_limit(bufpool *p, size_t limit);
 
 /* Idle bytes held right now. */

@@ -369,6 +369,12 @@ static void put_shard(out *o, server *srv)
     family(o, "restps_stale_gradients_dropped_total", "counter",
            "Sync pushes dropped because they were computed from an older step.");
     put(o, "restps_stale_gradients_dropped_total %lld\n", (long long)stale);
+    family(o, "restps_pushes_streamed_total", "counter",
+           "Pushes applied as their body arrived (async sgd; server/push_stream.c).");
+    put(o, "restps_pushes_streamed_total %lld\n", (long long)sc.pushes_streamed);
+    family(o, "restps_push_replays_total", "counter",
+           "Pushes of the same variables applied meanwhile, applied again on top of a streamed push.");
+    put(o, "restps_push_replays_total %lld\n", (long long)sc.push_replays);
 }
 
 /* Pulls and pushes, by result. */

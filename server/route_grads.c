@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "push_stream.h"
 #include "routes.h"
 #include "sparse_set.h"
 #include "wire_dtype.h"
@@ -127,26 +128,79 @@ static enum MHD_Result reply_params(request *r, int outcome)
     return rc;
 }
 
-/* 16-bit gradients widened to float32 into a blob of the pool (*wide, with
- * *f and *data describing it); loss_scale divides them. 0 (*wide NULL: none
- * to widen), or -1 with err and *status. */
-static int widen_body(request *r, st_file *f, unsigned char **data, blob **wide, int *status, char *err,
-                      size_t errlen)
+int grads_check_head(request *r, const st_file *f, grads_head *h, int *status, char *err, size_t errlen)
 {
-    *wide = NULL;
-    const char *ls = st_meta_get(f, "loss_scale");
-    double scale = 1;
-    if (ls) {
-        char *end;
-        errno = 0;
-        scale = strtod(ls, &end);
-        int e;
-        if (!*ls || *end || errno || !(scale >= 1 && scale <= WIRE_LOSS_SCALE_MAX) || frexp(scale, &e) != 0.5) {
-            *status = MHD_HTTP_BAD_REQUEST;
-            snprintf(err, errlen, "metadata loss_scale '%.32s' must be a power of two from 1 to 2^24", ls);
+    *h = (grads_head){.worker = -1, .step = -1, .batch = -1, .clock = -1, .loss_scale = 1};
+    *status = MHD_HTTP_BAD_REQUEST;
+    /* each in range before any arithmetic on it (a clock of INT64_MAX
+     * overflowed at clock + 1; a worker of 2^32 became worker 0) */
+    static const struct {
+        const char *key;
+        long long max;
+    } ints[] = {{"worker", STORE_MAX_WORKERS - 1},
+                {"step", META_INT_MAX},
+                {"batch_size", INT32_MAX},
+                {"clock", META_INT_MAX}};
+    long long *outs[] = {&h->worker, &h->step, &h->batch, &h->clock};
+    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
+        /* a metadata value that must be an integer >= 0 (absent: -1) */
+        int got = http_parse_uint(st_meta_get(f, ints[i].key), ints[i].max, outs[i]);
+        if (got == -1) {
+            snprintf(err, errlen, "metadata worker, step, batch_size and clock must be non-negative integers");
+            return -1;
+        }
+        if (got == -2) {
+            snprintf(err, errlen, "metadata %s '%.32s' must be an integer from 0 to %lld", ints[i].key,
+                     st_meta_get(f, ints[i].key), ints[i].max);
             return -1;
         }
     }
+    store_push_meta *meta = &h->meta;
+    *meta = (store_push_meta){.worker = h->worker, .step = h->step, .clock = h->clock};
+    const char *loss = st_meta_get(f, "loss");
+    if (loss) {
+        char *end;
+        errno = 0;
+        meta->loss = strtod(loss, &end);
+        if (!*loss || *end || errno || !isfinite(meta->loss)) {
+            snprintf(err, errlen, "metadata loss '%.32s' is not a finite number", loss);
+            return -1;
+        }
+        meta->has_loss = 1;
+    }
+    meta->push_id = http_header(r, "X-Push-Id");
+    if (meta->push_id && !push_id_ok(meta->push_id)) {
+        snprintf(err, errlen, "X-Push-Id must be 1 to %d characters of [A-Za-z0-9._:-]", STORE_PUSH_ID_MAX);
+        return -1;
+    }
+    for (int k = 0; k < f->n_tensors; k++)
+        if (wire_dtype_of_st(f->tensors[k].dtype) < 0 && !sparse_ids_tensor(&f->tensors[k])) {
+            snprintf(err, errlen, "gradient '%s' has dtype %s, only F32, BF16 and F16 are accepted",
+                     f->tensors[k].name, f->tensors[k].dtype);
+            return -1;
+        }
+    const char *ls = st_meta_get(f, "loss_scale");
+    if (ls) {
+        char *end;
+        errno = 0;
+        double scale = strtod(ls, &end);
+        int e;
+        if (!*ls || *end || errno || !(scale >= 1 && scale <= WIRE_LOSS_SCALE_MAX) || frexp(scale, &e) != 0.5) {
+            snprintf(err, errlen, "metadata loss_scale '%.32s' must be a power of two from 1 to 2^24", ls);
+            return -1;
+        }
+        h->loss_scale = scale;
+    }
+    return 0;
+}
+
+/* 16-bit gradients widened to float32 into a blob of the pool (*wide, with
+ * *f and *data describing it); scale (the loss scale) divides them. 0
+ * (*wide NULL: none to widen), or -1 with err and *status. */
+static int widen_body(request *r, st_file *f, double scale, unsigned char **data, blob **wide, int *status,
+                      char *err, size_t errlen)
+{
+    *wide = NULL;
     size_t len = wire_widened_len(f);
     if (len == 0)
         return 0;
@@ -167,6 +221,39 @@ static int widen_body(request *r, st_file *f, unsigned char **data, blob **wide,
     return 0;
 }
 
+/* The answer to a push the store took (src): a refusal, or the outcome. */
+static enum MHD_Result grads_answer(request *r, int src, const char *err, const grads_head *h, int64_t gstep,
+                                    int outcome)
+{
+    if (src == STORE_ENOMEM)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
+    if (src == STORE_ECHANGED)
+        return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "%s", err);
+    if (src == STORE_EAHEAD)
+        return http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
+    if (src != STORE_OK)
+        return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
+    workers_seen(req_srv(r)->workers, h->worker, h->step, h->batch, outcome);
+    if (http_query(r, "return"))
+        return reply_params(r, outcome);
+    return http_reply_json(r, MHD_HTTP_OK,
+                           json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
+                                     outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));
+}
+
+enum MHD_Result h_grads_before(request *r)
+{
+    char err[256];
+    ret_query q;
+    /* a length to stream against, a query the handler will take, and a
+     * store that applies pushes in one pass (async sgd); else as before */
+    if (r->expect_len == UINT64_MAX || r->expect_len < 16 || grads_query(r, &q, err, sizeof(err)) != 0 ||
+        !store_push_in_body(&req_srv(r)->store))
+        return MHD_YES;
+    req_psd(r)->stream = push_stream_start(r);
+    return MHD_YES;
+}
+
 enum MHD_Result h_grads_post(request *r)
 {
     char err[256];
@@ -178,6 +265,19 @@ enum MHD_Result h_grads_post(request *r)
             return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
     }
     blob *b = req_body(r), *wide = NULL;
+    push_stream *ps = req_psd(r)->stream;
+    if (ps) {
+        int oom;
+        if (!(b = push_stream_body(ps, &oom))) {
+            if (oom)
+                return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory for the body");
+            const grads_head *sh; /* applied as it came: publish it */
+            int64_t gstep = 0;
+            int outcome = STORE_PUSH_APPLIED;
+            int src = push_stream_commit(ps, &sh, &gstep, &outcome, err, sizeof(err));
+            return grads_answer(r, src, err, sh, gstep, outcome);
+        }
+    }
     uint64_t hl;
     if (st_read_prefix(b->data, b->len, &hl, err, sizeof(err)) != 0)
         return http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
@@ -194,68 +294,20 @@ enum MHD_Result h_grads_post(request *r)
         memmove(data - mis, data, data_len);
         data -= mis;
     }
-    long long worker = -1, step = -1, batch = -1, clock = -1;
-    /* each in range before any arithmetic on it (a clock of INT64_MAX
-     * overflowed at clock + 1; a worker of 2^32 became worker 0) */
-    static const struct {
-        const char *key;
-        long long max;
-    } ints[] = {{"worker", STORE_MAX_WORKERS - 1},
-                {"step", META_INT_MAX},
-                {"batch_size", INT32_MAX},
-                {"clock", META_INT_MAX}};
-    long long *outs[] = {&worker, &step, &batch, &clock};
-    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
-        /* a metadata value that must be an integer >= 0 (absent: -1) */
-        int got = http_parse_uint(st_meta_get(&f, ints[i].key), ints[i].max, outs[i]);
-        if (got == -1) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "metadata worker, step, batch_size and clock must be non-negative integers");
-            goto out;
-        }
-        if (got == -2) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "metadata %s '%.32s' must be an integer from 0 to %lld", ints[i].key,
-                                  st_meta_get(&f, ints[i].key), ints[i].max);
-            goto out;
-        }
-    }
-    store_push_meta meta = {.worker = worker, .step = step, .clock = clock, .body = b};
-    const char *loss = st_meta_get(&f, "loss");
-    if (loss) {
-        char *end;
-        errno = 0;
-        meta.loss = strtod(loss, &end);
-        if (!*loss || *end || errno || !isfinite(meta.loss)) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "metadata loss '%.32s' is not a finite number",
-                                  loss);
-            goto out;
-        }
-        meta.has_loss = 1;
-    }
-    meta.push_id = http_header(r, "X-Push-Id");
-    if (meta.push_id && !push_id_ok(meta.push_id)) {
-        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                              "X-Push-Id must be 1 to %d characters of [A-Za-z0-9._:-]",
-                              STORE_PUSH_ID_MAX);
-        goto out;
-    }
-    for (int k = 0; k < f.n_tensors; k++)
-        if (wire_dtype_of_st(f.tensors[k].dtype) < 0 && !sparse_ids_tensor(&f.tensors[k])) {
-            rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST,
-                                  "gradient '%s' has dtype %s, only F32, BF16 and F16 are accepted",
-                                  f.tensors[k].name, f.tensors[k].dtype);
-            goto out;
-        }
+    grads_head h;
     {
         int status;
-        if (widen_body(r, &f, &data, &wide, &status, err, sizeof(err)) != 0) {
+        if (grads_check_head(r, &f, &h, &status, err, sizeof(err)) != 0) {
             rc = http_reply_error(r, status, "%s", err);
             goto out;
         }
-        if (wide)
-            meta.body = wide; /* the float32 gradients, checked finite */
+        if (widen_body(r, &f, h.loss_scale, &data, &wide, &status, err, sizeof(err)) != 0) {
+            rc = http_reply_error(r, status, "%s", err);
+            goto out;
+        }
     }
+    store_push_meta meta = h.meta;
+    meta.body = wide ? wide : b; /* wide: the float32 gradients, checked finite */
     /* async sgd: the store checks for NaN and Inf in the pass that applies
      * (the next versions are written over the gradients in the body) */
     meta.in_body = store_push_in_body(&req_srv(r)->store);
@@ -274,21 +326,7 @@ enum MHD_Result h_grads_post(request *r)
     int64_t gstep;
     int outcome;
     int src = store_apply_grads(&req_srv(r)->store, &f, data, &meta, &gstep, &outcome, err, sizeof(err));
-    if (src == STORE_ENOMEM)
-        rc = http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE, "out of memory applying the push");
-    else if (src == STORE_EAHEAD)
-        rc = http_reply_error(r, MHD_HTTP_CONFLICT, "%s", err);
-    else if (src != STORE_OK)
-        rc = http_reply_error(r, MHD_HTTP_BAD_REQUEST, "%s", err);
-    else {
-        workers_seen(req_srv(r)->workers, worker, step, batch, outcome);
-        if (http_query(r, "return"))
-            rc = reply_params(r, outcome);
-        else
-            rc = http_reply_json(r, MHD_HTTP_OK,
-                             json_pack("{s:I,s:b,s:s}", "global_step", (json_int_t)gstep, "duplicate",
-                                       outcome == STORE_PUSH_DUPLICATE, "outcome", outcomes[outcome]));
-    }
+    rc = grads_answer(r, src, err, &h, gstep, outcome);
 out:
     blob_unref(wide);
     st_file_free(&f);

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "metrics.h"
+#include "push_stream.h"
 #include "saver.h"
 #include "tensor.h"
 
@@ -39,7 +40,7 @@ static const http_route routes[] = {
     {"POST", "/v1/vars/{name}/grad", WRITE | BODY, 0, h_var_grad_check, h_var_grad,
      "apply a gradient to one variable"},
     {"GET", "/v1/params", 0, 0, NULL, h_params_get, "every variable, one safetensors body"},
-    {"POST", "/v1/grads", WRITE | BODY, 0, NULL, h_grads_post, "apply gradients from one safetensors body"},
+    {"POST", "/v1/grads", WRITE | BODY, 0, h_grads_before, h_grads_post, "apply gradients from one safetensors body"},
     {"GET", "/v1/config", 0, 0, NULL, h_config_get, "the training configuration"},
     {"PUT", "/v1/config", WRITE | BODY, 0, NULL, h_config_put, "set the training configuration (the chief)"},
     {"POST", "/v1/eval", WRITE | BODY, 0, NULL, h_eval_post, "the evaluator's report"},
@@ -125,6 +126,8 @@ static void request_done(request *r, int completed_ok)
         waiters_remove(p->parked_on, r->conn);
     if (p->saver_job && srv->saver) /* POST /v1/checkpoint whose client left */
         saver_forget(srv->saver, r->conn);
+    push_stream_free(p->stream); /* a streamed push, committed or cut short */
+    p->stream = NULL;
 }
 
 void routes_module(server *srv, http_module *out)

@@ -44,6 +44,8 @@ enum MHD_Result h_var_grad(request *r);
 /* route_params.c, route_grads.c */
 enum MHD_Result h_params_get(request *r);
 enum MHD_Result h_grads_post(request *r);
+/* route_grads.c: POST /v1/grads's before_body (push_stream.h) */
+enum MHD_Result h_grads_before(request *r);
 /* route_params.c, for route_grads.c's ?return=params: suspend the request
  * until channel ch of the waiters reaches min (or timeout_ms passes; the
  * handler runs again once resumed); the shard's variables v[0..n) at step as

@@ -55,6 +55,8 @@ struct store_state {
     int64_t step_started_ms;  /* when the current step began (for /v1/sync) */
     char *placement;          /* the chief's placement map (JSON text), or NULL */
     sparse_set sparse;        /* the row-sparse variables (sparse_set.h) */
+    store_stream *stream;     /* the push applied as it arrives, or NULL (store.h) */
+    int64_t pushes_streamed, push_replays; /* store_counts */
 };
 
 static int replicas_needed(const store_state *s);
@@ -286,16 +288,17 @@ void store_snaps_release(store_snap *snaps, int n)
     free(snaps);
 }
 
-/* Idle buffers kept for reuse: half the stored bytes plus 16 MiB, so that
- * psd's memory stays within 1.5x the stored bytes plus a little. The stored
- * bytes plus 16 MiB (so that a push body of the whole shard lands in touched
- * memory) measured no faster for 64 MiB pushes (bench/push.sh, 7 alternating
- * rounds: 0.67-1.14 GB/s against 0.75-1.13) and held twice the stored bytes
- * when idle (150 MiB against 80 for 64.3 stored). */
+/* Idle buffers kept for reuse: the stored bytes plus 16 MiB, so that the
+ * next versions of a push of the whole shard (store_stream) land in memory
+ * touched before: with half the stored bytes (as until issue 33) a 64 MiB
+ * push cleared 32 fresh 2 MiB pages every time (a third of psd's time in
+ * clear_page under perf). psd holds about twice the stored bytes then,
+ * which a push of everything needs at its peak anyway (the versions before
+ * and after, all or nothing). */
 static void pool_follow(store_state *s, uint64_t bytes)
 {
     if (s->pool)
-        bufpool_set_limit(s->pool, (size_t)bytes / 2 + ((size_t)16 << 20));
+        bufpool_set_limit(s->pool, (size_t)bytes + ((size_t)16 << 20));
 }
 
 int store_put(store *h, const char *name, const tensor_shape *shape, blob *data,
@@ -879,6 +882,96 @@ out:
     return rc;
 }
 
+/* ---- a push applied as it arrives (store.h, store_stream) ---- */
+
+#define STREAM_LOG_MAX 8
+
+/* A push of the stream's variables applied while it streamed: applied
+ * again on top of it at its commit. */
+typedef struct stream_entry {
+    blob *body;     /* holds the gradients (referenced) */
+    const float **g; /* per stream tensor: its gradient in body, or NULL */
+    int64_t step;   /* the global_step it was applied at (the schedule) */
+} stream_entry;
+
+struct store_stream {
+    int n;                                 /* tensors, in f's header order */
+    char (*names)[TENSOR_NAME_MAX + 1];
+    int64_t *numel;
+    blob **w0;     /* the versions the next ones are computed from (referenced) */
+    blob **next;   /* the next versions, unpublished */
+    blob **expect; /* what each variable holds until the commit (referenced) ... */
+    uint64_t *version; /* ... at this version */
+    store_config config; /* the configuration of the begin */
+    int64_t step0;       /* global_step at the begin */
+    int lost;            /* more pushes of its variables meanwhile than the log holds */
+    int n_log;
+    stream_entry log[STREAM_LOG_MAX];
+};
+
+/* Does f push one of the active stream's variables? Caller holds the lock. */
+static int stream_touches(const store_state *s, const st_file *f)
+{
+    const store_stream *ss = s->stream;
+    for (int j = 0; ss && j < ss->n; j++)
+        if (st_find(f, ss->names[j]) >= 0)
+            return 1;
+    return 0;
+}
+
+/* An async push (f, its gradients at data in meta->body) was just applied
+ * at `step`: the active stream keeps its gradients for its commit. Caller
+ * holds the write lock. */
+static void stream_note(store_state *s, const st_file *f, const unsigned char *data, const store_push_meta *meta,
+                        int64_t step)
+{
+    store_stream *ss = s->stream;
+    if (!ss || ss->lost || !stream_touches(s, f))
+        return;
+    const blob *b = meta->body;
+    int inside = b && data >= b->data && (uint64_t)(data - b->data) <= b->len &&
+                 f->data_len <= b->len - (size_t)(data - b->data);
+    stream_entry *e = &ss->log[ss->n_log];
+    if (!inside || ss->n_log == STREAM_LOG_MAX || !(e->g = calloc((size_t)ss->n, sizeof(*e->g)))) {
+        ss->lost = 1; /* its commit is STORE_ECHANGED */
+        return;
+    }
+    for (int j = 0; j < ss->n; j++) {
+        int k = st_find(f, ss->names[j]), i = k >= 0 ? find(s, ss->names[j]) : -1;
+        if (i < 0)
+            continue;
+        e->g[j] = (const float *)(data + f->tensors[k].begin);
+        blob_unref(ss->expect[j]); /* what the variable holds now */
+        ss->expect[j] = blob_ref(s->vars[i].data);
+        ss->version[j] = s->vars[i].version;
+    }
+    e->body = blob_ref(meta->body);
+    e->step = step;
+    ss->n_log++;
+}
+
+static void stream_free(store_stream *ss)
+{
+    if (!ss)
+        return;
+    for (int j = 0; j < ss->n; j++) {
+        blob_unref(ss->w0 ? ss->w0[j] : NULL);
+        blob_unref(ss->next ? ss->next[j] : NULL);
+        blob_unref(ss->expect ? ss->expect[j] : NULL);
+    }
+    for (int i = 0; i < ss->n_log; i++) {
+        blob_unref(ss->log[i].body);
+        free(ss->log[i].g);
+    }
+    free(ss->names);
+    free(ss->numel);
+    free(ss->w0);
+    free(ss->next);
+    free(ss->expect);
+    free(ss->version);
+    free(ss);
+}
+
 /* Async: apply at once, unless staler than --max_staleness. Caller holds
  * the write lock; idx from check_grads. in_body: the gradients are unchecked
  * and applied in their body (apply_in_body, at off); *nonfinite set when one
@@ -938,6 +1031,7 @@ static int push_async(store_state *s, const st_file *f, const unsigned char *dat
         for (int k = 0, j = 0; k < f->n_tensors; k++)
             if (idx[k] >= 0)
                 update_into(s, &s->vars[idx[k]], dst[j++], (const float *)(data + f->tensors[k].begin), 1.0f);
+        stream_note(s, f, data, meta, s->global_step);
         if (sb.n)
             s->changes++;
         sparse_set_commit(&s->sparse, &sb, &s->config.optim, 1.0f, s->global_step);
@@ -993,7 +1087,8 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
     /* ... and only a body that is mostly gradients becomes the variables'
      * data: a 4-byte gradient behind a 100 MiB header (ST_MAX_HEADER) would
      * otherwise keep the whole body as long as its variable stays */
-    int fused = in_body && !has_sparse && fuses(s) && (uint64_t)f->data_len * 4 + PIN_SLACK >= b->cap;
+    int fused = in_body && !has_sparse && fuses(s) && (uint64_t)f->data_len * 4 + PIN_SLACK >= b->cap &&
+                !stream_touches(s, f); /* a stream applies it again from its gradients */
     sparse_piece *pieces = NULL;
     int np = 0;
     if (in_body && !fused && (rc = check_finite(f, data, err, errlen)) != STORE_OK) {
@@ -1032,6 +1127,195 @@ int store_apply_grads(store *h, const st_file *f, const unsigned char *data,
     *outcome = r.outcome;
     notify(s, (r.stepped ? STORE_CHANGED_STEP : 0) | (r.clocked ? STORE_CHANGED_CLOCK : 0), step);
     return rc;
+}
+
+/* May f be streamed now (store.h)? Caller holds the write lock. */
+static int streamable(const store_state *s, const st_file *f, const store_push_meta *meta)
+{
+    const store_config *c = &s->config;
+    int64_t at;
+    if (s->stream || c->sync || c->optim.kind != OPTIM_SGD || c->optim.clip_norm > 0 ||
+        c->moving_average_decay > 0 || f->n_tensors == 0 || (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &at)))
+        return 0;
+    int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
+    if (c->max_staleness >= 0 && staleness > c->max_staleness)
+        return 0; /* dropped: read whole and checked as before */
+    for (int k = 0; k < f->n_tensors; k++) {
+        const st_tensor *t = &f->tensors[k];
+        int i = sparse_tensor_name(t->name) ? -1 : find(s, t->name);
+        if (i < 0 || !tensor_shape_equal(&t->shape, &s->vars[i].shape))
+            return 0; /* refused after the body, in the words of store_apply_grads */
+    }
+    return 1;
+}
+
+int store_stream_begin(store *h, const st_file *f, const store_push_meta *meta, store_stream **out)
+{
+    store_state *s = h->st;
+    *out = NULL;
+    store_stream *ss = calloc(1, sizeof(*ss));
+    size_t n = (size_t)(f->n_tensors > 0 ? f->n_tensors : 1);
+    if (!ss)
+        return STORE_ENOMEM;
+    ss->names = calloc(n, sizeof(*ss->names));
+    ss->numel = calloc(n, sizeof(*ss->numel));
+    ss->w0 = calloc(n, sizeof(blob *));
+    ss->next = calloc(n, sizeof(blob *));
+    ss->expect = calloc(n, sizeof(blob *));
+    ss->version = calloc(n, sizeof(*ss->version));
+    if (!ss->names || !ss->numel || !ss->w0 || !ss->next || !ss->expect || !ss->version) {
+        stream_free(ss);
+        return STORE_ENOMEM;
+    }
+    write_lock(s);
+    int rc = streamable(s, f, meta) ? STORE_OK : STORE_EMODE;
+    for (int k = 0; rc == STORE_OK && k < f->n_tensors; k++) {
+        store_var *v = &s->vars[find(s, f->tensors[k].name)];
+        ss->n = k + 1;
+        snprintf(ss->names[k], sizeof(ss->names[k]), "%s", v->name);
+        ss->numel[k] = v->numel;
+        ss->w0[k] = blob_ref(v->data);
+        ss->expect[k] = blob_ref(v->data);
+        ss->version[k] = v->version;
+        /* from the pool: a buffer touched before, no page cleared per push */
+        if (!(ss->next[k] = blob_new(s->pool, (size_t)v->numel * 4)))
+            rc = STORE_ENOMEM;
+    }
+    if (rc == STORE_OK) {
+        ss->config = s->config;
+        ss->step0 = s->global_step;
+        s->stream = ss;
+    }
+    write_unlock(s);
+    if (rc != STORE_OK) {
+        stream_free(ss);
+        return rc;
+    }
+    *out = ss;
+    return STORE_OK;
+}
+
+void store_stream_apply(store_stream *ss, int k, size_t at, const float *g, size_t n)
+{
+    optim_sgd_next(&ss->config.optim, (const float *)ss->w0[k]->data + at, g, (float *)ss->next[k]->data + at,
+                   ss->step0, n);
+}
+
+int64_t store_stream_apply_bytes(store_stream *ss, int k, size_t at, const unsigned char *g, size_t n)
+{
+    return optim_sgd_next_bytes(&ss->config.optim, (const float *)ss->w0[k]->data + at, g,
+                                (float *)ss->next[k]->data + at, ss->step0, n);
+}
+
+/* Every variable of the stream as it left it (its log aside), the same
+ * configuration and learning rate? Caller holds the write lock. */
+static int stream_intact(const store_state *s, const store_stream *ss)
+{
+    if (s->stream != ss || ss->lost || memcmp(&s->config, &ss->config, sizeof(s->config)) != 0 ||
+        optim_learning_rate(&s->config.optim, s->global_step) != optim_learning_rate(&ss->config.optim, ss->step0))
+        return 0;
+    for (int j = 0; j < ss->n; j++) {
+        int i = find(s, ss->names[j]);
+        if (i < 0 || s->vars[i].data != ss->expect[j] || s->vars[i].version != ss->version[j] ||
+            s->vars[i].numel != ss->numel[j])
+            return 0;
+    }
+    return 1;
+}
+
+/* The stream's next versions become the variables' data (after the pushes
+ * of its log, applied again on top). Caller holds write_lock (the write
+ * lock is let go while the log is applied, as in apply_in_body). */
+static void stream_publish(store_state *s, store_stream *ss)
+{
+    if (ss->n_log) {
+        pthread_rwlock_unlock(&s->lock);
+        for (int e = 0; e < ss->n_log; e++)
+            for (int j = 0; j < ss->n; j++)
+                if (ss->log[e].g[j])
+                    optim_sgd_next(&ss->config.optim, (const float *)ss->next[j]->data, ss->log[e].g[j],
+                                   (float *)ss->next[j]->data, ss->log[e].step, (size_t)ss->numel[j]);
+        pthread_rwlock_wrlock(&s->lock);
+    }
+    blob *old = NULL; /* a body the variables were views of */
+    for (int j = 0; j < ss->n; j++) {
+        store_var *v = &s->vars[find(s, ss->names[j])];
+        blob *p = v->data->parent;
+        if (p && p != old) {
+            if (old) {
+                loosen(s, old);
+                blob_unref(old);
+            }
+            old = blob_ref(p);
+        }
+        v->updates++;
+        take_version(s, v, ss->next[j]);
+        ss->next[j] = NULL;
+    }
+    if (old) {
+        loosen(s, old);
+        blob_unref(old);
+    }
+}
+
+int store_stream_commit(store *h, store_stream *ss, const store_push_meta *meta, int64_t *global_step,
+                        int *outcome, char *err, size_t errlen)
+{
+    store_state *s = h->st;
+    int rc = STORE_OK, clocks = meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS && meta->clock >= 0;
+    push_result r = {.step = -1, .outcome = STORE_PUSH_APPLIED};
+    write_lock(s);
+    int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
+    if (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &r.step)) {
+        r.outcome = STORE_PUSH_DUPLICATE; /* the same push, applied meanwhile */
+    } else if (!stream_intact(s, ss)) {
+        snprintf(err, errlen, "the variables of this push changed while it arrived (a PUT, a restore, a "
+                              "configuration, or more pushes than a push keeps): push it again");
+        rc = STORE_ECHANGED;
+    } else if (s->config.max_staleness >= 0 && staleness > s->config.max_staleness) {
+        s->stale_dropped++;
+        r.outcome = STORE_PUSH_STALE;
+        r.step = s->global_step;
+    } else {
+        stream_publish(s, ss);
+        s->pushes_streamed++;
+        s->push_replays += ss->n_log;
+        if (meta->step >= 0)
+            worker_state_staleness(&s->workers, staleness);
+        r.step = ++s->global_step;
+        r.stepped = 1;
+        s->pushes_applied++;
+        if (meta->has_loss) {
+            s->last_loss = meta->loss;
+            s->has_loss = 1;
+        }
+        sync_agg_remember(&s->agg, meta->push_id, r.step);
+    }
+    if (rc == STORE_OK && clocks && r.outcome != STORE_PUSH_DUPLICATE)
+        r.clocked = worker_state_clock_done(&s->workers, (int)meta->worker, meta->clock + 1);
+    if (s->stream == ss)
+        s->stream = NULL;
+    int64_t step = s->global_step;
+    write_unlock(s);
+    if (rc == STORE_OK && meta->worker >= 0 && meta->worker < STORE_MAX_WORKERS)
+        store_touch(h, (int)meta->worker); /* a push renews its worker's lease */
+    if (r.step >= 0)
+        *global_step = r.step;
+    *outcome = r.outcome;
+    notify(s, (r.stepped ? STORE_CHANGED_STEP : 0) | (r.clocked ? STORE_CHANGED_CLOCK : 0), step);
+    return rc;
+}
+
+void store_stream_end(store *h, store_stream *ss)
+{
+    if (!ss)
+        return;
+    store_state *s = h->st;
+    write_lock(s);
+    if (s->stream == ss)
+        s->stream = NULL;
+    write_unlock(s);
+    stream_free(ss);
 }
 
 int store_configure(store *h, const store_config *c, char *err, size_t errlen)
@@ -1417,6 +1701,8 @@ void store_get_counts(store *h, store_counts *out)
     out->configured = s->configured;
     out->stale_dropped = s->stale_dropped;
     out->pending = s->agg.n;
+    out->pushes_streamed = s->pushes_streamed;
+    out->push_replays = s->push_replays;
     pthread_rwlock_unlock(&s->lock);
 }
 

@@ -30,6 +30,7 @@ enum {
     STORE_EAHEAD = -7,   /* sync: a gradient from a step this shard has not reached */
     STORE_EMODE = -8,    /* not allowed in the current mode (message in err) */
     STORE_ECONFLICT = -9, /* a different configuration after training started */
+    STORE_ECHANGED = -10, /* a streamed push: its variables changed meanwhile (push again) */
 };
 
 /* What became of a push (store_apply_grads' *outcome). */
@@ -190,6 +191,38 @@ int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
                       const store_push_meta *meta, int64_t *global_step, int *outcome,
                       char *err, size_t errlen);
 
+/* A push applied as its body arrives (server/push_stream.c): async sgd
+ * without clipping or moving averages, dense float32 variables. Begun once
+ * the body's header is in, the next versions are computed piece by piece
+ * from the versions of that moment (held, so nobody writes them) into blobs
+ * of their own, without a lock; nothing is visible until the commit, which
+ * publishes them all at once (a push refused before, for a NaN or a body
+ * cut short, changes nothing: store_stream_end). Other pushes of the same
+ * variables applied meanwhile keep their gradients (up to 8 of them), and
+ * the commit applies them again on top of the streamed push, in their
+ * order: the result is those updates one after the other, each with the
+ * floats of optim_apply. Anything else that changes the variables meanwhile
+ * (a PUT, a restore, another configuration) makes the commit
+ * STORE_ECHANGED. One stream at a time per store. */
+typedef struct store_stream store_stream;
+
+/* STORE_OK and *out when f (with meta) can be streamed now; else
+ * STORE_EMODE (the caller reads the body whole and applies it as before). */
+int store_stream_begin(store *s, const st_file *f, const store_push_meta *meta, store_stream **out);
+/* Elements [at, at + n) of tensor k (f's header order) of the gradient,
+ * finite float32 values: their next values. No lock: one thread per stream. */
+void store_stream_apply(store_stream *ss, int k, size_t at, const float *g, size_t n);
+/* The same from n little-endian float32 at g (any alignment), checked in
+ * the same pass: -1, or the index of the first NaN or Inf among them. */
+int64_t store_stream_apply_bytes(store_stream *ss, int k, size_t at, const unsigned char *g, size_t n);
+/* Publish (store_apply_grads' outcomes, the staleness rules, push ids,
+ * clocks and the lease as there). Then store_stream_end. */
+int store_stream_commit(store *s, store_stream *ss, const store_push_meta *meta, int64_t *global_step,
+                        int *outcome, char *err, size_t errlen);
+/* The stream ends (after the commit, or instead of it: nothing changes);
+ * NULL is fine. */
+void store_stream_end(store *s, store_stream *ss);
+
 /* Set the training configuration (and mark the shard ready). Setting a
  * different one after global_step > 0 is STORE_ECONFLICT. */
 int store_configure(store *s, const store_config *c, char *err, size_t errlen);
@@ -259,6 +292,8 @@ typedef struct store_counts {
     int configured;        /* the chief sent the configuration */
     int64_t stale_dropped; /* gradients dropped as stale */
     int pending;           /* sync gradients kept for the current step */
+    int64_t pushes_streamed; /* pushes applied as their body arrived (store_stream) */
+    int64_t push_replays;    /* pushes applied again on top of a streamed one */
 } store_counts;
 void store_get_counts(store *s, store_counts *out);
 
