@@ -24,8 +24,15 @@ It prints one line per run, then a table of mean/min/max test accuracy and how
 many runs reach 0.85, and writes the table to bench/out/async_accuracy.md.
 Exit status non-zero only when something broke, never for a figure.
 
+  4. TensorFlow's own example (bench/tf_distributed.py, build/bench-venv) on
+     the same seeds, 1 ps + 2 async workers, each update's staleness measured
+     as psd counts it (the updates applied between the step's read of the
+     variables and its own), and numpy's delay-1 arm again at TensorFlow's
+     staleness: the two implementations side by side, and whether the
+     staleness alone explains the gap.
+
 Environment: ASYNC_SEEDS (default "1 2 ... 10"), ASYNC_STEPS (10000),
-ASYNC_NUMPY=0 skips the numpy part, ASYNC_EMA (the decay of the EMA arm,
+ASYNC_NUMPY=0 skips the numpy part, ASYNC_TF=0 TensorFlow's, ASYNC_EMA (the decay of the EMA arm,
 default 0.99; 0 skips it), RESTPS_BIN_DIR (default bin).
 """
 import gzip
@@ -97,6 +104,56 @@ def run_async(seed, n_workers=2, extra=()):
         return accuracy(outs[0]), float(st.get("mean", float("nan")))
     finally:
         for p in procs + [psd]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+# ---- TensorFlow, the same example (bench/tf_distributed.py) -------------------
+
+TF_PY = os.path.join(ROOT, "build", "bench-venv", "bin", "python")
+
+
+def tf_available():
+    if os.environ.get("ASYNC_TF", "1") == "0" or not os.access(TF_PY, os.X_OK):
+        return False
+    r = subprocess.run([TF_PY, "-c", "import tensorflow"], capture_output=True, timeout=120)
+    return r.returncode == 0
+
+
+def run_tf(seed, n_workers=2):
+    """TensorFlow's example, 1 ps + n async workers, each update's staleness
+    measured (--report_staleness): (accuracy, mean staleness, histogram)."""
+    prog = os.path.join(ROOT, "bench", "tf_distributed.py")
+    ps = f"127.0.0.1:{free_port()}"
+    workers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n_workers))
+    common = [f"--ps_hosts={ps}", f"--worker_hosts={workers}", "--issync=0", f"--seed={seed}",
+              f"--train_steps={STEPS}", "--log_every=0", "--report_staleness=1", f"--data_dir={DATA}"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    procs = [subprocess.Popen([TF_PY, prog, "--job_name=ps", "--task_index=0"] + common,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)]
+    try:
+        logs = [tempfile.TemporaryFile("w+") for _ in range(n_workers)]
+        ws = [subprocess.Popen([TF_PY, prog, "--job_name=worker", f"--task_index={i}"] + common,
+                               stdout=logs[i], stderr=subprocess.STDOUT, text=True, env=env)
+              for i in range(n_workers)]
+        procs += ws
+        outs = []
+        for p, f in zip(ws, logs):
+            p.wait(timeout=1800)
+            f.seek(0)
+            outs.append(f.read())
+            f.close()
+        hist = np.zeros(9)
+        for p, o in zip(ws, outs):
+            if p.returncode != 0:
+                raise RuntimeError(f"tf_distributed.py worker exited {p.returncode}:\n{o[-2000:]}")
+            line = [ln for ln in o.splitlines() if "staleness mean" in ln][-1]
+            hist += np.array([int(v) for v in line.split("8+", 1)[1].split()])
+        mean = float((hist * np.arange(9)).sum() / hist.sum())
+        return accuracy(outs[0]), mean, hist
+    finally:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
@@ -211,22 +268,44 @@ def main():
         print(f"seed {s}: --local {a:.4f}   2 async workers {b:.4f} (mean staleness {st:.2f}){e}   "
               f"{time.time() - t:.0f} s", flush=True)
     p = float(np.mean(stal)) if stal else 0.5
-    if os.environ.get("ASYNC_NUMPY", "1") != "0":
-        data = load()
+    tf_stal = []
+    if tf_available():
         for s in SEEDS:
             t = time.time()
-            r = [numpy_train(s, d, data) for d in (0.0, 1.0, p)]
-            for name, a in zip(("numpy, delay 0", "numpy, delay 1", f"numpy, delay 1 w.p. {p:.2f}"), r):
+            a, st, h = run_tf(s)
+            rows.setdefault("TensorFlow 1 ps + 2 async workers (bench/tf_distributed.py)", []).append(a)
+            tf_stal.append(st)
+            print(f"seed {s}: TensorFlow 2 async workers {a:.4f} (mean staleness {st:.2f}, updates 0,1,2,..,8+ "
+                  f"stale: {' '.join(str(int(v)) for v in h)})   {time.time() - t:.0f} s", flush=True)
+    else:
+        print("(TensorFlow's arm skipped: build/bench-venv has no tensorflow (make bench-deps) or ASYNC_TF=0)")
+    q = float(np.mean(tf_stal)) if tf_stal else None
+    if os.environ.get("ASYNC_NUMPY", "1") != "0":
+        data = load()
+        delays = [0.0, 1.0, p] + ([q] if q is not None else [])
+        names = ["numpy, delay 0", "numpy, delay 1", f"numpy, delay 1 w.p. {p:.2f} (restps's staleness)"] + \
+            ([f"numpy, delay 1 w.p. {q:.2f} (TensorFlow's staleness)"] if q is not None else [])
+        for s in SEEDS:
+            t = time.time()
+            r = [numpy_train(s, d, data) for d in delays]
+            for name, a in zip(names, r):
                 rows.setdefault(name, []).append(a)
-            print(f"seed {s}: numpy delay 0 {r[0]:.4f}   delay 1 {r[1]:.4f}   delay 1 w.p. {p:.2f} {r[2]:.4f}   "
-                  f"{time.time() - t:.0f} s", flush=True)
-    lines = ["| run | mean | min | max | runs >= 0.85 |", "|---|---|---|---|---|"]
+            print(f"seed {s}: numpy " + "   ".join(f"delay 1 w.p. {d:.2f} {a:.4f}" for d, a in zip(delays, r)) +
+                  f"   {time.time() - t:.0f} s", flush=True)
+    lines = ["| run | mean | sd | min | max | runs >= 0.85 |", "|---|---|---|---|---|---|"]
     for name, accs in rows.items():
         a = np.array(accs)
-        lines.append(f"| {name} | {a.mean():.4f} | {a.min():.4f} | {a.max():.4f} | "
+        sd = float(a.std(ddof=1)) if len(a) > 1 else float("nan")
+        lines.append(f"| {name} | {a.mean():.4f} | {sd:.4f} | {a.min():.4f} | {a.max():.4f} | "
                      f"{int((a >= 0.85).sum())} of {len(a)} |")
     table = "\n".join(lines)
     print(table)
+    if q is not None:
+        r = np.array(rows["restps 1 ps + 2 async workers"])
+        t = np.array(rows["TensorFlow 1 ps + 2 async workers (bench/tf_distributed.py)"])
+        print(f"async side by side, seeds {SEEDS}: restps mean {r.mean():.4f} (spread {r.max() - r.min():.4f}), "
+              f"TensorFlow {t.mean():.4f} (spread {t.max() - t.min():.4f}); mean staleness of an applied update: "
+              f"restps {p:.2f}, TensorFlow {q:.2f}")
     if EMA > 0:
         plain = np.array(rows["restps 1 ps + 2 async workers"])
         ema = np.array(rows[f"restps 1 ps + 2 async workers, --moving_average_decay={EMA}"])

@@ -52,6 +52,10 @@ flags.DEFINE_string("logdir", "", "Supervisor's logdir (checkpoints); empty: non
 flags.DEFINE_integer("save_model_secs", 600, "Supervisor: seconds between checkpoints")
 flags.DEFINE_integer("step_timeout_secs", 10, "sync: a step that takes longer is reported and tried again (0: wait forever)")
 flags.DEFINE_integer("log_every", 100, "print the global step every this many local steps (0: never)")
+flags.DEFINE_integer("report_staleness", 0, "async: measure each update's staleness (the updates applied "
+                     "between this step's read of global_step and its own) and print the histogram at the end, "
+                     "as psd's /v1/status counts it: 1 global_step read before the forward pass reads the "
+                     "variables (an upper bound), 2 after it read the first layer's weights (a lower bound)")
 FLAGS = flags.FLAGS
 PIXELS = 784
 
@@ -129,7 +133,18 @@ def main(_):
         sm_b = v1.Variable(v1.zeros([10]), name="sm_b")
         x = v1.placeholder(tf.float32, [None, PIXELS])
         y_ = v1.placeholder(tf.int64, [None])
-        hid = tf.nn.relu(v1.nn.xw_plus_b(x, hid_w, hid_b))
+        measure = FLAGS.report_staleness and not FLAGS.issync
+        if FLAGS.report_staleness == 2 and measure:
+            # the step read after the first layer's weights: a lower bound
+            w_read = tf.identity(hid_w)
+            with tf.control_dependencies([w_read]):
+                read_step = tf.identity(global_step.read_value())
+            with tf.control_dependencies([read_step]):
+                hid = tf.nn.relu(v1.nn.xw_plus_b(x, w_read, hid_b))
+        else:
+            read_step = tf.identity(global_step.read_value()) if measure else None
+            with tf.control_dependencies([read_step] if measure else None):
+                hid = tf.nn.relu(v1.nn.xw_plus_b(x, tf.identity(hid_w), hid_b))
         logits = v1.nn.xw_plus_b(hid, sm_w, sm_b)
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y_, logits=logits))
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1), y_), tf.int32))
@@ -137,7 +152,14 @@ def main(_):
         if FLAGS.issync:
             opt = v1.train.SyncReplicasOptimizer(opt, replicas_to_aggregate=n_workers,
                                                  total_num_replicas=n_workers, name="mnist_sync_replicas")
-        train_op = opt.minimize(loss, global_step=global_step)
+        if measure:
+            # minimize's own sequence (apply, then the increment), with the
+            # increment's value fetched: this update's global step
+            apply = opt.apply_gradients(opt.compute_gradients(loss))
+            with tf.control_dependencies([apply]):
+                train_op = v1.assign_add(global_step, 1)
+        else:
+            train_op = opt.minimize(loss, global_step=global_step)
         if FLAGS.issync:
             local_init_op = opt.chief_init_op if is_chief else opt.local_step_init_op
             ready_for_local_init_op = opt.ready_for_local_init_op
@@ -162,10 +184,15 @@ def main(_):
     if FLAGS.issync and FLAGS.step_timeout_secs > 0:
         opts = v1.RunOptions(timeout_in_ms=FLAGS.step_timeout_secs * 1000)
     local, step, first = 0, 0, True
+    stale = []
     while step < FLAGS.train_steps:
         b = batches.next()
         try:
-            _, step = sess.run([train_op, global_step], feed_dict={x: xtr[b], y_: ytr[b]}, options=opts)
+            if measure:
+                step, read = sess.run([train_op, read_step], feed_dict={x: xtr[b], y_: ytr[b]})
+                stale.append(int(step) - 1 - int(read))
+            else:
+                _, step = sess.run([train_op, global_step], feed_dict={x: xtr[b], y_: ytr[b]}, options=opts)
         except tf.errors.DeadlineExceededError:
             # The step waits for gradients that do not come. Running train_op
             # again would push a second gradient of this worker into the
@@ -189,6 +216,10 @@ def main(_):
         if FLAGS.log_every and local % FLAGS.log_every == 0:
             print(f"{name}: global step {step}", flush=True)
     print(f"{name}: finished at global step {step} after {local} local steps", flush=True)
+    if measure and stale:
+        h = np.bincount(np.minimum(np.array(stale), 8), minlength=9)
+        print(f"{name}: staleness mean {np.mean(stale):.3f} max {max(stale)} histogram 0..7,8+ "
+              f"{' '.join(str(int(c)) for c in h)}", flush=True)
     if is_chief:
         c = sess.run(correct, feed_dict={x: xte, y_: yte})
         print(f"{name}: test accuracy {c / len(yte):.4f}", flush=True)
