@@ -43,7 +43,9 @@ typedef struct worker {
     heartbeat *hb;
     step_timeline *tl; /* the steps' spans, to the ps with the heartbeat */
     overlap *ov;       /* --overlap: the transfer thread, or NULL */
-    int64_t ov_pulls, ov_pushes; /* --overlap: pulls streamed into the forward pass, pushes from the backward */
+    int64_t ov_pulls, ov_pushes; /* --overlap: steps whose parameters streamed in, pushes from the backward */
+    struct ov_job *ov_push;      /* --overlap: the push job */
+    int pending;                 /* --overlap: it is still out, its answer streaming into this step */
     int sync;
     const char *opt_name;
     int64_t ssp;       /* stale-synchronous: the staleness bound, or -1 */
@@ -187,6 +189,8 @@ static int join(worker *w)
     return 0;
 }
 
+static struct ov_job *ov_job_new(void);
+
 /* What the overlap can hide is the bytes of every layer but the first with
  * parameters (the last the backward pass writes, the first the forward pass
  * reads): below OVERLAP_MIN_HIDDEN (loopback moves a MiB in ~0.4 ms, about
@@ -243,7 +247,8 @@ static void prepare(worker *w)
     }
     /* --overlap: the transfers on a thread of their own (float32 only: a
      * 16-bit push is cast, and scaled, whole) */
-    if (c->overlap && c->wire == WIRE_F32 && overlap_worth_it(w) && !(w->ov = overlap_new(&w->sh)))
+    if (c->overlap && c->wire == WIRE_F32 && overlap_worth_it(w) &&
+        (!(w->ov_push = ov_job_new()) || !(w->ov = overlap_new(&w->sh))))
         fprintf(stderr, "workerd: %s: no thread for --overlap: training without it\n", c->name);
     w->max_local = c->num_epochs > 0
                        ? (int64_t)(c->num_epochs * (double)(w->rb.b.count / ((int64_t)c->n_trainers * c->batch_size)))
@@ -266,7 +271,7 @@ static int step_begin(worker *w)
         w->stopped = 1;
         return END_LOOP;
     }
-    if (w->max_local >= 0 && w->local >= w->max_local) {
+    if (w->max_local >= 0 && w->local + w->pending >= w->max_local) {
         w->ran_out = 1;
         return END_LOOP;
     }
@@ -600,11 +605,14 @@ typedef struct ov_job {
     push_meta pm;       /* the push */
     char id[64];
     int ret;            /* the push answers with the parameters */
+    int streams;        /* ... which stream into the next step's forward pass */
     int64_t min_clock, clock, after;
     int outcome;
     int prc;
     double t0, t1, waited;
 } ov_job;
+
+static ov_job *ov_job_new(void) { return calloc(1, sizeof(ov_job)); }
 
 static int job_pull(void *arg)
 {
@@ -631,8 +639,9 @@ static int job_push(void *arg)
 /* One overlapped step, as its hooks see it. */
 typedef struct ov_step {
     worker *w;
-    ov_job pull, push;
-    int pulling;       /* the pull streams into this forward pass */
+    ov_job pull;
+    int pulling;       /* parameters stream into this forward pass */
+    int from_push;     /* ... from the last push's answer (w->pending) */
     int pushing;       /* the push job runs */
     int64_t predicted; /* the step the pull is for, as the batch was chosen */
     int verdict;       /* a hook stopped the step: what the loop does, or -1 */
@@ -657,14 +666,48 @@ static int ov_pull_done(ov_step *x)
     return r;
 }
 
+static int step_account(worker *w);
+
+/* The push job, waited for: what it says (push_result), the step counted
+ * (step_account); when its answer streamed into this step's forward pass
+ * (w->pending), what the parameters it brought say (pulled), or pull again
+ * when a try of it started over after some of it was taken. */
+static int ov_push_done(worker *w)
+{
+    ov_job *j = w->ov_push;
+    overlap_wait(w->ov);
+    overlap_push_end(w->ov);
+    int torn = j->streams ? overlap_pull_end(w->ov) : 0;
+    int pending = w->pending;
+    w->pending = 0;
+    w->ov_pushes++;
+    w->after = j->after;
+    int r = push_result(w, j->prc, j->ret, j->t0, j->t1);
+    if (r == GO_ON)
+        r = step_account(w);
+    if (r != GO_ON || !pending)
+        return r;
+    w->returned = 0; /* they are here (in params, by the layers' takes) */
+    if (torn) {
+        printf("%s: the push's answer was sent again while it was being read: pulling\n", w->c->name);
+        return PULL_AGAIN;
+    }
+    return pulled(w);
+}
+
 static int hook_wait_params(void *arg, int layer)
 {
     ov_step *x = arg;
     return x->pulling ? overlap_take_layer(x->w->ov, layer, x->w->rb.params) : 0;
 }
 
-/* The loss is there: the pull is over (its last layer came); the push
- * starts, each layer's gradients going out as the backward pass has them. */
+/* The loss is there: the parameters' transfer is over (their last layer
+ * came); the push starts, each layer's gradients going out as the backward
+ * pass has them. Its answer streams into the next step when it brings the
+ * parameters (async, stale-synchronous) and the next step may start before
+ * it is read: with no dropout (whose mask is the step the answer says),
+ * not stale-synchronous over several ps (whose answers may be read again
+ * after ps 0's wait) and not this task's last step. */
 static int hook_loss_done(void *arg, double loss)
 {
     ov_step *x = arg;
@@ -672,17 +715,21 @@ static int hook_loss_done(void *arg, double loss)
     const train_config *c = w->c;
     w->loss = loss;
     if (x->pulling) {
-        int r = ov_pull_done(x);
+        int r = x->from_push ? (x->pulling = 0, ov_push_done(w)) : ov_pull_done(x);
         if (r != GO_ON) {
             x->verdict = r;
             return 1;
         }
     }
-    ov_job *j = &x->push;
+    ov_job *j = w->ov_push;
     *j = (ov_job){.w = w, .ret = c->one_round_trip && !w->sync, .min_clock = w->ssp >= 0 ? w->k - w->ssp : 0,
                   .clock = w->ssp >= 0 ? w->k : 0};
+    j->streams = j->ret && c->layout.n_dropout == 0 && !(w->ssp >= 0 && w->sh.n > 1) &&
+                 (w->max_local < 0 || w->local + 1 < w->max_local);
     snprintf(j->id, sizeof(j->id), "t%d-%08x-%lld", c->trainer, w->nonce, (long long)w->pushes++);
     j->pm = (push_meta){c->trainer, w->step, w->loss, c->batch_size, j->id, w->ssp >= 0 ? w->k - 1 : -1};
+    if (j->streams)
+        overlap_pull_begin(w->ov);
     overlap_push_begin(w->ov);
     overlap_run(w->ov, job_push, j);
     x->pushing = 1;
@@ -696,31 +743,41 @@ static void hook_grads_done(void *arg, int layer)
         overlap_grads_done(x->w->ov, layer);
 }
 
-/* A step with its transfers beside its compute: the pull (unless the last
- * push brought the parameters) streams into the forward pass, the push
- * starts with the backward pass; the next batch is staged while the push
- * finishes. Sync: the batch is the step's, so the pull streams only when
- * the step it waits for is known (the one after the last push) and the
- * answer holds it; async and stale-synchronous, a model with dropout (whose
- * mask is the step's) pulls first. */
+/* Where this step's parameters come from: the last push's answer, still
+ * streaming (w->pending), a pull that streams (sync: when the step it waits
+ * for is known, the one after the last push; async and stale-synchronous:
+ * with no dropout, whose mask is the step the pull brings), or the usual
+ * pull (or a push's answer, read whole) first. */
+static int ov_params(ov_step *x)
+{
+    worker *w = x->w;
+    const train_config *c = w->c;
+    x->predicted = w->sync ? w->sh.s[0].want : w->step;
+    if (w->pending) {
+        x->pulling = x->from_push = 1;
+    } else if (!w->returned && w->k >= 0 && (w->sync ? x->predicted > 0 : c->layout.n_dropout == 0)) {
+        x->pull = (ov_job){.w = w, .k = w->k};
+        overlap_pull_begin(w->ov);
+        overlap_run(w->ov, job_pull, &x->pull);
+        x->pulling = 1;
+        w->step = x->predicted;
+    } else {
+        return step_pull(w);
+    }
+    w->ov_pulls++;
+    return GO_ON;
+}
+
+/* A step with its transfers beside its compute (ov_params, the hooks
+ * above); the next batch is staged while the push goes on. */
 static int step_overlapped(worker *w)
 {
     const train_config *c = w->c;
     role_bufs *rb = &w->rb;
     ov_step x = {.w = w, .verdict = -1};
-    x.predicted = w->sync ? w->sh.s[0].want : w->step;
-    if (!w->returned && w->k >= 0 && (w->sync ? x.predicted > 0 : c->layout.n_dropout == 0)) {
-        x.pull = (ov_job){.w = w, .k = w->k};
-        overlap_pull_begin(w->ov);
-        overlap_run(w->ov, job_pull, &x.pull);
-        x.pulling = 1;
-        w->ov_pulls++;
-        w->step = x.predicted;
-    } else {
-        int r = step_pull(w);
-        if (r != GO_ON)
-            return r;
-    }
+    int r = ov_params(&x);
+    if (r != GO_ON)
+        return r;
     choose_batch(w);
     const model_ctx ctx = {.seed = c->seed, .step = w->step, .example0 = rb->bp.example0[rb->cur],
                            .wait_params = hook_wait_params, .loss_done = hook_loss_done,
@@ -728,8 +785,8 @@ static int step_overlapped(worker *w)
     double t0 = clk_mono_secs();
     int rc = model_forward_backward(rb->m, rb->params, rb->bp.x[rb->cur], rb->bp.y[rb->cur], c->batch_size, &ctx,
                                     rb->grads, &w->loss);
-    if (x.pulling) { /* a layer's tensors did not come: the pull says why, or pull again */
-        int r = ov_pull_done(&x);
+    if (x.pulling) { /* a layer's tensors did not come: the transfer says why, or pull again */
+        r = x.from_push ? ov_push_done(w) : ov_pull_done(&x);
         w->k--; /* this batch again */
         return r == GO_ON ? PULL_AGAIN : r;
     }
@@ -743,6 +800,8 @@ static int step_overlapped(worker *w)
             overlap_cancel(w->ov);
             overlap_wait(w->ov);
             overlap_push_end(w->ov);
+            if (w->ov_push->streams)
+                overlap_pull_end(w->ov);
         }
         fprintf(stderr, "workerd: forward/backward failed\n");
         return LEAVE;
@@ -751,17 +810,17 @@ static int step_overlapped(worker *w)
     if (c->step_delay_ms > 0) /* test hook: a slow worker */
         train_sleep((double)c->step_delay_ms / 1000.0);
     step_timeline_add(w->tl, TL_COMPUTE, w->step, t0, clk_mono_secs(), NULL);
-    /* the next batch (as predicted) while the push finishes */
+    /* the next batch (as predicted) while the push goes on */
     int64_t nk = w->sync ? w->step + 1 : w->k;
     if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!w->sync || nk < c->train_steps)) {
         role_bufs_stage(rb, nk, rb->cur ^ 1);
         w->next_k = nk;
     }
-    overlap_wait(w->ov);
-    overlap_push_end(w->ov);
-    w->ov_pushes++;
-    w->after = x.push.after;
-    return push_result(w, x.push.prc, x.push.ret, x.push.t0, x.push.t1);
+    if (w->ov_push->streams) { /* its answer streams into the next step */
+        w->pending = 1;
+        return GO_ON;
+    }
+    return ov_push_done(w);
 }
 
 /* The steps until the last one, a stop or the end of this task's data; 0,
@@ -770,16 +829,22 @@ static int run_steps(worker *w)
 {
     for (;;) {
         int r = step_begin(w);
-        if (r == GO_ON && w->ov)
+        if (r == GO_ON && w->ov) {
             r = step_overlapped(w);
-        if (r == GO_ON && !w->ov)
+        } else if (r == GO_ON) {
             r = step_pull(w);
-        if (r == GO_ON && !w->ov)
-            r = step_compute(w);
-        if (r == GO_ON && !w->ov)
-            r = step_push(w);
-        if (r == GO_ON)
-            r = step_account(w);
+            if (r == GO_ON)
+                r = step_compute(w);
+            if (r == GO_ON)
+                r = step_push(w);
+            if (r == GO_ON)
+                r = step_account(w);
+        }
+        if (r != GO_ON && r != PULL_AGAIN && w->pending) {
+            /* the last push is still out: its answer, its count */
+            int r2 = ov_push_done(w);
+            r = r == LEAVE || r2 == LEAVE ? LEAVE : r;
+        }
         if (r == END_LOOP)
             return 0;
         if (r == LEAVE)
@@ -846,8 +911,9 @@ static int finish(worker *w)
     printf("%s: finished after %lld local steps in %.2f s: %.1f steps/s\n", c->name,
            (long long)w->local, secs, (double)w->local / secs);
     if (w->ov)
-        printf("%s: --overlap: %lld pulls streamed into the forward pass, %lld pushes from the backward pass\n",
-               c->name, (long long)w->ov_pulls, (long long)w->ov_pushes);
+        printf("%s: --overlap: %lld steps' parameters streamed into the forward pass (a pull, or a push's "
+               "answer), %lld pushes from the backward pass\n", c->name, (long long)w->ov_pulls,
+               (long long)w->ov_pushes);
     fflush(stdout);
     return c->is_chief ? chief_end(w) : 0;
 }
@@ -883,6 +949,7 @@ static int leave(worker *w)
 {
     overlap_free(w->ov);
     w->ov = NULL;
+    free(w->ov_push);
     heartbeat_stop(w->hb);
     step_timeline_free(w->tl);
     json_decref(w->cfg);

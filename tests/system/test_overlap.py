@@ -22,6 +22,9 @@ from test_train import DATA, load_model, needs_data
 # (below that workerd leaves it off); small, so that a run takes seconds
 MODEL = ["--batch_size=50", "--log_every=0", "--threads=1", "--seed=5"]
 DROPOUT = "--model=dense:32,dropout:0.25,dense:512,dense:512,dense:10"
+# workerd's last line with --overlap: steps whose parameters streamed in, pushes that streamed out
+STREAMED = re.compile(r"--overlap: (\d+) steps' parameters streamed into the forward pass "
+                      r"\(a pull, or a push's answer\), (\d+) pushes")
 
 
 def train(start_psd, n_ps, n_workers, args, export=None):
@@ -75,7 +78,7 @@ def test_sync_with_overlap_ends_with_the_same_floats_as_without(start_psd, tmp_p
         models[flag] = open(path, "rb").read()
         if flag == "true":  # it did stream: all but the first pull, every push
             for o in outs:
-                m = re.search(r"--overlap: (\d+) pulls streamed into the forward pass, (\d+) pushes", o)
+                m = STREAMED.search(o)
                 assert m and int(m.group(1)) >= local_steps([o]) - 2 and int(m.group(2)) == local_steps([o]), o
     assert models["true"] == models["false"]
     m, meta = load_model(str(tmp_path / "m_true.safetensors"))
@@ -88,7 +91,7 @@ def test_overlap_is_left_off_where_the_first_layer_holds_nearly_every_byte(start
     # the example's model: 98.7 % of its bytes are hid_w's, needed first and written last
     _, outs = train(start_psd, 1, 1, ["--hidden_units=100", "--sync=1", "--train_steps=5", "--overlap=true"])
     assert "which no compute can hide: training without it" in outs[0], outs[0]
-    assert "pulls streamed" not in outs[0]
+    assert "streamed into the forward pass" not in outs[0]
 
 
 @needs_data
@@ -97,13 +100,13 @@ def test_overlap_is_left_off_where_the_first_layer_holds_nearly_every_byte(start
 def test_async_and_ssp_with_overlap_count_every_push_once(start_psd, mode):
     steps = 40
     # no dropout: an async pull streams only where the mask does not need the step it brings
-    ps, outs = train(start_psd, 1, 2, mode + ["--model=mlp:32,512,512", "--optimizer=sgd", "--learning_rate=0.05", f"--train_steps={steps}",
-                                              "--overlap=true"])
+    ps, outs = train(start_psd, 1, 2, mode + ["--model=mlp:32,512,512", "--optimizer=sgd", "--learning_rate=0.05",
+                                              f"--train_steps={steps}", "--overlap=true"])
     for o in outs:
-        m = re.search(r"--overlap: (\d+) pulls streamed into the forward pass, (\d+) pushes", o)
+        m = STREAMED.search(o)
         assert m and int(m.group(2)) == local_steps([o]), o
-        if "--one_round_trip=false" in mode:  # the pull streams too (no dropout: a plain async pull)
-            assert int(m.group(1)) >= local_steps([o]) - 2, o
+        # the parameters stream too (no dropout): a pull, or the push's answer with them
+        assert int(m.group(1)) >= local_steps([o]) - 2, o
     pushes = grads_requests(ps[0])
     assert pushes == local_steps(outs) == global_step(ps[0]), (pushes, local_steps(outs), global_step(ps[0]))
     assert pushes >= steps
