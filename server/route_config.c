@@ -353,6 +353,13 @@ enum MHD_Result h_config_put(request *r)
 enum MHD_Result h_readyz(request *r)
 {
     store_config c;
+    const char *ev = http_query(r, "evaluator");
+    if (ev && strcmp(ev, "1") == 0) { /* an evaluator waits: the chief waits for its report at the end */
+        server *srv = req_srv(r);
+        pthread_mutex_lock(&srv->info_mu);
+        srv->evaluator_asked = 1;
+        pthread_mutex_unlock(&srv->info_mu);
+    }
     if (store_get_config(&req_srv(r)->store, &c) != STORE_OK)
         return http_reply_error(r, MHD_HTTP_SERVICE_UNAVAILABLE,
                                 "variables not initialized: waiting for the chief");

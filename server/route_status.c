@@ -78,6 +78,7 @@ json_t *status_json(server *srv)
                                       (json_int_t)srv->eval.examples));
     else
         json_object_set_new(o, "eval", json_null());
+    json_object_set_new(o, "evaluator_seen", json_boolean(srv->eval.has || srv->evaluator_asked));
     pthread_mutex_unlock(&srv->info_mu);
     json_t *sync = membership_json(srv);
     if (!sync) { /* out of memory (its member list): no status without it */

@@ -61,6 +61,7 @@ typedef struct server {
         double loss, accuracy;
         struct timespec at;
     } eval;                /* the evaluator's last report */
+    int evaluator_asked;   /* an evaluator polled GET /readyz?evaluator=1: the chief waits for its last report */
     unsigned char done[STORE_MAX_WORKERS]; /* workers that said they finished */
     int n_done;
 } server;

@@ -248,7 +248,8 @@ void train_chief_wait_others(const train_config *c, ps_client *pc) { wait_others
  * model as soon as the global step reaches --train_steps: before the ps
  * tasks stop, wait (60 s at most, saying so every 5 s) for its report of
  * that step, so the evaluator's last line and the page show the final
- * model. No evaluator reported yet: no wait. */
+ * model. An evaluator is known to ps 0 once it polled /readyz?evaluator=1
+ * or reported (evaluator_seen); none known: no wait. */
 static void wait_evaluator(const train_config *c, ps_client *pc)
 {
     double start = clk_mono_secs(), said = start;
@@ -260,19 +261,25 @@ static void wait_evaluator(const train_config *c, ps_client *pc)
         int64_t step = json_integer_value(json_object_get(st, "global_step"));
         const json_t *ev = json_object_get(st, "eval");
         int64_t at = json_is_object(ev) ? json_integer_value(json_object_get(ev, "global_step")) : -1;
+        int seen = json_is_true(json_object_get(st, "evaluator_seen")) || at >= 0;
         json_decref(st);
         int64_t want = step < c->train_steps ? step : c->train_steps;
-        if (at < 0 || at >= want)
+        if (!seen || at >= want)
             return;
         double waited = clk_mono_secs() - start;
         if (waited > 60 || train_stop_requested()) {
-            printf("%s: the evaluator has not reported global step %lld (its last report: global step %lld); "
-                   "not waiting longer\n", c->name, (long long)want, (long long)at);
+            printf("%s: the evaluator has not reported global step %lld (its last report: %s%lld); "
+                   "not waiting longer\n", c->name, (long long)want, at >= 0 ? "global step " : "none, ",
+                   (long long)at);
             return;
         }
         if (first || clk_mono_secs() - said > 5) {
-            printf("%s: waiting for the evaluator's report of global step %lld (its last: global step %lld; "
-                   "at most %.0f s more)\n", c->name, (long long)want, (long long)at, 60 - waited);
+            if (at >= 0)
+                printf("%s: waiting for the evaluator's report of global step %lld (its last: global step %lld; "
+                       "at most %.0f s more)\n", c->name, (long long)want, (long long)at, 60 - waited);
+            else
+                printf("%s: waiting for the evaluator's report of global step %lld (none yet; at most %.0f s "
+                       "more)\n", c->name, (long long)want, 60 - waited);
             fflush(stdout);
             said = clk_mono_secs();
             first = 0;

@@ -415,7 +415,9 @@ int train_evaluator(const train_config *c)
         fprintf(stderr, "workerd: %s\n", m ? "out of memory" : err);
         goto out;
     }
-    train_wait_for_all(c, pc, "/readyz", "the chief to initialize the variables");
+    /* evaluator=1: ps 0 notes that an evaluator waits (evaluator_seen), so
+     * the chief waits for its report of the last step at the end */
+    train_wait_for_all(c, pc, "/readyz?evaluator=1", "the chief to initialize the variables");
     if (train_check_placement(c, pc, &sh) != 0) {
         rc = 2;
         goto out;

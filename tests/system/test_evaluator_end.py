@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import binary
+from conftest import binary, http
 from procs import communicate, free_port, kill_all
 
 DATA = "/usr/share/datasets/fashion-mnist"
@@ -30,6 +30,12 @@ def test_the_evaluator_reports_the_final_step_before_the_ps_stops(start_psd):
         ev = subprocess.Popen([binary("workerd"), "--job_name=evaluator", "--task_index=0", "--eval_secs=600"]
                               + flags, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(ev)
+        # the chief starts once the evaluator has loaded its data and asks ps 0 whether it is
+        # ready (a 503 on /readyz in psd's metrics), so that it evaluates while the job runs
+        deadline = time.monotonic() + 60
+        while 'route="/readyz",method="GET",code="503"' not in http("GET", psd.url + "/metrics")[2].decode():
+            assert ev.poll() is None and time.monotonic() < deadline, "the evaluator does not ask ps 0"
+            time.sleep(0.1)
         chief = subprocess.Popen([binary("workerd"), "--job_name=worker", "--task_index=0"] + flags,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(chief)

@@ -537,6 +537,10 @@ def exercise_open(rec, p):
     # the training routes before the chief: not ready, no configuration
     rec(p, "GET", "/readyz", expect=503)
     rec(p, "HEAD", "/readyz", expect=503)
+    assert json.loads(rec(p, "GET", "/v1/status", expect=200)[2])["evaluator_seen"] is False
+    rec(p, "GET", "/readyz", query={"evaluator": "1"}, expect=503)   # an evaluator's poll: noted
+    assert json.loads(rec(p, "GET", "/v1/status", expect=200)[2])["evaluator_seen"] is True
+    rec(p, "GET", "/readyz", query=[("evaluator", "1"), ("evaluator", "0")], expect=400)
     rec(p, "GET", "/v1/config", expect=404)
     rec(p, "HEAD", "/v1/config", expect=404)
     for bad in ({"optimizer": "adadelta"}, {"optimizer": 1}, {"learning_rate": 0},
