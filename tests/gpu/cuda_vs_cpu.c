@@ -288,7 +288,7 @@ static void layer_check(const model_layout *ly, const char *spec, int li, int B,
     int64_t ex[64];
     for (int i = 0; i < B && i < 64; i++)
         ex[i] = (int64_t)rng_below(&st, 60000);
-    const model_ctx ctx = {seed, 77, ex, 0, 0};
+    const model_ctx ctx = {.seed = seed, .step = 77, .example = ex};
     fill_params(ly, params, &st, seed, 0);
     for (size_t k = 0; k < nin; k++)
         x[k] = exact ? (float)rng_below(&st, 3) / 4.0f : cont(&st);
@@ -379,9 +379,9 @@ static void masks(uint64_t seed)
         x[k] = 1.0f;
     int64_t ex[9] = {0, 1, 59999, 5, 1000000007LL, 3, 4, INT64_MAX, 12};
     const model_ctx ctxs[3] = {
-        {seed | (1ULL << 63), 12345, ex, 0, 0}, /* an example array, a seed above 2^63 */
-        {seed, 0, NULL, 400, 0},                /* example0 + i */
-        {seed, 3, ex, 0, 1},                    /* inference: no dropout */
+        {.seed = seed | (1ULL << 63), .step = 12345, .example = ex}, /* an example array, a seed above 2^63 */
+        {.seed = seed, .example0 = 400},         /* example0 + i */
+        {.seed = seed, .step = 3, .example = ex, .inference = 1}, /* inference: no dropout */
     };
     const char *names[3] = {"dropout masks, example array", "dropout masks, example0", "dropout at inference"};
     for (int k = 0; k < 3; k++) {
@@ -449,7 +449,7 @@ static void whole(const char *spec, model_shape in, int B, int mb, int n_eval, c
     fill_params(&ly, params, &st, seed, 1);
     fill_x(x, (size_t)nx * D, &st, 1);
     fill_labels(y, (size_t)nx, &st, C);
-    const model_ctx ctx = {seed, 41, NULL, 1234, 0};
+    const model_ctx ctx = {.seed = seed, .step = 41, .example0 = 1234};
 
     /* forward_backward */
     double lc = NAN, lg = NAN;

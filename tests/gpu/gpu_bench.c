@@ -132,7 +132,7 @@ static int bench_step(const char *spec, int B, double secs, int tf32, int plain,
     uint8_t *ys[2] = {y, y2};
     double loss;
     const double flop = step_flop(&ly, B);
-    model_ctx ctx = {1, 0, NULL, 0, 0, NULL, NULL, NULL, NULL};
+    model_ctx ctx = {.seed = 1};
     for (int i = 0; i < 3; i++)
         if (model_forward_backward(m, params, x, y, B, &ctx, grads, &loss) != 0)
             return 1;
