@@ -847,6 +847,115 @@ static void test_cnn_gradients(void **state)
 
 /* ---- init, arguments, evaluation ---- */
 
+/* ---- the overlap hooks (workerd --overlap) ---- */
+
+/* What the hooks saw: each call in order ('w' layer, 'L', 'g' layer), and
+ * at each grads_done the layer's gradients as they were then. */
+typedef struct hook_log {
+    const model_layout *ly;
+    const float *grads;
+    float *seen;       /* n_params floats: each layer's gradients when announced */
+    char kind[64];
+    int layer[64];
+    int n;
+    int stop_at;       /* wait_params of this layer answers 1 (-1: never) */
+} hook_log;
+
+static int log_wait(void *arg, int layer)
+{
+    hook_log *h = arg;
+    h->kind[h->n] = 'w';
+    h->layer[h->n++] = layer;
+    return layer == h->stop_at;
+}
+
+static int log_loss(void *arg, double loss)
+{
+    hook_log *h = arg;
+    (void)loss;
+    h->kind[h->n] = 'L';
+    h->layer[h->n++] = -1;
+    return 0;
+}
+
+static void log_grads(void *arg, int layer)
+{
+    hook_log *h = arg;
+    h->kind[h->n] = 'g';
+    h->layer[h->n++] = layer;
+    for (int t = 0; t < h->ly->n_tensors; t++)
+        if (h->ly->tensors[t].layer == layer)
+            memcpy(h->seen + h->ly->tensors[t].offset, h->grads + h->ly->tensors[t].offset,
+                   h->ly->tensors[t].numel * sizeof(float));
+}
+
+/* One forward_backward with the hooks on backend b against one without:
+ * the same floats; the waits first, for each layer with parameters in
+ * order, then the loss, then each such layer's gradients last layer first,
+ * final when announced; a wait that says stop stops the step. */
+static void check_hooks(const model_backend *b)
+{
+    model_layout ly;
+    layout_or_fail(&ly, "conv:3x3x4,pool:2,dense:16,dropout:0.5,dense:10", (model_shape){8, 8, 1});
+    const int B = 6;
+    char err[256];
+    model *m = model_new(b, &ly, B, err, sizeof(err));
+    assert_non_null(m);
+    float *params = malloc(ly.n_params * sizeof(float)), *g0 = calloc(ly.n_params, sizeof(float));
+    float *g1 = calloc(ly.n_params, sizeof(float)), *seen = calloc(ly.n_params, sizeof(float));
+    float x[6 * 64];
+    uint8_t y[6] = {0, 3, 9, 1, 1, 7};
+    model_init_params(&ly, params, 3);
+    lcg_state = 9;
+    for (int i = 0; i < B * 64; i++)
+        x[i] = frand(0.0f, 1.0f);
+    double l0, l1;
+    model_ctx ctx = {.seed = 4, .step = 2, .example0 = 10};
+    assert_int_equal(model_forward_backward(m, params, x, y, B, &ctx, g0, &l0), 0);
+    hook_log h = {.ly = &ly, .grads = g1, .seen = seen, .stop_at = -1};
+    ctx.wait_params = log_wait;
+    ctx.loss_done = log_loss;
+    ctx.grads_done = log_grads;
+    ctx.hook_arg = &h;
+    assert_int_equal(model_forward_backward(m, params, x, y, B, &ctx, g1, &l1), 0);
+    assert_true(l0 == l1);
+    assert_memory_equal(g0, g1, ly.n_params * sizeof(float));
+    assert_memory_equal(g0, seen, ly.n_params * sizeof(float));
+    int with[MODEL_MAX_LAYERS], n = 0;
+    for (int l = 0; l < ly.n_layers; l++)
+        if (ly.layers[l].w >= 0)
+            with[n++] = l;
+    assert_int_equal(n, 3);
+    assert_int_equal(h.n, 2 * n + 1);
+    for (int k = 0; k < n; k++) {
+        assert_int_equal(h.kind[k], 'w');
+        assert_int_equal(h.layer[k], with[k]);
+        assert_int_equal(h.kind[n + 1 + k], 'g');
+        assert_int_equal(h.layer[n + 1 + k], with[n - 1 - k]);
+    }
+    assert_int_equal(h.kind[n], 'L');
+    /* a wait that says stop: -1, no loss, no gradients announced */
+    h = (hook_log){.ly = &ly, .grads = g1, .seen = seen, .stop_at = with[1]};
+    assert_int_equal(model_forward_backward(m, params, x, y, B, &ctx, g1, &l1), -1);
+    for (int k = 0; k < h.n; k++)
+        assert_int_equal(h.kind[k], 'w');
+    model_free(m);
+    free(params);
+    free(g0);
+    free(g1);
+    free(seen);
+}
+
+static void test_overlap_hooks(void **state)
+{
+    (void)state;
+    check_hooks(&model_backend_cpu);
+    /* a backend that does not call them: the front door calls them around it */
+    model_backend plain = model_backend_cpu;
+    plain.layer_hooks = 0;
+    check_hooks(&plain);
+}
+
 static void test_init(void **state)
 {
     (void)state;
@@ -988,6 +1097,7 @@ int main(void)
         cmocka_unit_test(test_init),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_evaluate),
+        cmocka_unit_test(test_overlap_hooks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
