@@ -78,6 +78,10 @@ TESTS = {
         "package: no C code runs",
     ("test_python_client.py", "test_the_package_type_checks_with_mypy"): "mypy on the Python package: no C "
         "code runs",
+    ("test_evaluator_end.py", "test_the_evaluator_reports_the_final_step_before_the_ps_stops"): "5-7 s under "
+        "ASan (two processes loading the data one after the other); the evaluator's wait_next and the chief's "
+        "wait_evaluator run under the sanitizer in test_cluster_sh's run with --evaluator, the readyz query in "
+        "test_openapi",
     ("test_final_eval_said.py", "test_a_pipeline_chief_says_what_it_computes_at_the_end"): "a CNN's final "
         "evaluation timed (6 s here, minutes under ASan); final_report's pieces and progress run under the "
         "sanitizer in every chief's end (test_train, test_pipeline)",

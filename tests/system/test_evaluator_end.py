@@ -17,14 +17,15 @@ from procs import communicate, free_port, kill_all
 DATA = "/usr/share/datasets/fashion-mnist"
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA),
                                 reason=f"{DATA} is missing: make deps installs dataset-fashion-mnist")
-STEPS = 2000
+STEPS = 1000
 
 
 @needs_data
 def test_the_evaluator_reports_the_final_step_before_the_ps_stops(start_psd):
     psd = start_psd()
     flags = [f"--ps_hosts=127.0.0.1:{psd.port}", f"--worker_hosts=127.0.0.1:{free_port()}", f"--data_dir={DATA}",
-             "--hidden_units=32", "--batch_size=32", f"--train_steps={STEPS}", "--log_every=0"]
+             "--hidden_units=32", "--batch_size=32", f"--train_steps={STEPS}", "--log_every=0",
+             "--recovery_wait_secs=0.2"]
     procs = []
     try:
         ev = subprocess.Popen([binary("workerd"), "--job_name=evaluator", "--task_index=0", "--eval_secs=600"]
