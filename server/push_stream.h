@@ -31,6 +31,10 @@ typedef struct grads_head {
  * dtypes, in the route's order and words: 0, or -1 with *status and err. */
 int grads_check_head(request *r, const st_file *f, grads_head *h, int *status, char *err, size_t errlen);
 
+/* Bodies smaller than this are read whole (they come in a few pieces, and
+ * two passes over them stay in the caches). */
+#define PUSH_STREAM_MIN_BYTES ((uint64_t)1 << 20)
+
 typedef struct push_stream push_stream;
 
 /* In before_body (Content-Length known): a stream for r, installed as its

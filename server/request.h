@@ -29,6 +29,7 @@ typedef struct psd_req {
     int saver_job;             /* a requested save queued under conn, not collected yet */
     int push_outcome;          /* POST /v1/grads?return=params parked: what became of the push */
     struct push_stream *stream; /* POST /v1/grads applied as it arrives (push_stream.h), or NULL */
+    int arriving;              /* counted in store_push_arriving until the request ends */
 } psd_req;
 
 /* The server every psd route's handler serves for (the module's context). */

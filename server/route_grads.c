@@ -245,9 +245,11 @@ enum MHD_Result h_grads_before(request *r)
 {
     char err[256];
     ret_query q;
+    store_push_arriving(&req_srv(r)->store, 1);
+    req_psd(r)->arriving = 1;
     /* a length to stream against, a query the handler will take, and a
      * store that applies pushes in one pass (async sgd); else as before */
-    if (r->expect_len == UINT64_MAX || r->expect_len < 16 || grads_query(r, &q, err, sizeof(err)) != 0 ||
+    if (r->expect_len == UINT64_MAX || r->expect_len < PUSH_STREAM_MIN_BYTES || grads_query(r, &q, err, sizeof(err)) != 0 ||
         !store_push_in_body(&req_srv(r)->store))
         return MHD_YES;
     req_psd(r)->stream = push_stream_start(r);
@@ -257,6 +259,10 @@ enum MHD_Result h_grads_before(request *r)
 enum MHD_Result h_grads_post(request *r)
 {
     char err[256];
+    if (req_psd(r)->arriving) { /* the body is in (a cut one: request_done) */
+        store_push_arriving(&req_srv(r)->store, -1);
+        req_psd(r)->arriving = 0;
+    }
     if (req_psd(r)->parked) /* ?return=params&min_step=: resumed, the push is in */
         return reply_params(r, req_psd(r)->push_outcome);
     {

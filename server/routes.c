@@ -128,6 +128,9 @@ static void request_done(request *r, int completed_ok)
         saver_forget(srv->saver, r->conn);
     push_stream_free(p->stream); /* a streamed push, committed or cut short */
     p->stream = NULL;
+    if (p->arriving) /* POST /v1/grads whose body never came whole */
+        store_push_arriving(&srv->store, -1);
+    p->arriving = 0;
 }
 
 void routes_module(server *srv, http_module *out)

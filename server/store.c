@@ -4,6 +4,7 @@
 #include <jansson.h>
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,9 +58,11 @@ struct store_state {
     sparse_set sparse;        /* the row-sparse variables (sparse_set.h) */
     store_stream *stream;     /* the push applied as it arrives, or NULL (store.h) */
     int64_t pushes_streamed, push_replays; /* store_counts */
+    atomic_int arriving;      /* pushes whose body is being read (store_push_arriving) */
 };
 
 static int replicas_needed(const store_state *s);
+static void stream_note_one(store_state *s, const char *name, const float *g, int64_t numel, int64_t step);
 
 static void write_lock(store_state *s)
 {
@@ -462,6 +465,7 @@ int store_apply_grad(store *h, const char *name, const float *g, int64_t numel,
             return STORE_ENOMEM;
         }
         update_into(s, &s->vars[i], dst, g, 1.0f);
+        stream_note_one(s, name, g, numel, s->global_step);
         *global_step = ++s->global_step;
         s->pushes_applied++;
         *version = s->vars[i].version;
@@ -884,7 +888,7 @@ out:
 
 /* ---- a push applied as it arrives (store.h, store_stream) ---- */
 
-#define STREAM_LOG_MAX 8
+#define STREAM_LOG_MAX 64
 
 /* A push of the stream's variables applied while it streamed: applied
  * again on top of it at its commit. */
@@ -905,6 +909,7 @@ struct store_stream {
     store_config config; /* the configuration of the begin */
     int64_t step0;       /* global_step at the begin */
     int lost;            /* more pushes of its variables meanwhile than the log holds */
+    uint64_t bytes, log_bytes; /* its gradients' bytes; the log's */
     int n_log;
     stream_entry log[STREAM_LOG_MAX];
 };
@@ -932,7 +937,9 @@ static void stream_note(store_state *s, const st_file *f, const unsigned char *d
     int inside = b && data >= b->data && (uint64_t)(data - b->data) <= b->len &&
                  f->data_len <= b->len - (size_t)(data - b->data);
     stream_entry *e = &ss->log[ss->n_log];
-    if (!inside || ss->n_log == STREAM_LOG_MAX || !(e->g = calloc((size_t)ss->n, sizeof(*e->g)))) {
+    /* at most 64 pushes, and twice the stream's bytes (+ 16 MiB) kept */
+    if (!inside || ss->n_log == STREAM_LOG_MAX || ss->log_bytes + b->len > 2 * ss->bytes + ((uint64_t)16 << 20) ||
+        !(e->g = calloc((size_t)ss->n, sizeof(*e->g)))) {
         ss->lost = 1; /* its commit is STORE_ECHANGED */
         return;
     }
@@ -947,7 +954,31 @@ static void stream_note(store_state *s, const st_file *f, const unsigned char *d
     }
     e->body = blob_ref(meta->body);
     e->step = step;
+    ss->log_bytes += b->len;
     ss->n_log++;
+}
+
+/* POST /v1/vars/NAME/grad applied g (numel floats, the caller's) at step:
+ * an active stream of that variable keeps a copy. Caller holds the write lock. */
+static void stream_note_one(store_state *s, const char *name, const float *g, int64_t numel, int64_t step)
+{
+    store_stream *ss = s->stream;
+    int j = 0;
+    while (ss && j < ss->n && strcmp(ss->names[j], name) != 0)
+        j++;
+    if (!ss || ss->lost || j == ss->n)
+        return;
+    blob *copy = blob_new(s->pool, (size_t)numel * 4);
+    st_tensor t = {.name = (char *)name, .dtype = "F32", .begin = 0, .end = (uint64_t)numel * 4};
+    st_file f = {.n_tensors = 1, .tensors = &t, .data_len = (uint64_t)numel * 4};
+    if (!copy) {
+        ss->lost = 1;
+        return;
+    }
+    memcpy(copy->data, g, (size_t)numel * 4);
+    store_push_meta meta = {.body = copy};
+    stream_note(s, &f, copy->data, &meta, step);
+    blob_unref(copy); /* the log holds its own reference */
 }
 
 static void stream_free(store_stream *ss)
@@ -1134,7 +1165,9 @@ static int streamable(const store_state *s, const st_file *f, const store_push_m
 {
     const store_config *c = &s->config;
     int64_t at;
-    if (s->stream || c->sync || c->optim.kind != OPTIM_SGD || c->optim.clip_norm > 0 ||
+    /* another push arriving meanwhile: read whole, as before (two pushers
+     * of the same variables would each pay a second pass, the replay) */
+    if (s->stream || atomic_load(&s->arriving) > 1 || c->sync || c->optim.kind != OPTIM_SGD || c->optim.clip_norm > 0 ||
         c->moving_average_decay > 0 || f->n_tensors == 0 || (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &at)))
         return 0;
     int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
@@ -1147,6 +1180,11 @@ static int streamable(const store_state *s, const st_file *f, const store_push_m
             return 0; /* refused after the body, in the words of store_apply_grads */
     }
     return 1;
+}
+
+void store_push_arriving(store *h, int delta)
+{
+    atomic_fetch_add(&h->st->arriving, delta);
 }
 
 int store_stream_begin(store *h, const st_file *f, const store_push_meta *meta, store_stream **out)
@@ -1174,6 +1212,7 @@ int store_stream_begin(store *h, const st_file *f, const store_push_meta *meta, 
         ss->n = k + 1;
         snprintf(ss->names[k], sizeof(ss->names[k]), "%s", v->name);
         ss->numel[k] = v->numel;
+        ss->bytes += (uint64_t)v->numel * 4;
         ss->w0[k] = blob_ref(v->data);
         ss->expect[k] = blob_ref(v->data);
         ss->version[k] = v->version;

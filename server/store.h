@@ -198,14 +198,19 @@ int store_apply_grads(store *s, const st_file *f, const unsigned char *data,
  * of their own, without a lock; nothing is visible until the commit, which
  * publishes them all at once (a push refused before, for a NaN or a body
  * cut short, changes nothing: store_stream_end). Other pushes of the same
- * variables applied meanwhile keep their gradients (up to 8 of them), and
- * the commit applies them again on top of the streamed push, in their
- * order: the result is those updates one after the other, each with the
- * floats of optim_apply. Anything else that changes the variables meanwhile
- * (a PUT, a restore, another configuration) makes the commit
- * STORE_ECHANGED. One stream at a time per store. */
+ * variables applied meanwhile (POST /v1/grads, /v1/vars/NAME/grad) keep
+ * their gradients (up to 64 of them and twice the stream's bytes), and the
+ * commit applies them again on top of the streamed push, in their order:
+ * the result is those updates one after the other, each with the floats of
+ * optim_apply. Anything else that changes the variables meanwhile (a PUT, a
+ * restore, another configuration, more pushes than that) makes the commit
+ * STORE_ECHANGED. One stream at a time per store, begun only while no other
+ * push arrives. */
 typedef struct store_stream store_stream;
 
+/* A push's body starts (+1) or stops (-1) arriving: a push is streamed
+ * only while no other one arrives. */
+void store_push_arriving(store *s, int delta);
 /* STORE_OK and *out when f (with meta) can be streamed now; else
  * STORE_EMODE (the caller reads the body whole and applies it as before). */
 int store_stream_begin(store *s, const st_file *f, const store_push_meta *meta, store_stream **out);

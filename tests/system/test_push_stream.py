@@ -88,7 +88,7 @@ def test_pieces_split_inside_elements_at_every_offset(start_psd):
     """Pieces ending 1, 2 and 3 bytes into a float32 (and 1 into a 16-bit
     value), across a tensor boundary too: the next values are numpy's."""
     p = start_psd(f"--learning_rate={LR}", "--logdir=")
-    n = 5000
+    n = 600000  # 2.4 MB in float32, 1.2 MB in 16 bits: streamed (PUSH_STREAM_MIN_BYTES)
     w, b = ramp(n, 1), ramp(7, 2)
     put_var(p.url, "w", w)
     put_var(p.url, "b", b)
@@ -119,7 +119,7 @@ def test_pieces_split_inside_elements_at_every_offset(start_psd):
 @pytest.mark.parametrize("bad,word", [(np.nan, "NaN"), (np.inf, "Inf")])
 def test_nonfinite_in_the_last_piece_changes_nothing(start_psd, bad, word):
     p = start_psd(f"--learning_rate={LR}", "--logdir=")
-    n = 300000  # 1.2 MB: many pieces of libmicrohttpd's buffer
+    n = 600000  # 2.4 MB: many pieces of libmicrohttpd's buffer
     put_var(p.url, "w", ramp(n, 1))
     put_var(p.url, "b", ramp(3, 2))
     g = ramp(n, 3)
@@ -131,24 +131,26 @@ def test_nonfinite_in_the_last_piece_changes_nothing(start_psd, bad, word):
     msg = json.loads(out)["error"]
     assert word in msg and "'w'" in msg and f"element {n - 1}" in msg, msg
     assert_unchanged(p, before)
-    # BF16 with an Inf only as the float32 it becomes (past 2^24 after the scale): refused too
-    body = f16_body("b", np.array([1, 2, 3], F32), "BF16", {"worker": "0"})
+    # BF16 with an Inf in its last element: refused too
+    body = f16_body("w", ramp(n, 5), "BF16", {"worker": "0"})
     body = body[:-2] + b"\x80\x7f"  # +Inf in bfloat16
     st, _, out = send_in_pieces(p, body, [len(body) - 1])
     assert st == 400 and "Inf" in json.loads(out)["error"] and "(as float32)" in json.loads(out)["error"], out
     assert_unchanged(p, before)
     # the positive control: the stream that follows is applied
+    assert counter(p, "restps_pushes_streamed_total") == 0
     g[-1] = 0.5
     st, _, out = send_in_pieces(p, st_grads([("w", g)]), [100000])
     assert st == 200, out
     assert np.array_equal(value(p, "w"), ramp(n, 1) - F32(LR) * g)
+    assert counter(p, "restps_pushes_streamed_total") == 1
 
 
 def test_body_cut_mid_tensor_changes_nothing(start_psd):
     # a short idle timeout: libmicrohttpd 0.9.75 at times misses the end of
     # a connection cut mid-body until it times out (the buffered path too)
     p = start_psd(f"--learning_rate={LR}", "--logdir=", "--connection_timeout=2")
-    n = 100000
+    n = 300000
     w = ramp(n, 1)
     put_var(p.url, "w", w)
     body = st_grads([("w", ramp(n, 2))], meta={"worker": "0"})
@@ -181,15 +183,16 @@ def start_stream(p, body, first, headers=()):
 
 
 def test_pushes_meanwhile_are_applied_again_on_top(start_psd):
-    """B and C push w while A streams: each is applied at once (a pull sees
-    it), and A's commit gives A's update first, then B's and C's on top, with
-    the floats of numpy's w - lr * g one after the other."""
+    """B pushes w while A streams (POST /v1/grads), then D (POST
+    /v1/vars/w/grad), and C pushes another variable: each is applied at once
+    (a pull sees it), and A's commit gives A's update first, then B's and D's
+    on top, with the floats of numpy's w - lr * g one after the other."""
     p = start_psd(f"--learning_rate={LR}", "--logdir=")
-    n = 50000
+    n = 300000
     w0, b0 = ramp(n, 1), ramp(4, 2)
     put_var(p.url, "w", w0)
     put_var(p.url, "b", b0)
-    ga, gb, gc = ramp(n, 3), ramp(n, 4), ramp(4, 5)
+    ga, gb, gc, gd = ramp(n, 3), ramp(n, 4), ramp(4, 5), ramp(n, 6)
     body = st_grads([("w", ga)], meta={"worker": "0"})
     s = start_stream(p, body, len(body) // 2)
     try:
@@ -198,20 +201,23 @@ def test_pushes_meanwhile_are_applied_again_on_top(start_psd):
         assert np.array_equal(value(p, "w"), w0 - F32(LR) * gb)  # B is visible at once
         st, _, out = http("POST", p.url + "/v1/grads", st_grads([("b", gc)]))  # another variable: no replay
         assert st == 200, out
+        st, _, out = http("POST", p.url + "/v1/vars/w/grad", gd.tobytes())
+        assert st == 200, out
+        assert np.array_equal(value(p, "w"), (w0 - F32(LR) * gb) - F32(LR) * gd)
         s.sendall(body[len(body) // 2:])
         st, _, out = read_response(s)
     finally:
         s.close()
-    assert st == 200 and json.loads(out)["global_step"] == 3, out
-    assert np.array_equal(value(p, "w"), (w0 - F32(LR) * ga) - F32(LR) * gb)
+    assert st == 200 and json.loads(out)["global_step"] == 4, out
+    assert np.array_equal(value(p, "w"), ((w0 - F32(LR) * ga) - F32(LR) * gb) - F32(LR) * gd)
     assert np.array_equal(value(p, "b"), b0 - F32(LR) * gc)
-    assert counter(p, "restps_push_replays_total") == 1
+    assert counter(p, "restps_push_replays_total") == 2
     assert counter(p, "restps_pushes_streamed_total") == 1
 
 
 def test_a_put_meanwhile_refuses_the_stream(start_psd):
     p = start_psd(f"--learning_rate={LR}", "--logdir=")
-    n = 50000
+    n = 300000
     put_var(p.url, "w", ramp(n, 1))
     body = st_grads([("w", ramp(n, 2))], meta={"worker": "0"})
     s = start_stream(p, body, 1000)
@@ -230,7 +236,7 @@ def test_a_put_meanwhile_refuses_the_stream(start_psd):
 
 def test_the_same_push_id_meanwhile_is_a_duplicate(start_psd):
     p = start_psd(f"--learning_rate={LR}", "--logdir=")
-    n = 20000
+    n = 300000
     w = ramp(n, 1)
     put_var(p.url, "w", w)
     g = ramp(n, 2)
