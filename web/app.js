@@ -497,7 +497,7 @@
     var frag = document.createDocumentFragment();
     ageCells = [];
     if (!Array.isArray(s.workers)) {
-      emptyRow(frag, DASH);
+      emptyRow(frag, s.mode === "pipeline" ? "a stage reports no workers: its replica's stages are above" : DASH);
       setText("workers-info", "");
     } else if (!s.workers.length) {
       emptyRow(frag, "no worker has pushed yet");
@@ -528,7 +528,7 @@
     var body = $("shards");
     var frag = document.createDocumentFragment();
     if (!Array.isArray(s.shards) || !s.shards.length) {
-      emptyRow(frag, DASH);
+      emptyRow(frag, s.mode === "pipeline" ? "a stage reports no ps shards (with the ps, ps 0's page shows them)" : DASH);
     } else {
       s.shards.forEach(function (sh) {
         sh = sh || {};

@@ -908,6 +908,8 @@ def test_a_pipeline_chief_shows_its_stages(browser):
         assert b.text("live-workers") == "2 / 2" and b.text("live-workers-sub") == "stages answering"
         assert b.text("bytes") == "held by the stages, not reported"
         assert b.text("optimizer") != "\u2014"
+        assert "a stage reports no workers" in b.text("workers") and "a stage reports no ps shards" in b.text("shards")
+        print(f"\npipeline page: screenshot {b.screenshot('pipeline')}")
         procs[0].kill()  # stage 1
         procs[0].wait()
         wait_for(lambda: len(rows()) == 2 and rows()[1][1] not in ("", "\u2014") and len(rows()[1]) == 2, 15,
