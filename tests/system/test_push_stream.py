@@ -251,3 +251,34 @@ def test_the_same_push_id_meanwhile_is_a_duplicate(start_psd):
         s.close()
     assert st == 200 and json.loads(out)["outcome"] == "duplicate", out
     assert np.array_equal(value(p, "w"), w - F32(LR) * g)  # once
+
+
+def test_weight_decay_and_a_schedule_give_optim_apply_floats(start_psd):
+    """A streamed push with decoupled weight decay and an exponential
+    schedule: numpy's (w - lr_t * wd * w) - lr_t * g at every global step,
+    bit for bit; with clipping or momentum the push is read whole (not
+    streamed) and applied as before."""
+    p = start_psd("--logdir=")
+    n = 300000
+    w = ramp(n, 1)
+    put_var(p.url, "w", w)
+    cfg = {"optimizer": "sgd", "learning_rate": 0.2, "weight_decay": 0.25, "lr_schedule": "exponential",
+           "decay_steps": 2, "decay_rate": 0.5}
+    st, _, out = http("PUT", p.url + "/v1/config", json.dumps(cfg).encode())
+    assert st == 200, out
+    for step in range(3):
+        g = ramp(n, 10 + step)
+        st, _, out = send_in_pieces(p, st_grads([("w", g)]), [7777, 500001])
+        assert st == 200, out
+        lr = F32(float(F32(0.2)) * float(F32(0.5)) ** (step / 2))
+        w = (w - lr * F32(0.25) * w) - lr * g
+        assert np.array_equal(value(p, "w"), w), step
+    assert counter(p, "restps_pushes_streamed_total") == 3
+    for cfg in ({"optimizer": "sgd", "clip_norm": 1.0}, {"optimizer": "momentum"}):
+        q = start_psd("--logdir=")
+        put_var(q.url, "w", ramp(n, 1))
+        st, _, out = http("PUT", q.url + "/v1/config", json.dumps(cfg).encode())
+        assert st == 200, out
+        st, _, out = send_in_pieces(q, st_grads([("w", ramp(n, 20))]), [7777])
+        assert st == 200, out
+        assert counter(q, "restps_pushes_streamed_total") == 0, cfg
