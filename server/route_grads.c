@@ -249,8 +249,8 @@ enum MHD_Result h_grads_before(request *r)
     req_psd(r)->arriving = 1;
     /* a length to stream against, a query the handler will take, and a
      * store that applies pushes in one pass (async sgd); else as before */
-    if (r->expect_len == UINT64_MAX || r->expect_len < PUSH_STREAM_MIN_BYTES || grads_query(r, &q, err, sizeof(err)) != 0 ||
-        !store_push_in_body(&req_srv(r)->store))
+    if (r->expect_len == UINT64_MAX || r->expect_len < PUSH_STREAM_MIN_BYTES ||
+        grads_query(r, &q, err, sizeof(err)) != 0 || !store_push_in_body(&req_srv(r)->store))
         return MHD_YES;
     req_psd(r)->stream = push_stream_start(r);
     return MHD_YES;
