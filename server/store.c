@@ -1168,7 +1168,8 @@ static int streamable(const store_state *s, const st_file *f, const store_push_m
     /* another push arriving meanwhile: read whole, as before (two pushers
      * of the same variables would each pay a second pass, the replay) */
     if (s->stream || atomic_load(&s->arriving) > 1 || c->sync || c->optim.kind != OPTIM_SGD || c->optim.clip_norm > 0 ||
-        c->moving_average_decay > 0 || f->n_tensors == 0 || (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &at)))
+        c->moving_average_decay > 0 || f->n_tensors == 0 ||
+        (meta->push_id && sync_agg_seen(&s->agg, meta->push_id, &at)))
         return 0;
     int64_t staleness = meta->step >= 0 && meta->step <= s->global_step ? s->global_step - meta->step : 0;
     if (c->max_staleness >= 0 && staleness > c->max_staleness)
