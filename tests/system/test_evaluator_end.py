@@ -37,7 +37,9 @@ def test_the_evaluator_reports_the_final_step_before_the_ps_stops(start_psd):
         while 'route="/readyz",method="GET",code="503"' not in http("GET", psd.url + "/metrics")[2].decode():
             assert ev.poll() is None and time.monotonic() < deadline, "the evaluator does not ask ps 0"
             time.sleep(0.1)
-        chief = subprocess.Popen([binary("workerd"), "--job_name=worker", "--task_index=0"] + flags,
+        # 2 ms a step: the job lasts past the evaluator's first evaluation on a fast or a loaded machine
+        chief = subprocess.Popen([binary("workerd"), "--job_name=worker", "--task_index=0", "--step_delay_ms=2"]
+                                 + flags,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(chief)
         t0 = time.monotonic()
