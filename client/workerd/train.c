@@ -46,6 +46,7 @@ typedef struct worker {
     int64_t ov_pulls, ov_pushes; /* --overlap: steps whose parameters streamed in, pushes from the backward */
     struct ov_job *ov_push;      /* --overlap: the push job */
     int pending;                 /* --overlap: it is still out, its answer streaming into this step */
+    int ov_plain;                /* --overlap: the next step pulls first (after a pull again) */
     int sync;
     const char *opt_name;
     int64_t ssp;       /* stale-synchronous: the staleness bound, or -1 */
@@ -193,10 +194,9 @@ static struct ov_job *ov_job_new(void);
 
 /* What the overlap can hide is the bytes of every layer but the first with
  * parameters (the last the backward pass writes, the first the forward pass
- * reads): below OVERLAP_MIN_HIDDEN (loopback moves a MiB in ~0.4 ms, about
- * what the transfer thread's hand-offs cost a step) it only adds them, and
- * is left off, saying so. */
-#define OVERLAP_MIN_HIDDEN ((size_t)1 << 20)
+ * reads): below --overlap_min_bytes (1 MiB: loopback moves it in ~0.4 ms,
+ * about what the transfer thread's hand-offs cost a step) it only adds
+ * them, and is left off, saying so. */
 static int overlap_worth_it(const worker *w)
 {
     const model_layout *L = &w->c->layout;
@@ -206,7 +206,7 @@ static int overlap_worth_it(const worker *w)
             if (L->tensors[t].layer == l)
                 first += L->tensors[t].numel * 4;
     size_t hidden = L->n_params * 4 - first;
-    if (hidden >= OVERLAP_MIN_HIDDEN)
+    if ((uint64_t)hidden >= w->c->overlap_min_bytes)
         return 1;
     printf("%s: --overlap: all but %zu KB of the model's %zu KB are its first layer's, which no compute can "
            "hide: training without it\n", w->c->name, hidden >> 10, (L->n_params * 4) >> 10);
@@ -755,13 +755,19 @@ static int ov_params(ov_step *x)
     x->predicted = w->sync ? w->sh.s[0].want : w->step;
     if (w->pending) {
         x->pulling = x->from_push = 1;
-    } else if (!w->returned && w->k >= 0 && (w->sync ? x->predicted > 0 : c->layout.n_dropout == 0)) {
+    } else if (!w->ov_plain && !w->returned && w->k >= 0 &&
+               (w->sync ? x->predicted > 0 : c->layout.n_dropout == 0)) {
         x->pull = (ov_job){.w = w, .k = w->k};
         overlap_pull_begin(w->ov);
         overlap_run(w->ov, job_pull, &x->pull);
         x->pulling = 1;
         w->step = x->predicted;
     } else {
+        /* after a pull again the usual pull: it takes the step the ps
+         * answers with (a ps that restarted, a step that is not the
+         * predicted one), where a streamed one would ask again for the
+         * predicted step, which may wait for this task's own gradient */
+        w->ov_plain = 0;
         return step_pull(w);
     }
     w->ov_pulls++;
@@ -831,6 +837,7 @@ static int run_steps(worker *w)
         int r = step_begin(w);
         if (r == GO_ON && w->ov) {
             r = step_overlapped(w);
+            w->ov_plain = r == PULL_AGAIN;
         } else if (r == GO_ON) {
             r = step_pull(w);
             if (r == GO_ON)

@@ -51,6 +51,7 @@ typedef struct train_config {
     int wire;               /* --wire_dtype: a wire_dtype (WIRE_F32, WIRE_BF16, WIRE_F16) */
     int one_round_trip;     /* async/SSP: the push answers with the parameters (no pull) */
     int overlap;            /* --overlap: transfers layer by layer beside the compute (shards/overlap.h) */
+    uint64_t overlap_min_bytes; /* ... where at least this many bytes lie past the model's first layer */
     /* --allreduce=ring (ring_train.c): workers as peers, no ps */
     int ring;
     double ring_timeout_secs;   /* wait this long for a neighbour */

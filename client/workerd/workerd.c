@@ -218,6 +218,7 @@ static int configure_ps_flags(train_config *c, const workerd_flags *f)
     c->wire = (int)wd;
     c->one_round_trip = f->one_round_trip;
     c->overlap = f->overlap;
+    c->overlap_min_bytes = f->overlap_min;
     c->backoff_ms = f->backoff_ms;
     c->backoff_max_ms = f->backoff_max_ms;
     c->threads = f->threads;

@@ -14,6 +14,7 @@ typedef struct workerd_flags {
     const char *wire_dtype_s; /* --wire_dtype: fp32 (default), bf16, fp16 */
     int one_round_trip;       /* --one_round_trip (default 1) */
     int overlap;              /* --overlap (default 0) */
+    uint64_t overlap_min;     /* --overlap_min_bytes (default 1 MiB) */
     uint64_t langid_words;
     const char *hidden_s, *model_s, *evaluate_path, *optimizer, *export_path, *placement_s;
     const char *onnx_path, *convert_path, *logits_path; /* --export_onnx, --convert_model, --evaluate_logits */
