@@ -62,11 +62,7 @@ class Psd:
         self.port = int(self.url.rsplit(":", 1)[1])
 
     def rss_kib(self):
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for ln in f:
-                if ln.startswith("VmRSS:"):
-                    return int(ln.split()[1])
-        return 0
+        return rss_kib(self.proc.pid)
 
     def stderr(self):
         with open(self.err_path, errors="replace") as f:
@@ -82,6 +78,18 @@ class Psd:
                 self.proc.wait()
                 return None
         return self.proc.returncode
+
+
+def rss_kib(pid):
+    """A process's resident set in KiB (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for ln in f:
+                if ln.startswith("VmRSS:"):
+                    return int(ln.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def http(method, url, body=None, headers=None, timeout=10):

@@ -35,7 +35,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -46,7 +45,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from campaign import SANITIZER_MARKS, head, http, mutate, raw  # noqa: E402
+from campaign import SANITIZER_MARKS, Psd, head, http, mutate, raw, rss_kib  # noqa: E402
 
 DATA = "/usr/share/datasets/fashion-mnist"
 
@@ -57,15 +56,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def rss_kib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for ln in f:
-                if ln.startswith("VmRSS:"):
-                    return int(ln.split()[1])
-    except OSError:
-        pass
-    return 0
+
 
 
 class Target:
@@ -89,18 +80,10 @@ class Target:
             raise RuntimeError(f"{name} never served /healthz")
         self.rss0 = rss_kib(self.proc.pid)
 
-    def log(self):
-        with open(self.err_path, errors="replace") as f:
-            return f.read()
+    log = Psd.stderr  # its output so far
 
     def stop(self):
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        Psd.stop(self)  # SIGTERM by PID, then SIGKILL after 20 s
         self.err.close()
 
 
