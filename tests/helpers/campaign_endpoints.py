@@ -56,9 +56,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-
-
-
 class Target:
     """A process serving HTTP on port, its stderr in a file."""
 
