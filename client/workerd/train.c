@@ -279,7 +279,8 @@ static int step_begin(worker *w)
      * chief: do not wait the whole retry budget for it */
     if (!w->near_end && w->last_step + c->n_trainers >= c->train_steps) {
         w->near_end = 1;
-        ps_set_retry_ms(w->pc, 2000);
+        if (!w->pending) /* (else the transfer thread holds the client: ov_push_done does it) */
+            ps_set_retry_ms(w->pc, 2000);
     }
     return GO_ON;
 }
@@ -645,6 +646,7 @@ typedef struct ov_step {
     int pushing;       /* the push job runs */
     int64_t predicted; /* the step the pull is for, as the batch was chosen */
     int verdict;       /* a hook stopped the step: what the loop does, or -1 */
+    double computing;  /* when the first layer's parameters were in (the compute span's start), or 0 */
 } ov_step;
 
 /* The streamed pull, waited for: its spans, and what it says (pulled).
@@ -677,6 +679,8 @@ static int ov_push_done(worker *w)
     ov_job *j = w->ov_push;
     overlap_wait(w->ov);
     overlap_push_end(w->ov);
+    if (w->near_end)
+        ps_set_retry_ms(w->pc, 2000);
     int torn = j->streams ? overlap_pull_end(w->ov) : 0;
     int pending = w->pending;
     w->pending = 0;
@@ -698,7 +702,10 @@ static int ov_push_done(worker *w)
 static int hook_wait_params(void *arg, int layer)
 {
     ov_step *x = arg;
-    return x->pulling ? overlap_take_layer(x->w->ov, layer, x->w->rb.params) : 0;
+    int rc = x->pulling ? overlap_take_layer(x->w->ov, layer, x->w->rb.params) : 0;
+    if (x->computing == 0) /* the wait for the first layer is the pull's, not the compute's */
+        x->computing = clk_mono_secs();
+    return rc;
 }
 
 /* The loss is there: the parameters' transfer is over (their last layer
@@ -815,7 +822,7 @@ static int step_overlapped(worker *w)
     overlap_grads_done(w->ov, 0);
     if (c->step_delay_ms > 0) /* test hook: a slow worker */
         train_sleep((double)c->step_delay_ms / 1000.0);
-    step_timeline_add(w->tl, TL_COMPUTE, w->step, t0, clk_mono_secs(), NULL);
+    step_timeline_add(w->tl, TL_COMPUTE, w->step, x.computing > t0 ? x.computing : t0, clk_mono_secs(), NULL);
     /* the next batch (as predicted) while the push goes on */
     int64_t nk = w->sync ? w->step + 1 : w->k;
     if ((w->max_local < 0 || w->local + 1 < w->max_local) && (!w->sync || nk < c->train_steps)) {
