@@ -262,8 +262,8 @@ def bed_part(reps):
             sp = seen.get(ov, {})
             print(f"    its timeline (GET /v1/timeline, ms a step; spans overlap with --overlap): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sp.items())))
-        print("    (the compute span holds, with --overlap, the forward pass's waits for its layers; without, "
-              "it is the worker's compute alone, beside psd on 2 shared cores)")
+        print("    (with --overlap the compute span starts once the first layer's parameters are in and holds "
+              "the waits for the later layers'; without, it is the worker's compute alone)")
     finally:
         hosts("down", check=False)
 
