@@ -31,8 +31,10 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
+
+from benchlib import BedTask  # noqa: E402
+from benchlib import step_secs as bench_step_secs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, os.environ.get("RESTPS_BIN_DIR", "bin"))
@@ -57,43 +59,13 @@ def hosts(*args, check=True):
     return r.stdout.strip()
 
 
-class Task:
-    """A process on a host whose output lines are kept with their times."""
-
-    def __init__(self, host, argv):
-        self.p = subprocess.Popen([HOSTS_SH, f"--name={TAG}", "exec", f"host{host}", *argv],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = []
-        self.t = threading.Thread(target=self._read, daemon=True)
-        self.t.start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
-
-    def text(self):
-        return "\n".join(s for _, s in self.lines)
-
-    def finish(self, timeout):
-        try:
-            self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        self.t.join(timeout=5)
-        return self.p.returncode
+def Task(host, argv):
+    return BedTask(HOSTS_SH, TAG, host, argv)
 
 
 def step_secs(task):
     """Seconds a step from the chief's per-step lines, steps WARM..STEPS."""
-    at = {}
-    for t, s in task.lines:
-        m = re.search(r": step (\d+) ", s)
-        if m:
-            at.setdefault(int(m.group(1)), t)
-    if WARM not in at or STEPS not in at:
-        raise RuntimeError("no step lines:\n" + task.text()[-2000:])
-    return (at[STEPS] - at[WARM]) / (STEPS - WARM)
+    return bench_step_secs(task, WARM, STEPS)
 
 
 def compute_alone():

@@ -30,11 +30,10 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import free_port  # noqa: E402
+from benchlib import BedTask, free_port  # noqa: E402
+from benchlib import step_secs as bench_step_secs  # noqa: E402
 import loopback  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,42 +143,12 @@ def hosts(*args, check=True):
     return r.stdout.strip()
 
 
-class Task:
-    """A process on a host of the bed, its output lines kept with their times."""
-
-    def __init__(self, host, argv):
-        self.p = subprocess.Popen([HOSTS_SH, f"--name={TAG}", "exec", f"host{host}", *argv], env=env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = []
-        self.t = threading.Thread(target=self._read, daemon=True)
-        self.t.start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
-
-    def text(self):
-        return "\n".join(s for _, s in self.lines)
-
-    def finish(self, timeout):
-        try:
-            self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        self.t.join(timeout=5)
-        return self.p.returncode
+def Task(host, argv):
+    return BedTask(HOSTS_SH, TAG, host, argv, env=env())
 
 
 def step_secs(task):
-    at = {}
-    for t, s in task.lines:
-        m = re.search(r": step (\d+) ", s)
-        if m:
-            at.setdefault(int(m.group(1)), t)
-    if WARM not in at or BED_STEPS not in at:
-        raise RuntimeError("no step lines:\n" + task.text()[-2000:])
-    return (at[BED_STEPS] - at[WARM]) / (BED_STEPS - WARM)
+    return bench_step_secs(task, WARM, BED_STEPS)
 
 
 def bed_local(batch):
