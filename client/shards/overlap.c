@@ -79,6 +79,21 @@ static int layer_ready(void *arg, int layer)
     return rc;
 }
 
+
+/* What overlap_new made (the thread joined or never started). */
+static void release(overlap *o)
+{
+    free(o->len);
+    free(o->gs);
+    free(o->taken);
+    free(o->before);
+    free(o->hdr);
+    free(o->hdr_state);
+    pthread_mutex_destroy(&o->mu);
+    pthread_cond_destroy(&o->cv);
+    free(o);
+}
+
 overlap *overlap_new(shards *sh)
 {
     overlap *o = calloc(1, sizeof(*o));
@@ -96,15 +111,7 @@ overlap *overlap_new(shards *sh)
     pthread_cond_init(&o->cv, NULL);
     if (!o->len || !o->gs || !o->taken || !o->before || !o->hdr || !o->hdr_state ||
         pthread_create(&o->th, NULL, transfer_main, o) != 0) {
-        free(o->len);
-        free(o->gs);
-        free(o->taken);
-        free(o->before);
-        free(o->hdr);
-        free(o->hdr_state);
-        pthread_mutex_destroy(&o->mu);
-        pthread_cond_destroy(&o->cv);
-        free(o);
+        release(o);
         return NULL;
     }
     sh->st.landed = landed;
@@ -128,15 +135,7 @@ void overlap_free(overlap *o)
         if (o->hdr_state[i] == 1)
             st_file_free(&o->hdr[i]);
     o->sh->st = (shards_stream){0};
-    free(o->len);
-    free(o->gs);
-    free(o->taken);
-    free(o->before);
-    free(o->hdr);
-    free(o->hdr_state);
-    pthread_mutex_destroy(&o->mu);
-    pthread_cond_destroy(&o->cv);
-    free(o);
+    release(o);
 }
 
 void overlap_run(overlap *o, int (*fn)(void *), void *arg)
