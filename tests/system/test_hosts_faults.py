@@ -90,7 +90,10 @@ def test_a_ps_cut_for_10_s_the_workers_wait_saying_for_what_and_the_model_is_the
     bed = bed_of(3)
     cluster = cluster_of(bed, 1, 2)
     export = tmp_path / "cut.safetensors"
-    bed.start("ps0", 0, [binary("psd"), "--job_name=ps", "--task_index=0", *cluster, f"--logdir={tmp_path}/cut-ps"])
+    # a lease longer than the cut: a 10 s cut against the default 10 s lease could let the ps count a worker
+    # dead and make a step of the other's gradient alone (it did once in a clean-clone run)
+    bed.start("ps0", 0, [binary("psd"), "--job_name=ps", "--task_index=0", *cluster, f"--logdir={tmp_path}/cut-ps",
+                         "--worker_lease_secs=60"])
     for i in (1, 0):
         extra = [f"--export={export}"] if i == 0 else []
         bed.start(f"w{i}", 1 + i, [binary("workerd"), "--job_name=worker", f"--task_index={i}", *cluster, *args,
