@@ -15,13 +15,19 @@ def free_port():
     return p
 
 
-class BedTask:
-    """A process on a host of the test bed (deploy/netns/hosts.sh exec), its
-    output lines kept with their arrival times."""
+def bed(hosts_sh, tag, *args, check=True):
+    """deploy/netns/hosts.sh --name=tag ARGS: its output (raises on failure with check)."""
+    r = subprocess.run([hosts_sh, f"--name={tag}", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"hosts.sh {' '.join(args)}: {r.stderr.strip()}")
+    return r.stdout.strip()
 
-    def __init__(self, hosts_sh, tag, host, argv, env=None):
-        self.p = subprocess.Popen([hosts_sh, f"--name={tag}", "exec", f"host{host}", *argv], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+class Lines:
+    """A process whose output lines (stdout and stderr) are kept with their arrival times."""
+
+    def __init__(self, argv, env=None):
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self.t = threading.Thread(target=self._read, daemon=True)
         self.t.start()
@@ -41,6 +47,13 @@ class BedTask:
             self.p.wait()
         self.t.join(timeout=5)
         return self.p.returncode
+
+
+class BedTask(Lines):
+    """A process on a host of the test bed (deploy/netns/hosts.sh exec)."""
+
+    def __init__(self, hosts_sh, tag, host, argv, env=None):
+        super().__init__([hosts_sh, f"--name={tag}", "exec", f"host{host}", *argv], env=env)
 
 
 def step_secs(task, warm, last):

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from benchlib import BedTask  # noqa: E402
+from benchlib import BedTask, bed  # noqa: E402
 from benchlib import step_secs as bench_step_secs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,10 +53,7 @@ port_seq = iter(range(2300, 2999))
 
 
 def hosts(*args, check=True):
-    r = subprocess.run([HOSTS_SH, f"--name={TAG}", *args], capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"hosts.sh {' '.join(args)}: {r.stderr.strip()}")
-    return r.stdout.strip()
+    return bed(HOSTS_SH, TAG, *args, check=check)
 
 
 def Task(host, argv):

@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import BedTask, free_port  # noqa: E402
+from benchlib import BedTask, bed, free_port  # noqa: E402
 from benchlib import step_secs as bench_step_secs  # noqa: E402
 import loopback  # noqa: E402
 
@@ -137,10 +137,7 @@ def loopback_part(reps):
 
 
 def hosts(*args, check=True):
-    r = subprocess.run([HOSTS_SH, f"--name={TAG}", *args], capture_output=True, text=True)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"hosts.sh {' '.join(args)}: {r.stderr.strip()}")
-    return r.stdout.strip()
+    return bed(HOSTS_SH, TAG, *args, check=check)
 
 
 def Task(host, argv):

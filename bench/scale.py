@@ -15,10 +15,8 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 
-from benchlib import free_port
+from benchlib import Lines, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "bin")
@@ -26,20 +24,6 @@ DATA = "/usr/share/datasets/fashion-mnist"
 OUT = os.path.join(ROOT, "bench", "out")
 TARGET = 0.80
 STEPS = int(os.environ.get("SCALE_STEPS", "1500"))
-
-
-class Lines:
-    """A process whose stdout lines are read as they come, with their times."""
-
-    def __init__(self, argv):
-        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = []
-        self.t = threading.Thread(target=self._read, daemon=True)
-        self.t.start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
 
 
 def run(mode, n_workers, n_ps):

@@ -817,6 +817,30 @@ static int64_t sgd_into_grad(const optim_config *c, const float *w, float *g, in
     return bad;
 }
 
+/* The body old the published variables were views of is no longer theirs. */
+static void publish_done(store_state *s, blob *old)
+{
+    if (old) {
+        loosen(s, old);
+        blob_unref(old);
+    }
+}
+
+/* Publish next as v's new version (an update); the body v was a view of is
+ * loosened once the run of variables that share it ends: pass the last
+ * call's result as old, and the last one to publish_done. */
+static blob *publish_version(store_state *s, store_var *v, blob *next, blob *old)
+{
+    blob *p = v->data->parent;
+    if (p && p != old) {
+        publish_done(s, old);
+        old = blob_ref(p);
+    }
+    v->updates++;
+    take_version(s, v, next);
+    return old;
+}
+
 /* Async sgd in one pass: each gradient, at off in body, is checked and
  * turned into its variable's next value in place (optim_sgd_into_grad), and
  * those bytes become the variables' data (views of body). A NaN or Inf
@@ -862,23 +886,10 @@ static int apply_in_body(store_state *s, const st_file *f, blob *body, size_t of
         }
     blob *old = NULL; /* the body the variables were views of (usually one) */
     for (int k = 0; k < n; k++) {
-        store_var *v = &s->vars[idx[k]];
-        blob *p = v->data->parent;
-        if (p && p != old) {
-            if (old) {
-                loosen(s, old);
-                blob_unref(old);
-            }
-            old = blob_ref(p);
-        }
-        v->updates++;
-        take_version(s, v, views[k]);
+        old = publish_version(s, &s->vars[idx[k]], views[k], old);
         views[k] = NULL;
     }
-    if (old) {
-        loosen(s, old);
-        blob_unref(old);
-    }
+    publish_done(s, old);
 out:
     for (int k = 0; k < n; k++)
         blob_unref(views[k]);
@@ -1279,23 +1290,10 @@ static void stream_publish(store_state *s, store_stream *ss)
     }
     blob *old = NULL; /* a body the variables were views of */
     for (int j = 0; j < ss->n; j++) {
-        store_var *v = &s->vars[find(s, ss->names[j])];
-        blob *p = v->data->parent;
-        if (p && p != old) {
-            if (old) {
-                loosen(s, old);
-                blob_unref(old);
-            }
-            old = blob_ref(p);
-        }
-        v->updates++;
-        take_version(s, v, ss->next[j]);
+        old = publish_version(s, &s->vars[find(s, ss->names[j])], ss->next[j], old);
         ss->next[j] = NULL;
     }
-    if (old) {
-        loosen(s, old);
-        blob_unref(old);
-    }
+    publish_done(s, old);
 }
 
 int store_stream_commit(store *h, store_stream *ss, const store_push_meta *meta, int64_t *global_step,
