@@ -161,6 +161,10 @@ static double steps_per_sec(struct history *h, int64_t now)
         int k = (h->rate_head + i) % RATE_SAMPLES;
         if (h->rate[k].ms < now - RATE_WINDOW_MS)
             continue;
+        /* the step moved only after a pause longer than the window: count
+         * from the sample before it, not 0 (a rate of 0 while the step moves) */
+        if (h->rate[k].step == h->cur_step && i > 0)
+            k = (h->rate_head + i - 1) % RATE_SAMPLES;
         double secs = (double)(now - h->rate[k].ms) / 1000.0;
         if (secs < 1.0)
             secs = 1.0;
