@@ -301,7 +301,9 @@ def wait_in_log(procs, logs, k, text, poll=0.05, timeout=60):
 
 @pytest.mark.parametrize("victim", [0, 1, 2])
 def test_a_dead_stage_stops_the_others_within_the_timeout(tmp_path, small_data, victim):
-    k, tmo = 3, 2
+    # tmo: a live stage stalled that long by a loaded machine (make test runs two lanes on 2 cores) is
+    # named as the one that died; at 2 s that happened once in a clean-clone run
+    k, tmo = 3, 4
     hosts = ",".join(f"127.0.0.1:{free_port()}" for _ in range(k))
     logs = [tmp_path / f"stage{i}.log" for i in range(k)]
     ps = []
@@ -533,14 +535,14 @@ def test_the_chiefs_status_shows_every_stage(stages, small_data):
     wait_for_line(s0, "pipeline stage 0 of 2")  # printed once its endpoint serves
     wait_for_line(s1, "pipeline stage 1 of 2")
     deadline = time.monotonic() + 30
-    while True:  # until the last stage has a loss
+    while True:  # until both stages have a loss (the chief's comes a backward pass after the last stage's)
         last = json.loads(http("GET", f"http://127.0.0.1:{ports[1]}/v1/status")[2])
-        if last["last_loss"] is not None or time.monotonic() > deadline:
+        st = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/status")[2])
+        if (last["last_loss"] is not None and st["last_loss"] is not None) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     assert last["mode"] == "pipeline" and last["stage"] == 1 and "pipeline" not in last, last
     assert last["global_step"] >= 1 and 0 < last["last_loss"] < 10, last
-    st = json.loads(http("GET", f"http://127.0.0.1:{ports[0]}/v1/status")[2])
     # the chief has the step's loss too (the gradients bring it back): its page draws it
     assert st["mode"] == "pipeline" and st["stage"] == 0 and 0 < st["last_loss"] < 10 and st["global_step"] >= 1, st
     assert [e["stage"] for e in st["pipeline"]] == [0, 1], st
