@@ -56,7 +56,7 @@ DEVICE_SRC   = client/model/model_device.c
 DATA_SRC     = client/data/idx.c client/data/batcher.c client/data/langid.c
 SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/heartbeat.c \
                client/shards/step_timeline.c client/shards/overlap.c
-RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c
+RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c client/ring/ring_overlap.c
 PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
                client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c
 WORKERD_SRC  = client/workerd/role_common.c client/workerd/train.c client/workerd/chief.c client/workerd/evaluator.c \

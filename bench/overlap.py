@@ -17,6 +17,12 @@ step's transfers beside its compute, measured in one run against its peers.
    and without the overlap, from the chief's per-step lines (steps WARM..),
    against max(T, C) (target <= 1.25x) and T + C. Needs root (network
    namespaces): elsewhere it says so and skips that part.
+3. The same bed, --allreduce=ring, 2 tasks on hosts of their own, the CNN:
+   the all-reduce in buckets beside the backward pass (--overlap) against
+   after it, at the batch whose compute is about the ring's transfer (each
+   task sends and receives 4 x n_params at once: T = 4 x n_params / 0.955
+   Gbit/s); the same ratios (the backward pass is what can hide it: the
+   forward pass needs the summed parameters).
 
 Both sides compute with the kernel workerd chooses (OPENBLAS_CORETYPE is
 unset). Every process is started here, on free ports, and stopped by PID.
@@ -192,7 +198,42 @@ def bed_job(batch, overlap):
         psd.finish(20)
 
 
-def bed_part(reps):
+def ring_job(batch, overlap):
+    """Seconds a step of a 2-task ring job on the bed (the chief's lines)."""
+    port = free_port()
+    wk = f"--worker_hosts={hosts('addr', 'host0')}:{port},{hosts('addr', 'host1')}:{port}"
+    ts = [Task(i, [f"{BIN}/workerd", "--allreduce=ring", wk, f"--task_index={i}", "--model=cnn",
+                   f"--batch_size={batch}", "--log_every=1", f"--overlap={overlap}", "--logdir="]
+               + common(BED_STEPS)) for i in (1, 0)]
+    for t in ts:
+        if t.finish(600) != 0:
+            raise RuntimeError("a ring task failed:\n" + t.text()[-2000:])
+    return step_secs(ts[1])
+
+
+def ring_part(reps, per_ex):
+    t_wire = 4 * CNN_PARAMS / GOODPUT
+    batch = max(16, min(1024, int(round(t_wire / per_ex / 16)) * 16))
+    got = {"local": [], "false": [], "true": []}
+    for rep in range(reps):
+        got["local"].append(bed_local(batch))
+        for ov in ("false", "true") if rep % 2 == 0 else ("true", "false"):
+            got[ov].append(ring_job(batch, ov))
+    best = {k: min(v) for k, v in got.items()}
+    c = best["local"]
+    big = max(c, t_wire)
+    print(f"== --overlap with --allreduce=ring on the test bed (1 Gbit/s links), 2 tasks, the CNN at batch {batch}, "
+          f"best of {reps}, steps {WARM}..{BED_STEPS}; load {os.getloadavg()[0]:.2f}")
+    print(f"compute C (workerd --local) {c * 1e3:.0f} ms, transfer T ({4 * CNN_PARAMS / 1e6:.1f} MB each way at "
+          f"once) {t_wire * 1e3:.0f} ms: max {big * 1e3:.0f} ms, sum {(c + t_wire) * 1e3:.0f} ms")
+    for ov in ("false", "true"):
+        s = best[ov]
+        verdict = f"   target <= 1.25x: {'PASS' if s <= 1.25 * big else 'BELOW'}" if ov == "true" else ""
+        print(f"ring step --overlap={ov:5s} {s * 1e3:6.0f} ms ({min(got[ov]) * 1e3:.0f}-{max(got[ov]) * 1e3:.0f}): "
+              f"{s / big:.2f}x the larger, {s / (c + t_wire):.2f}x the sum{verdict}", flush=True)
+
+
+def bed_part(reps, which=("ps", "ring")):
     if os.geteuid() != 0:
         print("== --overlap on the test bed: skipped (network namespaces need root; not root here)")
         return
@@ -202,6 +243,9 @@ def bed_part(reps):
         t_wire = 2 * 4 * CNN_PARAMS / GOODPUT
         per_ex = min(bed_local(256) for _ in range(2)) / 256  # the batch whose compute is about the transfer
         batch = max(16, min(1024, int(round(t_wire / per_ex / 16)) * 16))
+        if "ps" not in which:
+            ring_part(reps, per_ex)
+            return
         got = {"local": [], "false": [], "true": []}
         seen = {}
         for rep in range(reps):
@@ -230,6 +274,8 @@ def bed_part(reps):
                   + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sp.items())))
         print("    (with --overlap the compute span starts once the first layer's parameters are in and holds "
               "the waits for the later layers'; without, it is the worker's compute alone)")
+        if "ring" in which:
+            ring_part(reps, per_ex)
     finally:
         hosts("down", check=False)
 
@@ -239,7 +285,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.environ.get("RESTPS_BIN_DIR", "bin"))
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--part", choices=["all", "loopback", "bed"], default="all")
+    ap.add_argument("--part", choices=["all", "loopback", "bed", "ring"], default="all")
     a = ap.parse_args()
     BIN = os.path.abspath(a.bin)
     for f in ("workerd", "psd"):
@@ -253,6 +299,8 @@ def main():
         loopback_part(a.reps)
     if a.part in ("all", "bed"):
         bed_part(max(1, a.reps - 1))
+    if a.part == "ring":
+        bed_part(max(1, a.reps - 1), ("ring",))
     return 0
 
 

@@ -3,6 +3,7 @@
  * workers in --worker_hosts --steps times, and reports the time and the bytes
  * sent per all-reduce. The system test checks its --output against a sum
  * computed directly; bench/ring.py times it. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +29,7 @@ static int cmp_double(const void *a, const void *b)
 int main(int argc, char **argv)
 {
     const char *hosts = NULL, *input = NULL, *output = NULL, *tls_cert = NULL, *tls_key = NULL,
-               *tls_ca = NULL, *tls_prio = NULL;
+               *tls_ca = NULL, *tls_prio = NULL, *edges_arg = NULL;
     int rank = -1, steps = 1, warmup = 1;
     uint64_t floats = 0, piece = 1 << 20;
     float timeout = 30;
@@ -42,6 +43,7 @@ int main(int argc, char **argv)
         {"warmup", FLAG_INT, &warmup, "the first this many are not timed (default 1; below --steps, or the one all-reduce of --steps=1 is timed)", 0},
         {"piece_bytes", FLAG_U64, &piece, "pieces of at most this many bytes (default 1048576)", 0},
         {"timeout_secs", FLAG_FLOAT, &timeout, "wait this long for a neighbour (default 30)", 0},
+        {"edges", FLAG_STRING, &edges_arg, "comma-separated float indices, increasing, each in (0, --floats): the buffer is summed in buckets split there, the last first (as workerd --overlap; the same sums)", 0},
         {"tls_cert", FLAG_STRING, &tls_cert, "serve and speak HTTPS, with this PEM certificate (needs --tls_key)", 0},
         {"tls_key", FLAG_STRING, &tls_key, "the PEM private key of --tls_cert", 0},
         {"tls_ca", FLAG_STRING, &tls_ca, "with --tls_cert: the CA(s) the neighbours' certificates must chain to (default: the system's)", 0},
@@ -64,6 +66,20 @@ int main(int argc, char **argv)
     if (tls_prio && ring_tls_priorities_check(tls_prio, err, sizeof(err)) != 0) {
         fprintf(stderr, "ring_allreduce: --tls_priorities=%s: %s\n", tls_prio, err);
         return 2;
+    }
+    static size_t edges[RING_MAX_EDGES];
+    int n_edges = 0;
+    for (const char *e = edges_arg; e && *e;) {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(e, &end, 10);
+        if (end == e || errno || (*end && *end != ',') || *e == '-' || n_edges == RING_MAX_EDGES) {
+            fprintf(stderr, "ring_allreduce: --edges=%s: comma-separated float indices, at most %d\n", edges_arg,
+                    RING_MAX_EDGES);
+            return 2;
+        }
+        edges[n_edges++] = (size_t)v;
+        e = *end ? end + 1 : end;
     }
     float *in = NULL;
     if (input) {
@@ -99,10 +115,13 @@ int main(int argc, char **argv)
     ring_options o = {.peers = cs.jobs[JOB_WORKER].tasks, .n = cs.jobs[JOB_WORKER].n, .rank = rank,
                       .n_floats = floats, .piece_bytes = piece, .timeout_secs = timeout, .name = name,
                       .tls_cert = tls_cert, .tls_key = tls_key, .tls_ca = tls_ca, .tls_priorities = tls_prio,
-                      .tls_names = {"--tls_cert", "--tls_key", "--tls_ca", "--tls_priorities"}};
+                      .tls_names = {"--tls_cert", "--tls_key", "--tls_ca", "--tls_priorities"},
+                      .edges = n_edges ? edges : NULL, .n_edges = n_edges};
     ring *r = ring_new(&o, err, sizeof(err));
     if (!r) {
         fprintf(stderr, "ring_allreduce: %s\n", err);
+        cluster_spec_free(&cs);
+        free(in);
         return 1;
     }
     float *buf = malloc(floats * 4 + 4);

@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "clock.h"
+#include "crc32c.h"
 #include "endpoint.h"
 #include "errmsg.h"
 #include "http_server.h"
@@ -50,6 +51,16 @@ struct ring {
     size_t n_floats, piece;  /* piece: floats */
     size_t *off;             /* chunk c is [off[c], off[c+1]) */
     size_t chunk_max, pieces_max;
+    /* the buckets (ring_options.edges): bucket b is [edge[b], edge[b+1]),
+     * n_buckets of them (1: the whole buffer); edges_crc names the interior
+     * edges on the wire (0: none). A chunk's pieces break at the buckets'
+     * edges and every `piece` floats after each: chunk c's piece j starts at
+     * pstart[pbase[c] + j] (from the chunk's start), j < npieces[c], and
+     * pstart[pbase[c] + npieces[c]] is the chunk's length. */
+    size_t *edge;
+    int n_buckets;
+    uint32_t edges_crc;
+    size_t *pstart, *pbase, *npieces;
     int K;                   /* ring steps per all-reduce: 2(N-1) */
     double timeout;
     int (*abort)(void);
@@ -117,6 +128,29 @@ static int64_t *slot_steps(ring *r, int64_t step, int k)
     return r->piece_step + ((size_t)(step & 1) * (size_t)r->K + (size_t)k) * r->pieces_max;
 }
 
+/* The piece of chunk c that starts at chunk offset o: its index, or -1 when
+ * no piece starts there. */
+static long piece_at(const ring *r, int c, size_t o)
+{
+    const size_t *ps = r->pstart + r->pbase[c];
+    size_t lo = 0, hi = r->npieces[c];
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (ps[mid] < o)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < r->npieces[c] && ps[lo] == o ? (long)lo : -1;
+}
+
+/* The floats of chunk c's piece j. */
+static size_t piece_len(const ring *r, int c, size_t j)
+{
+    const size_t *ps = r->pstart + r->pbase[c];
+    return ps[j + 1] - ps[j];
+}
+
 /* ---- the endpoint (common/http_server.h) ---- */
 
 /* A chunk upload's state (the request's ext): where its piece goes. */
@@ -137,18 +171,30 @@ static enum MHD_Result chunk_begin(http_req *q)
     chunk_req *cq = q->ext;
     cq->counted = 1;
     atomic_fetch_add(&r->uploads, 1);
-    long long vals[6];
-    const char *names[] = {"step", "k", "offset", "from", "n", "floats"};
-    for (int i = 0; i < 6; i++)
-        if (http_query_int(q, names[i], LLONG_MAX, &vals[i]) != 1)
+    long long vals[7];
+    const char *names[] = {"step", "k", "offset", "from", "n", "floats", "edges"};
+    for (int i = 0; i < 7; i++) {
+        int got = http_query_int(q, names[i], i == 6 ? UINT32_MAX : LLONG_MAX, &vals[i]);
+        if (got == 0 && i == 6) /* no buckets */
+            vals[i] = 0;
+        else if (got != 1)
             return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
-                                          "query argument '%s' is missing or not a non-negative integer", names[i]);
+                                          i == 6 ? "query argument 'edges' is not a 32-bit unsigned integer"
+                                                 : "query argument '%s' is missing or not a non-negative integer",
+                                          names[i]);
+    }
     long long step = vals[0], k = vals[1], offset = vals[2], from = vals[3], n = vals[4], floats = vals[5];
     if (n != r->n || (size_t)floats != r->n_floats)
         return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
                                       "the sender's ring has %lld workers and %lld floats, this worker's %d and %zu: "
                                       "start every worker with the same --worker_hosts and model",
                                       n, floats, r->n, r->n_floats);
+    if ((uint32_t)vals[6] != r->edges_crc)
+        return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
+                                      "the sender splits the buffer into buckets at other edges (edges=%llu, this "
+                                      "worker's %u; 0: no buckets): start every worker with the same --overlap, "
+                                      "--overlap_min_bytes and model",
+                                      vals[6], (unsigned)r->edges_crc);
     if (from != ring_mod(r->rank - 1, r->n))
         return http_refuse_after_body(q, MHD_HTTP_CONFLICT,
                                       "a piece from worker %lld, but this worker's left neighbour is worker %d", from,
@@ -181,12 +227,20 @@ static enum MHD_Result chunk_begin(http_req *q)
     if (k >= r->K)
         return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST, "k=%lld: a ring of %d workers has ring steps 0 to %d",
                                       k, r->n, r->K - 1);
-    size_t len = chunk_len(r, recv_chunk(r, (int)k));
-    if ((size_t)offset >= len || (size_t)offset % r->piece)
+    int c = recv_chunk(r, (int)k);
+    size_t len = chunk_len(r, c);
+    long j = (size_t)offset < len ? piece_at(r, c, (size_t)offset) : -1;
+    if (j < 0) {
+        if (r->n_buckets > 1)
+            return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
+                                          "offset=%lld: pieces of chunk %d start at its buckets' edges and every %zu "
+                                          "floats after each, below %zu",
+                                          offset, c, r->piece, len);
         return http_refuse_after_body(q, MHD_HTTP_BAD_REQUEST,
                                       "offset=%lld: pieces of chunk %d start at multiples of %zu below %zu", offset,
-                                      recv_chunk(r, (int)k), r->piece, len);
-    size_t want = len - (size_t)offset < r->piece ? len - (size_t)offset : r->piece;
+                                      c, r->piece, len);
+    }
+    size_t want = piece_len(r, c, (size_t)j);
     if (q->expect_len == UINT64_MAX)
         return http_refuse_after_body(q, MHD_HTTP_LENGTH_REQUIRED, "Content-Length is required");
     if (q->expect_len != want * 4) {
@@ -198,7 +252,7 @@ static enum MHD_Result chunk_begin(http_req *q)
     }
     cq->step = step;
     cq->k = (int)k;
-    cq->piece = (size_t)offset / r->piece;
+    cq->piece = (size_t)j;
     http_body_into(q, slot(r, step, (int)k) + offset, want * 4);
     return MHD_YES;
 }
@@ -210,8 +264,8 @@ static enum MHD_Result h_chunk(http_req *q)
 {
     ring *r = q->ctx;
     chunk_req *cq = q->ext;
-    size_t off = cq->piece * r->piece, len = chunk_len(r, recv_chunk(r, cq->k));
-    size_t m = len - off < r->piece ? len - off : r->piece;
+    int c = recv_chunk(r, cq->k);
+    size_t off = r->pstart[r->pbase[c] + cq->piece], m = piece_len(r, c, cq->piece);
     const float *got = slot(r, cq->step, cq->k) + off;
     int64_t bad = tensor_find_nonfinite(got, m);
     if (bad >= 0)
@@ -506,8 +560,10 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
                       double deadline, char *err, size_t errlen)
 {
     char url[PEER_MAX + 200];
-    snprintf(url, sizeof(url), "%s/v1/ring/chunk?step=%lld&k=%d&offset=%zu&from=%d&n=%d&floats=%zu",
-             r->right_url, (long long)step, k, offset, r->rank, r->n, r->n_floats);
+    int at = snprintf(url, sizeof(url), "%s/v1/ring/chunk?step=%lld&k=%d&offset=%zu&from=%d&n=%d&floats=%zu",
+                      r->right_url, (long long)step, k, offset, r->rank, r->n, r->n_floats);
+    if (r->edges_crc && at > 0 && (size_t)at < sizeof(url))
+        snprintf(url + at, sizeof(url) - (size_t)at, "&edges=%u", (unsigned)r->edges_crc);
     int right = ring_mod(r->rank + 1, r->n);
     long wait = 20;
     for (;;) {
@@ -589,10 +645,25 @@ static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, d
     return rc;
 }
 
-int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen)
+/* The pieces of chunk c that lie in bucket b: [*j0, return). */
+static size_t bucket_pieces(const ring *r, int c, int b, size_t *j0)
+{
+    size_t a = r->edge[b], e = r->edge[b + 1], base = r->off[c];
+    const size_t *ps = r->pstart + r->pbase[c];
+    size_t j = 0, np = r->npieces[c];
+    while (j < np && base + ps[j] < a)
+        j++;
+    *j0 = j;
+    while (j < np && base + ps[j] < e)
+        j++;
+    return j;
+}
+
+int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_secs, char *err, size_t errlen)
 {
     if (r->n == 1) {
-        atomic_fetch_add(&r->allreduces, 1);
+        if (b == 0)
+            atomic_fetch_add(&r->allreduces, 1);
         return 0;
     }
     pthread_mutex_lock(&r->mu);
@@ -601,22 +672,23 @@ int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *er
     double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
     double deadline = clk_mono_secs() + patience;
     /* ring step 0: this worker's own chunk */
-    size_t len = chunk_len(r, r->rank);
-    for (size_t o = 0; o < len; o += r->piece) {
-        size_t m = len - o < r->piece ? len - o : r->piece;
-        int rc = send_piece(r, step, 0, o, buf + r->off[r->rank] + o, m, deadline, err, errlen);
+    int c = r->rank;
+    size_t j0, j1 = bucket_pieces(r, c, b, &j0);
+    for (size_t j = j0; j < j1; j++) {
+        size_t o = r->pstart[r->pbase[c] + j];
+        int rc = send_piece(r, step, 0, o, buf + r->off[c] + o, piece_len(r, c, j), deadline, err, errlen);
         if (rc)
             return rc;
         deadline = clk_mono_secs() + patience;
     }
     for (int k = 0; k < r->K; k++) {
-        int c = recv_chunk(r, k);
-        len = chunk_len(r, c);
+        c = recv_chunk(r, k);
         const float *in = slot(r, step, k);
         float *own = buf + r->off[c];
-        for (size_t o = 0, p = 0; o < len; o += r->piece, p++) {
-            size_t m = len - o < r->piece ? len - o : r->piece;
-            int rc = wait_piece(r, step, k, p, deadline, patience, err, errlen);
+        j1 = bucket_pieces(r, c, b, &j0);
+        for (size_t j = j0; j < j1; j++) {
+            size_t o = r->pstart[r->pbase[c] + j], m = piece_len(r, c, j);
+            int rc = wait_piece(r, step, k, j, deadline, patience, err, errlen);
             if (rc)
                 return rc;
             if (k < r->n - 1)
@@ -630,8 +702,27 @@ int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *er
             deadline = clk_mono_secs() + patience;
         }
     }
-    atomic_fetch_add(&r->allreduces, 1);
+    if (b == 0)
+        atomic_fetch_add(&r->allreduces, 1);
     return 0;
+}
+
+int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen)
+{
+    for (int b = r->n_buckets - 1; b >= 0; b--) {
+        int rc = ring_allreduce_bucket(r, step, buf, b, wait_secs, err, errlen);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+int ring_buckets(const ring *r) { return r->n_buckets; }
+
+void ring_bucket_range(const ring *r, int b, size_t *start, size_t *end)
+{
+    *start = r->edge[b];
+    *end = r->edge[b + 1];
 }
 
 /* ---- state, status ---- */
@@ -907,7 +998,68 @@ static int new_peers(ring *r, const ring_options *o)
     for (int c = 0; c < o->n; c++)
         if (chunk_len(r, c) > r->chunk_max)
             r->chunk_max = chunk_len(r, c);
-    r->pieces_max = (r->chunk_max + r->piece - 1) / r->piece;
+    return 0;
+}
+
+/* The buckets from o->edges (checked) and each chunk's pieces, which break
+ * at them. 0, NEW_FAILED (err) or NEW_OOM. */
+static int new_pieces(ring *r, const ring_options *o, char *err, size_t errlen)
+{
+    if (o->n_edges < 0 || o->n_edges > RING_MAX_EDGES || (o->n_edges > 0 && !o->edges)) {
+        errmsg(err, errlen, "%d bucket edges: at most %d", o->n_edges, RING_MAX_EDGES);
+        return NEW_FAILED;
+    }
+    r->n_buckets = o->n_edges + 1;
+    r->edge = malloc(((size_t)r->n_buckets + 1) * sizeof(size_t));
+    if (!r->edge)
+        return NEW_OOM;
+    r->edge[0] = 0;
+    for (int i = 0; i < o->n_edges; i++) {
+        if (o->edges[i] <= r->edge[i] || o->edges[i] >= o->n_floats) {
+            errmsg(err, errlen, "bucket edge %d (%zu) is not between the one before (%zu) and the buffer's end "
+                                "(%zu floats)", i, o->edges[i], r->edge[i], o->n_floats);
+            return NEW_FAILED;
+        }
+        r->edge[i + 1] = o->edges[i];
+        uint64_t le = o->edges[i]; /* little-endian (ring.c sends the host's floats so) */
+        r->edges_crc = crc32c_update(r->edges_crc, &le, sizeof(le));
+    }
+    r->edge[r->n_buckets] = o->n_floats;
+    if (o->n_edges && !r->edges_crc)
+        r->edges_crc = 1; /* 0 says "no buckets" on the wire */
+    /* count, then fill: a piece starts at the chunk's start, at every edge in
+     * it and every `piece` floats after each */
+    size_t total = 0;
+    r->pbase = calloc((size_t)r->n, sizeof(size_t));
+    r->npieces = calloc((size_t)r->n, sizeof(size_t));
+    if (!r->pbase || !r->npieces)
+        return NEW_OOM;
+    for (int pass = 0; pass < 2; pass++) {
+        total = 0;
+        for (int c = 0; c < r->n; c++) {
+            size_t a = r->off[c], e = r->off[c + 1], np = 0;
+            r->pbase[c] = total;
+            int b = 0;
+            while (r->edge[b + 1] <= a)
+                b++;
+            for (size_t at = a; at < e; b++) {
+                size_t seg_end = r->edge[b + 1] < e ? r->edge[b + 1] : e;
+                for (; at < seg_end; at = at + r->piece < seg_end ? at + r->piece : seg_end) {
+                    if (pass)
+                        r->pstart[total + np] = at - a;
+                    np++;
+                }
+            }
+            if (pass)
+                r->pstart[total + np] = e - a;
+            r->npieces[c] = np;
+            if (np > r->pieces_max)
+                r->pieces_max = np;
+            total += np + 1;
+        }
+        if (!pass && !(r->pstart = malloc(total * sizeof(size_t))))
+            return NEW_OOM;
+    }
     return 0;
 }
 
@@ -1047,7 +1199,7 @@ ring *ring_new(const ring_options *o, char *err, size_t errlen)
     }
     int rc;
     if ((rc = new_basics(r, o)) == 0 && (rc = new_tls(r, o, err, errlen)) == 0 && (rc = new_peers(r, o)) == 0 &&
-        (rc = new_buffers(r)) == 0 && (rc = new_curl(r, o)) == 0)
+        (rc = new_pieces(r, o, err, errlen)) == 0 && (rc = new_buffers(r)) == 0 && (rc = new_curl(r, o)) == 0)
         rc = new_endpoint(r, o, err, errlen);
     if (rc == 0)
         return r;
@@ -1081,6 +1233,10 @@ void ring_free(ring *r)
     free(r->piece_step);
     free(r->peer);
     free(r->off);
+    free(r->edge);
+    free(r->pstart);
+    free(r->pbase);
+    free(r->npieces);
     free(r->state);
     free(r->token);
     free(r->cert_pem);

@@ -17,8 +17,10 @@
  * condition variable for it, up to a timeout (a dead or stuck neighbour).
  *
  * Routes (every worker):
- *   POST /v1/ring/chunk?step=S&k=K&offset=O&from=R&n=N&floats=F
- *        one piece, raw little-endian float32; 204; 400/404/409/411/413 with
+ *   POST /v1/ring/chunk?step=S&k=K&offset=O&from=R&n=N&floats=F[&edges=E]
+ *        one piece, raw little-endian float32 (E: the buckets' edges'
+ *        CRC-32C, ring_options.edges; absent: no buckets; 409 when it is not
+ *        this worker's); 204; 400/404/409/411/413 with
  *        {"error": ...} for a piece this worker does not expect (409 also for
  *        a step other than this worker's step - 1 (a resend), step or step + 1;
  *        before its first all-reduce, other than that one's step or the next;
@@ -88,7 +90,17 @@ typedef struct ring_options {
      * until ring_expect_first_step. 0 (the default) for a ring that counts
      * from 0. */
     int64_t first_step;
+    /* Buckets (workerd --overlap): the buffer's floats split at these
+     * strictly increasing edges, each in (0, n_floats), into n_edges + 1
+     * buckets that ring_allreduce_bucket sums one at a time; a chunk's pieces
+     * break at the edges, so every worker needs the same ones (a piece names
+     * them: `edges`, their CRC-32C; 409 where they differ). NULL, 0: one
+     * bucket, the whole buffer. Copied. */
+    const size_t *edges;
+    int n_edges;
 } ring_options;
+
+#define RING_MAX_EDGES 4096
 
 #define RING_STEP_UNKNOWN (-1)
 
@@ -111,6 +123,17 @@ void ring_free(ring *r);
  * others start). 0; -1 with err naming the peer (it died, or refused what we
  * sent, or its token: at once, no retry); -2 when abort() asked to stop. */
 int ring_allreduce(ring *r, int64_t step, float *buf, double wait_secs, char *err, size_t errlen);
+
+/* The buckets (ring_options.edges): how many, and bucket b's floats
+ * [*start, *end). */
+int ring_buckets(const ring *r);
+void ring_bucket_range(const ring *r, int b, size_t *start, size_t *end);
+/* Sum bucket b of buf over the ring in place, as ring_allreduce sums the
+ * whole buffer (the same floats: a float's chunk, and so the order of its
+ * sum, does not depend on the buckets). Every worker sums the buckets of a
+ * step in the same order, the last first (ring_allreduce's order); the
+ * all-reduce is counted done with bucket 0. Returns as ring_allreduce. */
+int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_secs, char *err, size_t errlen);
 
 /* The global step of the first all-reduce, once known (ring_options.first_step);
  * no effect once one has begun. */

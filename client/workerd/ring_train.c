@@ -26,6 +26,7 @@
 #include "crc32c.h"
 #include "workerd/progress.h"
 #include "ring/ring.h"
+#include "ring/ring_overlap.h"
 #include "tensor.h"
 #include "tfevents.h"
 
@@ -69,6 +70,8 @@ typedef struct ring_run {
     const train_config *c;
     role_bufs rb;
     ring *r;
+    ring_overlap *ov; /* --overlap: the buckets beside the backward pass; NULL: after it */
+    size_t *layer_start; /* with ov: where each layer's gradients start */
     tfevents *tb;  /* the chief's TensorBoard events, or NULL */
     ring_state st; /* the parameters and slots, as checkpointed and published */
     int n, chief;
@@ -82,6 +85,44 @@ typedef struct ring_run {
 
 /* The chief checkpoints (into --logdir). */
 static int ckpt_on(const ring_run *rr) { return rr->chief && rr->c->logdir && *rr->c->logdir; }
+
+/* --overlap: the buckets' edges at the layers' starts (each bucket at least
+ * --overlap_min_bytes, the last layers' first; rr->layer_start set), or 0
+ * (off: not asked for, a model whose gradients are not in layer order, no
+ * layer past the first that holds enough, or out of memory), saying why
+ * where it was asked for. */
+static int overlap_edges(ring_run *rr, size_t *edges, int cap)
+{
+    const train_config *c = rr->c;
+    const model_layout *L = &c->layout;
+    if (!c->overlap || rr->n < 2 || L->n_layers < 2)
+        return 0;
+    if (!(rr->layer_start = malloc((size_t)L->n_layers * sizeof(size_t))))
+        return 0;
+    /* layer l's start: its first tensor's, or (none) the next layer's */
+    size_t next = L->n_params;
+    for (int l = L->n_layers - 1; l >= 0; l--) {
+        size_t at = next;
+        for (int t = 0; t < L->n_tensors; t++)
+            if (L->tensors[t].layer == l && L->tensors[t].offset < at)
+                at = L->tensors[t].offset;
+        rr->layer_start[l] = next = at;
+    }
+    for (int t = 0; t < L->n_tensors; t++) { /* a layer's tensors must lie in its range */
+        int l = L->tensors[t].layer;
+        size_t end = l + 1 < L->n_layers ? rr->layer_start[l + 1] : L->n_params;
+        if (L->tensors[t].offset < rr->layer_start[l] || L->tensors[t].offset + L->tensors[t].numel > end) {
+            printf("%s: --overlap: the model's gradients are not in layer order: the all-reduce after the backward "
+                   "pass\n", c->name);
+            return 0;
+        }
+    }
+    int n = ring_overlap_edges(rr->layer_start, L->n_layers, L->n_params + 1, c->overlap_min_bytes / 4, edges, cap);
+    if (n == 0)
+        printf("%s: --overlap: no bucket past the first layers holds --overlap_min_bytes=%llu: the all-reduce after "
+               "the backward pass\n", c->name, (unsigned long long)c->overlap_min_bytes);
+    return n;
+}
 
 /* The ring: the chief task (when there is one), then the workers; 0, or -1
  * after a message. */
@@ -100,6 +141,8 @@ static int join_ring(ring_run *rr)
         peers[0] = cs->jobs[JOB_CHIEF].tasks[0];
     for (int i = 0; i < cs->jobs[JOB_WORKER].n; i++)
         peers[i + has_chief] = cs->jobs[JOB_WORKER].tasks[i];
+    size_t edges[RING_MAX_EDGES];
+    int n_edges = overlap_edges(rr, edges, RING_MAX_EDGES);
     ring_options ro = {.peers = peers, .n = n, .rank = c->trainer, .n_floats = c->layout.n_params + 1,
                        .piece_bytes = c->ring_piece_bytes, .timeout_secs = c->ring_timeout_secs,
                        .name = c->name, .abort = train_stop_requested, .token = c->token,
@@ -107,7 +150,8 @@ static int join_ring(ring_run *rr)
                        .tls_priorities = c->ring_tls_priorities,
                        .tls_names = {.cert = "--ring_tls_cert", .key = "--ring_tls_key", .ca = "--tls_ca",
                                      .priorities = "--ring_tls_priorities"},
-                       .first_step = RING_STEP_UNKNOWN /* the chief's state says */};
+                       .first_step = RING_STEP_UNKNOWN /* the chief's state says */,
+                       .edges = n_edges > 0 ? edges : NULL, .n_edges = n_edges > 0 ? n_edges : 0};
     rr->r = ring_new(&ro, err, sizeof(err));
     free(peers);
     if (!rr->r) {
@@ -115,6 +159,11 @@ static int join_ring(ring_run *rr)
         return -1;
     }
     ring *r = rr->r;
+    if (n_edges > 0 && !(rr->ov = ring_overlap_new(r, rr->layer_start, c->layout.n_layers, c->layout.n_params)))
+        fprintf(stderr, "workerd: %s: no thread for --overlap: the all-reduce after the backward pass\n", c->name);
+    if (n_edges > 0)
+        printf("%s: --overlap: the all-reduce in %d buckets beside the backward pass, the last layers' first\n",
+               c->name, n_edges + 1);
     if (ring_tls(r))
         printf("%s: serving the ring on %s (%s, neighbours' certificates checked against %s)\n", c->name,
                ring_url(r), ring_tls(r), c->tls_ca ? c->tls_ca : "the system's CAs");
@@ -216,7 +265,25 @@ static int compute(ring_run *rr)
         role_bufs_gather(rb, rr->step, rb->cur);
     rr->ready = 0;
     double loss;
-    if (role_bufs_forward_backward(rb, rr->step, &loss) != 0) {
+    int fb;
+    if (rr->ov) { /* the buckets go as the backward pass writes them */
+        ring_overlap_begin(rr->ov, rr->step, rb->grads, rr->local == 0 ? RING_START_SECS : 0);
+        const model_ctx ctx = {.seed = c->seed, .step = rr->step, .example0 = rb->bp.example0[rb->cur],
+                               .loss_done = ring_overlap_loss, .grads_done = ring_overlap_grads,
+                               .hook_arg = rr->ov};
+        fb = model_forward_backward(rb->m, rb->params, rb->bp.x[rb->cur], rb->bp.y[rb->cur], c->batch_size, &ctx,
+                                    rb->grads, &loss);
+        if (fb == 0) {
+            rb->grads[c->layout.n_params] = (float)loss;
+            ring_overlap_all_written(rr->ov);
+        } else {
+            ring_overlap_cancel(rr->ov);
+            ring_overlap_end(rr->ov, NULL, NULL, 0);
+        }
+    } else {
+        fb = role_bufs_forward_backward(rb, rr->step, &loss);
+    }
+    if (fb != 0) {
         /* the parameters are intact: the chief still writes its checkpoint */
         progress_clear(&rb->bar);
         fprintf(stderr, "workerd: %s: forward/backward failed at global step %lld; stopping\n",
@@ -228,6 +295,10 @@ static int compute(ring_run *rr)
     /* a diverged task says so here: its neighbour would refuse the piece (400) */
     int64_t bad = tensor_find_nonfinite(rb->grads, c->layout.n_params + 1);
     if (bad >= 0) {
+        if (rr->ov) { /* the thread stops at the bucket that holds it, if it is not past it */
+            ring_overlap_cancel(rr->ov);
+            ring_overlap_end(rr->ov, NULL, NULL, 0);
+        }
         progress_clear(&rb->bar);
         fprintf(stderr,
                 "workerd: %s: this task's %s at global step %lld is non-finite (%s at float %lld): training "
@@ -250,9 +321,12 @@ static int reduce(ring_run *rr)
     const train_config *c = rr->c;
     char err[512];
     double t0 = clk_mono_secs();
-    int arc = ring_allreduce(rr->r, rr->step, rr->rb.grads, rr->local == 0 ? RING_START_SECS : 0, err,
-                             sizeof(err));
+    int arc = rr->ov ? ring_overlap_end(rr->ov, NULL, err, sizeof(err))
+                     : ring_allreduce(rr->r, rr->step, rr->rb.grads, rr->local == 0 ? RING_START_SECS : 0, err,
+                                      sizeof(err));
     rr->t_comm += clk_mono_secs() - t0;
+    if (arc < -2) /* compute() ended those (cancelled, or this task's own NaN) */
+        snprintf(err, sizeof(err), "the all-reduce thread stopped");
     if (arc == -2) {
         rr->stopped = 1;
         return -1;
@@ -440,7 +514,9 @@ int train_ring(const train_config *c)
 out:
     fflush(stdout);
     tfevents_close(rr.tb); /* writes what is queued */
+    ring_overlap_free(rr.ov);
     ring_free(rr.r);
+    free(rr.layer_start);
     role_bufs_free(&rr.rb);
     return rr.rc;
 }

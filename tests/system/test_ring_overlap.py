@@ -1,0 +1,134 @@
+"""The ring all-reduce beside the backward pass (workerd --overlap with
+--allreduce=ring, issue 33 part 1: PyTorch DDP's gradient buckets).
+
+- bin/ring_allreduce with bucket edges (--edges: inside chunks, next to
+  their ends, one float from the buffer's ends) sums to numpy's sum and to
+  the very bytes of the same all-reduce without buckets, on 2 and 3 workers;
+- a ring job with --overlap (every layer its own bucket) holds the same
+  parameters after every step as the same job without it (the param hash of
+  every step on every task), and says it runs in buckets;
+- a task with --overlap and one without refuse each other's pieces at once,
+  naming the flag (a piece's `edges`), and a bad `edges` argument is a 400.
+"""
+import re
+import time
+
+import numpy as np
+import pytest
+
+from conftest import binary, http
+from procs import finish
+from test_ring import Procs, check_hashes, hosts, ring_job
+from test_train import DATA, needs_data
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    yield ps
+    ps.stop()
+
+
+def ring_sum(procs, tmp_path, xs, tag, extra):
+    n = len(xs)
+    h = hosts(n)
+    ps = []
+    for r in range(n):
+        xs[r].tofile(tmp_path / f"in{r}.f32")
+        ps.append(procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", f"--task_index={r}",
+                               f"--input={tmp_path}/in{r}.f32", f"--output={tmp_path}/{tag}{r}.f32",
+                               "--steps=2", "--piece_bytes=40000", "--timeout_secs=20"] + extra))
+    outs = [finish(p) for p in ps]
+    for rc, out in outs:
+        assert rc == 0, out
+    return [np.fromfile(tmp_path / f"{tag}{r}.f32", "<f4") for r in range(n)], outs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_buckets_sum_to_the_same_bytes_as_the_whole_buffer(n, procs, tmp_path):
+    rng = np.random.default_rng(40 + n)
+    floats = 100_003
+    xs = [rng.standard_normal(floats).astype("<f4") for _ in range(n)]
+    plain, _ = ring_sum(procs, tmp_path, xs, "plain", [])
+    # edges one float in, in the middle of pieces, next to chunk ends, one float before the end
+    edges = [1, 4_999, 33_334, 33_335, 50_001, 99_000, floats - 1]
+    got, outs = ring_sum(procs, tmp_path, xs, "buck", ["--edges=" + ",".join(map(str, edges))])
+    want = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for g in got + plain:
+        assert g.tobytes() == plain[0].tobytes(), "buckets changed a sum, or workers disagree"
+    assert float(np.abs(plain[0] - want).max()) <= 1e-5 * n
+    assert not np.array_equal(plain[0], xs[0])  # it summed
+    for rc, out in outs:  # the same bytes on the wire: 2(N-1)/N of the buffer
+        m = re.search(r"([\d.]+) bytes sent each \(2\(N-1\)/N x bytes = ([\d.]+)\)", out)
+        assert m and abs(float(m.group(1)) - float(m.group(2))) <= 8 * (n - 1), out
+
+
+def test_bad_edges_are_refused(procs):
+    h = hosts(2)
+    for bad in ("0", "5,5", "7,3", "10", "x", "3,-1"):
+        p = procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10",
+                         f"--edges={bad}", "--timeout_secs=5"])
+        rc, out = finish(p)
+        assert rc in (1, 2) and "edge" in out, (bad, rc, out)
+
+
+@needs_data
+def test_overlap_holds_the_same_parameters_after_every_step(procs, tmp_path):
+    # mlp:64,32: three layers with parameters, each its own bucket; pieces of 4 KB break inside them
+    args = ["--model=mlp:64,32", "--optimizer=adam", "--learning_rate=0.01", "--train_steps=15", "--seed=5",
+            "--batch_size=32", "--log_every=0", "--log_param_hash", "--ring_piece_bytes=4096"]
+    runs = {}
+    for name, extra in (("plain", []), ("overlap", ["--overlap", "--overlap_min_bytes=0"])):
+        _, _, ps = ring_job(procs, 3, args + extra, tmp_path, name)
+        outs = [finish(p) for p in ps]
+        for rc, out in outs:
+            assert rc == 0, out[-3000:]
+        check_hashes(outs, 1, 15)
+        runs[name] = outs
+    for out in (o for _, o in runs["overlap"]):
+        assert "--overlap: the all-reduce in 3 buckets beside the backward pass" in out, out[-2000:]
+    for out in (o for _, o in runs["plain"]):
+        assert "buckets" not in out, out[-2000:]
+    same = [dict(re.findall(r"global step (\d+) params crc32c ([0-9a-f]{8})", o)) for _, o in runs["plain"]]
+    ov = [dict(re.findall(r"global step (\d+) params crc32c ([0-9a-f]{8})", o)) for _, o in runs["overlap"]]
+    assert ov == same
+
+
+@needs_data
+def test_overlap_on_one_task_only_is_refused_at_once_naming_the_flag(procs, tmp_path):
+    args = ["--model=mlp:64,32", "--optimizer=sgd", "--train_steps=50", "--batch_size=32", "--log_every=0",
+            "--ring_timeout_secs=60"]
+    h = hosts(2)
+    ps = [procs.start([binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", f"--task_index={i}",
+                       f"--data_dir={DATA}", f"--logdir={tmp_path}/l{i}"] + args
+                      + (["--overlap", "--overlap_min_bytes=0"] if i == 0 else []))
+          for i in range(2)]
+    # the task whose piece is refused stops at once, naming the flags; the other waits for its neighbour
+    # (as for a neighbour started with another --model), and is stopped here
+    deadline = time.monotonic() + 30
+    while all(p.poll() is None for p in ps):
+        assert time.monotonic() < deadline, "no task stopped"
+        time.sleep(0.1)
+    first = next(p for p in ps if p.poll() is not None)
+    rc, out = finish(first)
+    assert rc == 1 and "--overlap" in out and "409" in out and "ring broken" in out, out[-2000:]
+
+
+def test_the_ring_endpoint_checks_a_pieces_edges(procs):
+    h = hosts(2)
+    port = int(h.split(",")[0].rsplit(":", 1)[1])
+    procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10",
+                 "--piece_bytes=8", "--timeout_secs=30", "--edges=3"])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if http("GET", base + "/healthz", timeout=1)[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.05)
+    body = np.arange(2, dtype="<f4").tobytes()
+    q = "step=0&k=0&offset=0&from=1&n=2&floats=10"
+    for extra, status, words in (("", 409, "--overlap"), ("&edges=1", 409, "--overlap"),
+                                 ("&edges=4294967296", 400, "edges"), ("&edges=abc", 400, "edges")):
+        st, _, out = http("POST", base + "/v1/ring/chunk?" + q + extra, body)
+        assert st == status and words in out.decode(), (extra, st, out)
