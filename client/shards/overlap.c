@@ -23,6 +23,7 @@ struct overlap {
     int64_t *gs;
     int *taken;
     int torn;
+    int copying; /* the training thread copies out of an rx buffer (no new try writes there meanwhile) */
     /* the training thread's own: each shard's step before the pull, its
      * answer's header once parsed (1; -1: unusable) */
     int64_t *before;
@@ -58,8 +59,13 @@ static void landed(void *arg, int shard, size_t len, int64_t global_step)
 {
     overlap *o = arg;
     pthread_mutex_lock(&o->mu);
-    if (len < o->len[shard] && o->taken[shard])
+    if (len < o->len[shard] && o->taken[shard]) {
         o->torn = 1; /* a new try, after bytes of the last one were taken */
+        /* its bytes go where a copy may be reading: wait for that copy (the
+         * transfer thread calls this before the try writes anything) */
+        while (o->copying)
+            pthread_cond_wait(&o->cv, &o->mu);
+    }
     o->len[shard] = len;
     if (global_step >= 0)
         o->gs[shard] = global_step;
@@ -254,10 +260,14 @@ int overlap_take_layer(overlap *o, int layer, float *params)
             rc = -1;
             break;
         }
-        /* the bytes are in and stay (a new try of the transfer marks torn) */
+        /* the bytes are in and stay while copied (a new try of the transfer
+         * marks torn, and waits for the copy before it writes) */
+        o->copying = 1;
         pthread_mutex_unlock(&o->mu);
         memcpy(params + pc->offset, sh->s[i].rx + f->data_start + f->tensors[j].begin, pc->numel * 4);
         pthread_mutex_lock(&o->mu);
+        o->copying = 0;
+        pthread_cond_broadcast(&o->cv);
     }
     if (o->torn)
         rc = -1;

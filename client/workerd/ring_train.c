@@ -255,6 +255,22 @@ static void open_events(ring_run *rr)
         fprintf(stderr, "workerd: cannot start the tensorboard event writer: none written\n");
 }
 
+/* This task's own gradient (or loss) at float bad is a NaN or an Inf: the
+ * message; -1 (broken). */
+static int own_nonfinite(ring_run *rr, int64_t bad)
+{
+    const train_config *c = rr->c;
+    progress_clear(&rr->rb.bar);
+    fprintf(stderr,
+            "workerd: %s: this task's %s at global step %lld is non-finite (%s at float %lld): training "
+            "diverged (a lower --learning_rate?); stopping, nothing applied%s\n",
+            c->name, (size_t)bad == c->layout.n_params ? "loss" : "gradient", (long long)rr->step,
+            isnan(rr->rb.grads[bad]) ? "NaN" : "Inf", (long long)bad,
+            ckpt_on(rr) ? " (the checkpoint of the last finite parameters is written now)" : "");
+    rr->broken = 1;
+    return -1;
+}
+
 /* A step's gradient of this task's batch, the loss appended; 0, or -1
  * (broken) after a message. */
 static int compute(ring_run *rr)
@@ -273,15 +289,14 @@ static int compute(ring_run *rr)
                                .hook_arg = rr->ov};
         fb = model_forward_backward(rb->m, rb->params, rb->bp.x[rb->cur], rb->bp.y[rb->cur], c->batch_size, &ctx,
                                     rb->grads, &loss);
-        if (fb == 0) {
-            rb->grads[c->layout.n_params] = (float)loss;
+        if (fb == 0) { /* the loss: its hook wrote it */
             ring_overlap_all_written(rr->ov);
         } else {
             ring_overlap_cancel(rr->ov);
             ring_overlap_end(rr->ov, NULL, NULL, 0);
         }
-    } else {
-        fb = role_bufs_forward_backward(rb, rr->step, &loss);
+    } else if ((fb = role_bufs_forward_backward(rb, rr->step, &loss)) == 0) {
+        rb->grads[c->layout.n_params] = (float)loss;
     }
     if (fb != 0) {
         /* the parameters are intact: the chief still writes its checkpoint */
@@ -291,24 +306,12 @@ static int compute(ring_run *rr)
         rr->broken = 1;
         return -1;
     }
-    rb->grads[c->layout.n_params] = (float)loss;
-    /* a diverged task says so here: its neighbour would refuse the piece (400) */
-    int64_t bad = tensor_find_nonfinite(rb->grads, c->layout.n_params + 1);
-    if (bad >= 0) {
-        if (rr->ov) { /* the thread stops at the bucket that holds it, if it is not past it */
-            ring_overlap_cancel(rr->ov);
-            ring_overlap_end(rr->ov, NULL, NULL, 0);
-        }
-        progress_clear(&rb->bar);
-        fprintf(stderr,
-                "workerd: %s: this task's %s at global step %lld is non-finite (%s at float %lld): training "
-                "diverged (a lower --learning_rate?); stopping, nothing applied%s\n",
-                c->name, (size_t)bad == c->layout.n_params ? "loss" : "gradient", (long long)rr->step,
-                isnan(rb->grads[bad]) ? "NaN" : "Inf", (long long)bad,
-                ckpt_on(rr) ? " (the checkpoint of the last finite parameters is written now)" : "");
-        rr->broken = 1;
-        return -1;
-    }
+    /* a diverged task says so here: its neighbour would refuse the piece
+     * (400); with --overlap the all-reduce thread checks each bucket before
+     * it sends it, and reduce() says so (the buckets are being summed now) */
+    int64_t bad = rr->ov ? -1 : tensor_find_nonfinite(rb->grads, c->layout.n_params + 1);
+    if (bad >= 0)
+        return own_nonfinite(rr, bad);
     if (c->step_delay_ms > 0) /* test hook: a slow worker */
         sleep_ms(c->step_delay_ms);
     return 0;
@@ -321,11 +324,14 @@ static int reduce(ring_run *rr)
     const train_config *c = rr->c;
     char err[512];
     double t0 = clk_mono_secs();
-    int arc = rr->ov ? ring_overlap_end(rr->ov, NULL, err, sizeof(err))
+    int64_t bad = -1;
+    int arc = rr->ov ? ring_overlap_end(rr->ov, &bad, err, sizeof(err))
                      : ring_allreduce(rr->r, rr->step, rr->rb.grads, rr->local == 0 ? RING_START_SECS : 0, err,
                                       sizeof(err));
     rr->t_comm += clk_mono_secs() - t0;
-    if (arc < -2) /* compute() ended those (cancelled, or this task's own NaN) */
+    if (arc == -3) /* --overlap: the bucket holding it was not sent */
+        return own_nonfinite(rr, bad);
+    if (arc < -3) /* cancelled: compute() ends those */
         snprintf(err, sizeof(err), "the all-reduce thread stopped");
     if (arc == -2) {
         rr->stopped = 1;

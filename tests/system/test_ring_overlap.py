@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import binary, http
+from conftest import BIN, binary, http
 from procs import finish
 from test_ring import Procs, check_hashes, hosts, ring_job
 from test_train import DATA, needs_data
@@ -132,3 +132,19 @@ def test_the_ring_endpoint_checks_a_pieces_edges(procs):
                                  ("&edges=4294967296", 400, "edges"), ("&edges=abc", 400, "edges")):
         st, _, out = http("POST", base + "/v1/ring/chunk?" + q + extra, body)
         assert st == status and words in out.decode(), (extra, st, out)
+
+
+@needs_data
+@pytest.mark.skipif("asan" in BIN, reason="a diverging job of 2 tasks; the sanitizer build runs the bucketed "
+                                          "all-reduce in the tests above")
+def test_a_diverging_task_with_overlap_stops_loudly_and_exports_nothing(procs, tmp_path):
+    args = ["--optimizer=sgd", "--batch_size=20", "--seed=3", "--log_every=0", "--model=mlp:16,8",
+            "--learning_rate=1e30", "--train_steps=40", "--ring_timeout_secs=5", "--overlap",
+            "--overlap_min_bytes=0"]
+    _, export, ps = ring_job(procs, 2, args, tmp_path, "div")
+    for rc, out in [finish(p) for p in ps]:
+        assert rc == 1, out[-3000:]
+        assert "in 3 buckets" in out, out[-3000:]
+        # its own gradient (checked before its bucket went), or its neighbour's piece (refused: 400)
+        assert re.search(r"(is non-finite|holds a NaN|holds an Inf|summed a non-finite).*stopping", out), out[-3000:]
+    assert not __import__("os").path.exists(export), "a diverged model was exported"
