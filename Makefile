@@ -44,7 +44,7 @@ SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_sta
              server/route_params.c server/route_grads.c server/route_vars.c server/route_config.c \
              server/route_run.c server/route_placement.c server/route_sync.c server/route_timeline.c server/route_status.c \
              server/route_history.c server/route_metrics.c server/route_events.c \
-             server/route_checkpoint.c server/route_web.c server/route_rows.c
+             server/route_checkpoint.c server/route_web.c server/route_rows.c server/etag.c
 # client/, a folder a concept (each with one public header; includes name the
 # folder, "model/model.h", and point down: workerd -> pipeline -> ring, shards,
 # data -> model; libps -> common)

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "etag.h"
 #include "wire_dtype.h"
 #include "token.h"
 #include "routes.h"
@@ -160,6 +161,16 @@ enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t ste
                              const char *outcome)
 {
     server *srv = req_srv(r);
+    char etag[96], step_s[32];
+    etag_of_params(etag, sizeof(etag), srv->instance, v, n, step, dt, avg);
+    snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
+    /* a pull whose If-None-Match names these very values: 304, no body (a
+     * push is never conditional: its answer only carries the tag) */
+    if (!outcome && etag_matches(http_header(r, MHD_HTTP_HEADER_IF_NONE_MATCH), etag)) {
+        const char *h304[] = {MHD_HTTP_HEADER_ETAG, etag, "X-Global-Step", step_s, MHD_HTTP_HEADER_CACHE_CONTROL,
+                              "no-store", NULL};
+        return reply_blobs(r, MHD_HTTP_NOT_MODIFIED, "application/octet-stream", NULL, 0, NULL, 0, NULL, 0, h304);
+    }
     st_desc *d = malloc(sizeof(st_desc) * (size_t)(n ? n : 1));
     struct http_part *parts = malloc(sizeof(*parts) * (size_t)(n ? n : 1));
     blob **hold = malloc(sizeof(blob *) * (size_t)(n ? n : 1));
@@ -179,8 +190,7 @@ enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t ste
             goto out;
         n_hold = 1;
     }
-    char step_s[32], task_s[48];
-    snprintf(step_s, sizeof(step_s), "%lld", (long long)step);
+    char task_s[48];
     snprintf(task_s, sizeof(task_s), "%s:%d", cluster_job_name(srv->cfg.cluster.job),
              srv->cfg.cluster.task_index);
     const char *meta[8] = {"global_step", step_s, "task", task_s};
@@ -206,7 +216,7 @@ enum MHD_Result params_reply(request *r, const store_snap *v, int n, int64_t ste
         goto out;
     }
     const char *headers[] = {"X-Global-Step", step_s, MHD_HTTP_HEADER_CACHE_CONTROL, "no-store",
-                             outcome ? "X-Push-Outcome" : NULL, outcome, NULL};
+                             MHD_HTTP_HEADER_ETAG, etag, outcome ? "X-Push-Outcome" : NULL, outcome, NULL};
     /* zero-copy: the stored versions go out as they are (a cast: its blob) */
     rc = reply_blobs(r, MHD_HTTP_OK, "application/octet-stream", head, head_len, parts, n, hold, n_hold,
                      headers);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "jsonmem.h"
+#include "etag.h"
 #include "routes.h"
 
 static unsigned status_of(int rc)
@@ -62,30 +63,6 @@ static int64_t query_count(request *r, const char *key)
     if (*end || errno || v < 0)
         return -2;
     return v;
-}
-
-/* Does If-None-Match (a list of ETags, or *) match etag? */
-static int etag_matches(const char *inm, const char *etag)
-{
-    if (!inm)
-        return 0;
-    size_t el = strlen(etag);
-    for (const char *p = inm; *p;) {
-        while (*p == ' ' || *p == ',')
-            p++;
-        if (p[0] == 'W' && p[1] == '/')
-            p += 2;
-        const char *e = p;
-        while (*e && *e != ',')
-            e++;
-        size_t l = (size_t)(e - p);
-        while (l && p[l - 1] == ' ')
-            l--;
-        if ((l == 1 && *p == '*') || (l == el && memcmp(p, etag, el) == 0))
-            return 1;
-        p = e;
-    }
-    return 0;
 }
 
 static int wants_json(request *r, int *bad)

@@ -442,6 +442,8 @@ def exercise_open(rec, p):
     assert meta["global_step"] == h["x-global-step"] == "3"
     assert tensors["w"][1] == [2, 3] and tensors["s"][1] == []
     rec(p, "HEAD", "/v1/params", expect=200)
+    _, h304, b304 = rec(p, "GET", "/v1/params", headers={"If-None-Match": h["etag"]}, expect=304)
+    assert b304 == b"" and h304["etag"] == h["etag"]
     push = safetensors({"w": ("F32", [2, 3], g), "layer1/b.0": ("F32", [3], f32(1, 2, 3))},
                        {"worker": "0", "step": "3", "batch_size": "32", "loss": "0.75"})
     _, _, b = rec(p, "POST", "/v1/grads", body=push, expect=200)

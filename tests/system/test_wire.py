@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import BIN, binary, http
+from conftest import BIN, binary, curl, http
 from syshelp import assert_error, assert_unchanged, put_var, snapshot, st_body
 from test_train import DATA, accuracy_of, cluster, load_model, needs_data, run  # noqa: F401
 
@@ -223,6 +223,40 @@ def test_a_push_that_returns_the_parameters(start_psd):
     bad = body16([("w", "F32", np.full(6, np.nan, F32).tobytes(), [6])])
     st, hd, out = http("POST", p.url + "/v1/grads?return=params", bad)
     assert_error(st, hd, out, 400, "NaN")
+
+
+ETAG = re.compile(r'^"[0-9a-f]{16}-(0|[1-9][0-9]*)-[0-9a-f]{16}(-bf16|-fp16)?(-avg)?"$')
+
+
+def test_a_pull_names_its_values_with_an_etag_and_answers_304_while_they_stay(start_psd):
+    p = start_psd("--learning_rate=0.5", "--logdir=")
+    put_var(p.url, "w", np.arange(6, dtype=F32))
+    st, hd, out = http("GET", p.url + "/v1/params")
+    e1 = hd["etag"]
+    assert st == 200 and ETAG.match(e1) and out, hd
+    for inm in (e1, "W/" + e1, '"x", ' + e1, "*"):
+        st, hd2, out2 = http("GET", p.url + "/v1/params", headers={"If-None-Match": inm})
+        assert st == 304 and out2 == b"" and hd2["etag"] == e1 and hd2["x-global-step"] == "0", (inm, st, hd2)
+    # the real curl, as a user revalidates
+    r = curl("-o", "/dev/null", "-w", "%{http_code}", "-H", f"If-None-Match: {e1}", p.url + "/v1/params")
+    assert r.stdout == b"304", r
+    st, hd, _ = http("GET", p.url + "/v1/params", headers={"If-None-Match": '"' + "0" * 16 + '-0-' + "0" * 16 + '"'})
+    assert st == 200 and hd["etag"] == e1
+    # another dtype is another body: another tag
+    st, hd, _ = http("GET", p.url + "/v1/params?dtype=bf16", headers={"If-None-Match": e1})
+    assert st == 200 and hd["etag"] != e1 and hd["etag"].endswith('-bf16"'), hd
+    # a push changes the values: its answer carries the new tag, which a pull then matches; a push
+    # with If-None-Match is not conditional (applied all the same)
+    g = body16([("w", "F32", np.full(6, 0.25, F32).tobytes(), [6])], {"worker": "0", "step": "0"})
+    st, hd, out = http("POST", p.url + "/v1/grads?return=params", g, headers={"If-None-Match": e1})
+    e2 = hd["etag"]
+    assert st == 200 and hd["x-push-outcome"] == "applied" and ETAG.match(e2) and e2 != e1, hd
+    assert http("GET", p.url + "/v1/params", headers={"If-None-Match": e2})[0] == 304
+    assert http("GET", p.url + "/v1/params", headers={"If-None-Match": e1})[0] == 200
+    # a variable replaced without a step: the tag moves too
+    put_var(p.url, "w", np.zeros(6, dtype=F32))
+    st, hd, _ = http("GET", p.url + "/v1/params", headers={"If-None-Match": e2})
+    assert st == 200 and hd["etag"] not in (e1, e2) and hd["x-global-step"] == "1", hd
 
 
 def test_a_sync_push_with_min_step_answers_when_the_step_is_done(start_psd):
