@@ -43,6 +43,15 @@
 #define RING_HEADER_SECS 60
 #define RING_BODY_GRACE_SECS 10 /* then a piece's body must average 1 KiB/s (the shared layer's floor) */
 
+#define RING_CHANS 2
+
+typedef struct ring_chan {
+    CURL *curl;
+    char resp[512];
+    size_t resp_len;
+    char curl_err[CURL_ERROR_SIZE];
+} ring_chan;
+
 struct ring {
     int n, rank;
     char name[64];
@@ -84,11 +93,11 @@ struct ring {
     pthread_mutex_t mu;
     pthread_cond_t cv;
 
-    CURL *curl;
+    /* the keep-alive handles the pushes go out on: channel 0 for every bucket
+     * but the first, channel 1 for the first (ring_allreduce_bucket), so the
+     * first layers' sum need not wait behind the last layers' */
+    ring_chan ch[RING_CHANS];
     struct curl_slist *hdrs, *auth; /* auth: the token alone (the state fetch); NULL: none */
-    char resp[512];
-    size_t resp_len;
-    char curl_err[CURL_ERROR_SIZE];
     _Atomic uint64_t bytes_sent;
     _Atomic int64_t allreduces;
     _Atomic int uploads; /* pieces being received or answered */
@@ -388,7 +397,7 @@ static enum MHD_Result ring_wrong_method(http_req *q, const char *pattern, const
 
 static size_t on_body(char *p, size_t size, size_t n, void *ctx)
 {
-    ring *r = ctx;
+    ring_chan *r = ctx;
     size_t len = size * n, room = sizeof(r->resp) - 1 - r->resp_len;
     size_t k = len < room ? len : room;
     memcpy(r->resp + r->resp_len, p, k);
@@ -398,9 +407,9 @@ static size_t on_body(char *p, size_t size, size_t n, void *ctx)
 }
 
 /* The "error" of a JSON error body, or the body itself. */
-static const char *resp_error(ring *r)
+static const char *resp_error(const ring_chan *r)
 {
-    static __thread char out[sizeof(((ring *)0)->resp)];
+    static __thread char out[sizeof(((ring_chan *)0)->resp)];
     json_t *j = json_loads(r->resp, 0, NULL);
     const char *e = j ? json_string_value(json_object_get(j, "error")) : NULL;
     snprintf(out, sizeof(out), "%s", e ? e : r->resp);
@@ -556,7 +565,7 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
 
 /* POST one piece to the right neighbour, retrying what may pass (it is not up
  * yet, a 5xx) until `deadline`. */
-static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *data, size_t n,
+static int send_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t offset, const float *data, size_t n,
                       double deadline, char *err, size_t errlen)
 {
     char url[PEER_MAX + 200];
@@ -567,16 +576,16 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
     int right = ring_mod(r->rank + 1, r->n);
     long wait = 20;
     for (;;) {
-        r->resp_len = 0;
-        r->resp[0] = '\0';
-        r->curl_err[0] = '\0';
-        curl_easy_setopt(r->curl, CURLOPT_URL, url);
-        curl_easy_setopt(r->curl, CURLOPT_POSTFIELDS, (const char *)data);
-        curl_easy_setopt(r->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
-        CURLcode cc = curl_easy_perform(r->curl);
+        ch->resp_len = 0;
+        ch->resp[0] = '\0';
+        ch->curl_err[0] = '\0';
+        curl_easy_setopt(ch->curl, CURLOPT_URL, url);
+        curl_easy_setopt(ch->curl, CURLOPT_POSTFIELDS, (const char *)data);
+        curl_easy_setopt(ch->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
+        CURLcode cc = curl_easy_perform(ch->curl);
         long status = 0;
         if (cc == CURLE_OK)
-            curl_easy_getinfo(r->curl, CURLINFO_RESPONSE_CODE, &status);
+            curl_easy_getinfo(ch->curl, CURLINFO_RESPONSE_CODE, &status);
         if (cc == CURLE_OK && status >= 200 && status < 300) {
             atomic_fetch_add(&r->bytes_sent, (uint64_t)n * 4);
             return 0;
@@ -588,13 +597,13 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
         }
         if (cc == CURLE_OK && status >= 400 && status < 500) {
             errmsg(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
-                   status, resp_error(r));
+                   status, resp_error(ch));
             return -1;
         }
         if (cc != CURLE_OK) {
             char who[PEER_MAX + 64];
             snprintf(who, sizeof(who), "worker %d (%s), the right neighbour", right, r->peer[right]);
-            if (tls_refused(r, right, cc, r->curl_err, who, err, errlen))
+            if (tls_refused(r, right, cc, ch->curl_err, who, err, errlen))
                 return -1;
         }
         if (r->abort && r->abort())
@@ -602,10 +611,10 @@ static int send_piece(ring *r, int64_t step, int k, size_t offset, const float *
         if (clk_mono_secs() + (double)wait / 1000 > deadline) {
             if (cc != CURLE_OK)
                 errmsg(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
-                       right, r->peer[right], r->curl_err[0] ? r->curl_err : curl_easy_strerror(cc));
+                       right, r->peer[right], ch->curl_err[0] ? ch->curl_err : curl_easy_strerror(cc));
             else
                 errmsg(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
-                       r->peer[right], status, resp_error(r));
+                       r->peer[right], status, resp_error(ch));
             return -1;
         }
         sleep_ms(wait);
@@ -669,6 +678,7 @@ int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_
     pthread_mutex_lock(&r->mu);
     r->cur_step = step;
     pthread_mutex_unlock(&r->mu);
+    ring_chan *ch = &r->ch[b == 0 && r->n_buckets > 1];
     double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
     double deadline = clk_mono_secs() + patience;
     /* ring step 0: this worker's own chunk */
@@ -676,7 +686,7 @@ int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_
     size_t j0, j1 = bucket_pieces(r, c, b, &j0);
     for (size_t j = j0; j < j1; j++) {
         size_t o = r->pstart[r->pbase[c] + j];
-        int rc = send_piece(r, step, 0, o, buf + r->off[c] + o, piece_len(r, c, j), deadline, err, errlen);
+        int rc = send_piece(r, ch, step, 0, o, buf + r->off[c] + o, piece_len(r, c, j), deadline, err, errlen);
         if (rc)
             return rc;
         deadline = clk_mono_secs() + patience;
@@ -696,7 +706,7 @@ int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_
                     own[o + i] = in[o + i] + own[o + i];
             else
                 memcpy(own + o, in + o, m * 4);
-            if (k + 1 < r->K && (rc = send_piece(r, step, k + 1, o, own + o, m,
+            if (k + 1 < r->K && (rc = send_piece(r, ch, step, k + 1, o, own + o, m,
                                                  clk_mono_secs() + patience, err, errlen)) != 0)
                 return rc;
             deadline = clk_mono_secs() + patience;
@@ -1082,8 +1092,6 @@ static int new_buffers(ring *r)
  * token's too). 0 or NEW_OOM. */
 static int new_curl(ring *r, const ring_options *o)
 {
-    if (!(r->curl = curl_easy_init()))
-        return NEW_OOM;
     r->hdrs = curl_slist_append(NULL, "Content-Type: application/octet-stream");
     r->hdrs = curl_slist_append(r->hdrs, "Expect:"); /* no 100-continue round trip */
     if (r->token) {
@@ -1099,21 +1107,26 @@ static int new_curl(ring *r, const ring_options *o)
             return NEW_OOM;
         r->hdrs = l;
     }
-    curl_easy_setopt(r->curl, CURLOPT_HTTPHEADER, r->hdrs);
-    curl_easy_setopt(r->curl, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(r->curl, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(r->curl, CURLOPT_TCP_NODELAY, 1L);
-    /* a piece goes out in writes of this size (64 KiB by default): HTTPS
-     * encrypts each into records of 16 KiB, fewer calls for larger ones */
-    curl_easy_setopt(r->curl, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
-    curl_easy_setopt(r->curl, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
-    /* (a timeout past ~30 years: no limit; converting it to long would overflow) */
-    curl_easy_setopt(r->curl, CURLOPT_TIMEOUT_MS,
-                     o->timeout_secs < 1e9 ? (long)(o->timeout_secs * 1000) + 1000 : 0L);
-    curl_easy_setopt(r->curl, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(r->curl, CURLOPT_WRITEDATA, r);
-    curl_easy_setopt(r->curl, CURLOPT_ERRORBUFFER, r->curl_err);
-    set_tls(r, r->curl);
+    for (int i = 0; i < RING_CHANS; i++) {
+        CURL *h = r->ch[i].curl = curl_easy_init();
+        if (!h)
+            return NEW_OOM;
+        curl_easy_setopt(h, CURLOPT_HTTPHEADER, r->hdrs);
+        curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+        curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+        curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
+        /* a piece goes out in writes of this size (64 KiB by default): HTTPS
+         * encrypts each into records of 16 KiB, fewer calls for larger ones */
+        curl_easy_setopt(h, CURLOPT_UPLOAD_BUFFERSIZE, 512L << 10);
+        curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, 2000L);
+        /* (a timeout past ~30 years: no limit; converting it to long would overflow) */
+        curl_easy_setopt(h, CURLOPT_TIMEOUT_MS,
+                         o->timeout_secs < 1e9 ? (long)(o->timeout_secs * 1000) + 1000 : 0L);
+        curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_body);
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, &r->ch[i]);
+        curl_easy_setopt(h, CURLOPT_ERRORBUFFER, r->ch[i].curl_err);
+        set_tls(r, h);
+    }
     return 0;
 }
 
@@ -1225,8 +1238,9 @@ void ring_free(ring *r)
             sleep_ms(RING_MISMATCH_LINGER_MS);
     }
     http_server_free(r->srv); /* every connection closed, the tracker stopped */
-    if (r->curl)
-        curl_easy_cleanup(r->curl);
+    for (int i = 0; i < RING_CHANS; i++)
+        if (r->ch[i].curl)
+            curl_easy_cleanup(r->ch[i].curl);
     curl_slist_free_all(r->hdrs);
     curl_slist_free_all(r->auth);
     free(r->slots);

@@ -9,23 +9,36 @@
 
 #include "tensor.h"
 
+/* A channel: a thread that sums buckets hi down to lo of each step (ring.c
+ * sends them on a curl handle of their own: channel 1 the first bucket,
+ * channel 0 the rest). */
+typedef struct chan {
+    struct ring_overlap *o;
+    pthread_t thread;
+    int started;
+    int hi, lo;
+    /* under the overlap's mu */
+    int active, rc;
+    int done_below; /* buckets done_below..hi of this step are summed */
+    int64_t bad;
+    char err[512];
+} chan;
+
 struct ring_overlap {
     ring *r;
     size_t *layer_start;
     int n_layers;
     size_t loss_at;
-    pthread_t thread;
+    chan ch[2];
+    int n_ch;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     /* under mu */
-    int active, quit, cancel;
+    int quit, cancel;
     int64_t step;
     float *buf;
     double wait_secs;
     size_t ready_from; /* the floats from here to the end are written */
-    int rc;
-    int64_t bad;
-    char err[512];
 };
 
 int ring_overlap_edges(const size_t *layer_start, int n_layers, size_t n_floats, size_t min_floats, size_t *edges,
@@ -48,10 +61,11 @@ int ring_overlap_edges(const size_t *layer_start, int n_layers, size_t n_floats,
     return n;
 }
 
-/* One step: the buckets, the last first, each once written. */
-static int run_step(ring_overlap *o, int64_t step, float *buf, double wait_secs)
+/* One step of channel c: its buckets, the last first, each once written. */
+static int run_step(chan *c, int64_t step, float *buf, double wait_secs)
 {
-    for (int b = ring_buckets(o->r) - 1; b >= 0; b--) {
+    ring_overlap *o = c->o;
+    for (int b = c->hi; b >= c->lo; b--) {
         size_t a, e;
         ring_bucket_range(o->r, b, &a, &e);
         pthread_mutex_lock(&o->mu);
@@ -65,22 +79,27 @@ static int run_step(ring_overlap *o, int64_t step, float *buf, double wait_secs)
          * neighbour would refuse the piece */
         int64_t bad = tensor_find_nonfinite(buf + a, e - a);
         if (bad >= 0) {
-            o->bad = (int64_t)a + bad;
+            c->bad = (int64_t)a + bad;
             return -3;
         }
-        int rc = ring_allreduce_bucket(o->r, step, buf, b, wait_secs, o->err, sizeof(o->err));
+        int rc = ring_allreduce_bucket(o->r, step, buf, b, wait_secs, c->err, sizeof(c->err));
         if (rc)
             return rc;
+        pthread_mutex_lock(&o->mu);
+        c->done_below = b;
+        pthread_cond_broadcast(&o->cv);
+        pthread_mutex_unlock(&o->mu);
     }
     return 0;
 }
 
 static void *thread_main(void *arg)
 {
-    ring_overlap *o = arg;
+    chan *c = arg;
+    ring_overlap *o = c->o;
     pthread_mutex_lock(&o->mu);
     for (;;) {
-        while (!o->active && !o->quit)
+        while (!c->active && !o->quit)
             pthread_cond_wait(&o->cv, &o->mu);
         if (o->quit)
             break;
@@ -88,14 +107,26 @@ static void *thread_main(void *arg)
         float *buf = o->buf;
         double wait_secs = o->wait_secs;
         pthread_mutex_unlock(&o->mu);
-        int rc = run_step(o, step, buf, wait_secs);
+        int rc = run_step(c, step, buf, wait_secs);
         pthread_mutex_lock(&o->mu);
-        o->rc = rc;
-        o->active = 0;
+        c->rc = rc;
+        c->active = 0;
         pthread_cond_broadcast(&o->cv);
     }
     pthread_mutex_unlock(&o->mu);
     return NULL;
+}
+
+static void stop_threads(ring_overlap *o)
+{
+    pthread_mutex_lock(&o->mu);
+    o->quit = 1;
+    o->cancel = 1;
+    pthread_cond_broadcast(&o->cv);
+    pthread_mutex_unlock(&o->mu);
+    for (int i = 0; i < o->n_ch; i++)
+        if (o->ch[i].started)
+            pthread_join(o->ch[i].thread, NULL);
 }
 
 ring_overlap *ring_overlap_new(ring *r, const size_t *layer_start, int n_layers, size_t loss_at)
@@ -115,12 +146,17 @@ ring_overlap *ring_overlap_new(ring *r, const size_t *layer_start, int n_layers,
         memcpy(o->layer_start, layer_start, (size_t)n_layers * sizeof(size_t));
     pthread_mutex_init(&o->mu, NULL);
     pthread_cond_init(&o->cv, NULL);
-    if (pthread_create(&o->thread, NULL, thread_main, o) != 0) {
-        pthread_cond_destroy(&o->cv);
-        pthread_mutex_destroy(&o->mu);
-        free(o->layer_start);
-        free(o);
-        return NULL;
+    int nb = ring_buckets(r);
+    /* as ring.c's channels: the first bucket alone on channel 1 */
+    o->ch[0] = (chan){.o = o, .hi = nb - 1, .lo = nb > 1 ? 1 : 0};
+    o->ch[1] = (chan){.o = o, .hi = 0, .lo = 0};
+    o->n_ch = nb > 1 ? 2 : 1;
+    for (int i = 0; i < o->n_ch; i++) {
+        if (pthread_create(&o->ch[i].thread, NULL, thread_main, &o->ch[i]) != 0) {
+            ring_overlap_free(o);
+            return NULL;
+        }
+        o->ch[i].started = 1;
     }
     return o;
 }
@@ -129,12 +165,7 @@ void ring_overlap_free(ring_overlap *o)
 {
     if (!o)
         return;
-    pthread_mutex_lock(&o->mu);
-    o->quit = 1;
-    o->cancel = 1;
-    pthread_cond_broadcast(&o->cv);
-    pthread_mutex_unlock(&o->mu);
-    pthread_join(o->thread, NULL);
+    stop_threads(o);
     pthread_cond_destroy(&o->cv);
     pthread_mutex_destroy(&o->mu);
     free(o->layer_start);
@@ -149,10 +180,14 @@ void ring_overlap_begin(ring_overlap *o, int64_t step, float *buf, double wait_s
     o->wait_secs = wait_secs;
     o->ready_from = (size_t)-1;
     o->cancel = 0;
-    o->rc = 0;
-    o->bad = -1;
-    o->err[0] = '\0';
-    o->active = 1;
+    for (int i = 0; i < o->n_ch; i++) {
+        chan *c = &o->ch[i];
+        c->rc = 0;
+        c->bad = -1;
+        c->err[0] = '\0';
+        c->done_below = c->hi + 1;
+        c->active = 1;
+    }
     pthread_cond_broadcast(&o->cv);
     pthread_mutex_unlock(&o->mu);
 }
@@ -193,16 +228,42 @@ void ring_overlap_cancel(ring_overlap *o)
     pthread_mutex_unlock(&o->mu);
 }
 
+/* What a finished channel says: its rc, *bad, err (mu held). */
+static int chan_says(const chan *c, int64_t *bad, char *err, size_t errlen)
+{
+    if (c->rc == -3 && bad)
+        *bad = c->bad;
+    if (c->rc == -1 && err && errlen)
+        snprintf(err, errlen, "%s", c->err);
+    return c->rc;
+}
+
+int ring_overlap_wait_bucket(ring_overlap *o, int b, int64_t *bad, char *err, size_t errlen)
+{
+    chan *c = &o->ch[o->n_ch > 1 && b == 0];
+    pthread_mutex_lock(&o->mu);
+    while (c->done_below > b && c->active)
+        pthread_cond_wait(&o->cv, &o->mu);
+    int rc = c->done_below <= b ? 0 : chan_says(c, bad, err, errlen);
+    if (rc == 0 && c->done_below > b) /* cannot be: a channel ends with its buckets done or an rc */
+        rc = -4;
+    pthread_mutex_unlock(&o->mu);
+    return rc;
+}
+
 int ring_overlap_end(ring_overlap *o, int64_t *bad, char *err, size_t errlen)
 {
     pthread_mutex_lock(&o->mu);
-    while (o->active)
-        pthread_cond_wait(&o->cv, &o->mu);
-    int rc = o->rc;
-    if (bad)
-        *bad = o->bad;
-    if (rc == -1 && err && errlen)
-        snprintf(err, errlen, "%s", o->err);
+    for (int i = 0; i < o->n_ch; i++)
+        while (o->ch[i].active)
+            pthread_cond_wait(&o->cv, &o->mu);
+    /* what says most: this task's own NaN, a broken ring, a stop, a cancel */
+    static const int order[] = {-3, -1, -2, -4};
+    int rc = 0;
+    for (int k = 0; k < 4 && !rc; k++)
+        for (int i = 0; i < o->n_ch && !rc; i++)
+            if (o->ch[i].rc == order[k])
+                rc = chan_says(&o->ch[i], bad, err, errlen);
     pthread_mutex_unlock(&o->mu);
     return rc;
 }

@@ -50,6 +50,12 @@ void ring_overlap_all_written(ring_overlap *o);
 /* The step's gradients will not come (the backward pass failed): the
  * thread stops before its next bucket. */
 void ring_overlap_cancel(ring_overlap *o);
+/* Wait until bucket b of the step is summed: 0, or (it will not be) what
+ * ring_overlap_end would return for its channel. The first bucket goes on a
+ * channel of its own (ring.c's second curl handle), so it need not wait
+ * behind the later ones: a forward pass of the next step can start on the
+ * first layers while the last layers' sum still travels. */
+int ring_overlap_wait_bucket(ring_overlap *o, int b, int64_t *bad, char *err, size_t errlen);
 /* Wait for the step's all-reduce: 0; -1 with err (as ring_allreduce); -2 a
  * stop; -3 this task's own floats held a NaN or an Inf (*bad: the first
  * found, in the bucket about to be sent; nothing of it was sent); -4

@@ -72,6 +72,11 @@ typedef struct ring_run {
     ring *r;
     ring_overlap *ov; /* --overlap: the buckets beside the backward pass; NULL: after it */
     size_t *layer_start; /* with ov: where each layer's gradients start */
+    /* with ov: step rr->step's buckets are being summed (pending), applied
+     * one by one as the next forward pass reaches their layers (next_apply:
+     * the first not applied yet), then the step is accounted; hook_rc: what
+     * stopped a forward pass in its hook (1 broken, after a message; 2 a stop) */
+    int pending, next_apply, hook_rc;
     tfevents *tb;  /* the chief's TensorBoard events, or NULL */
     ring_state st; /* the parameters and slots, as checkpointed and published */
     int n, chief;
@@ -263,13 +268,148 @@ static int own_nonfinite(ring_run *rr, int64_t bad)
     progress_clear(&rr->rb.bar);
     fprintf(stderr,
             "workerd: %s: this task's %s at global step %lld is non-finite (%s at float %lld): training "
-            "diverged (a lower --learning_rate?); stopping, nothing applied%s\n",
+            "diverged (a lower --learning_rate?); stopping, %s%s\n",
             c->name, (size_t)bad == c->layout.n_params ? "loss" : "gradient", (long long)rr->step,
             isnan(rr->rb.grads[bad]) ? "NaN" : "Inf", (long long)bad,
-            ckpt_on(rr) ? " (the checkpoint of the last finite parameters is written now)" : "");
+            rr->diverged ? "its first layers' buckets were applied" : "nothing applied",
+            !ckpt_on(rr) ? "" : rr->diverged ? " (the last checkpoint stays)"
+                                             : " (the checkpoint of the last finite parameters is written now)");
     rr->broken = 1;
     return -1;
 }
+
+static void account(ring_run *rr, double mean_loss);
+static int params_nonfinite(ring_run *rr);
+
+/* The bucket that holds float i. */
+static int bucket_of(const ring_run *rr, size_t i)
+{
+    int nb = ring_buckets(rr->r);
+    for (int b = 0; b < nb; b++) {
+        size_t a, e;
+        ring_bucket_range(rr->r, b, &a, &e);
+        if (i < e)
+            return b;
+    }
+    return nb - 1;
+}
+
+/* --overlap: the pending step's buckets up to `upto` summed and applied (the
+ * variables in each, as role_bufs_apply applies them); after the last, the
+ * parameters checked and the step accounted, and (next) the next step's
+ * all-reduce begun. 0; -1 broken after a message, or a stop. */
+static int apply_pending(ring_run *rr, int upto, int next)
+{
+    const train_config *c = rr->c;
+    role_bufs *rb = &rr->rb;
+    const size_t np = c->layout.n_params;
+    const int nb = ring_buckets(rr->r);
+    while (rr->pending && rr->next_apply <= upto) {
+        const int b = rr->next_apply;
+        char err[512];
+        int64_t bad = -1;
+        double t0 = clk_mono_secs();
+        int rc = ring_overlap_wait_bucket(rr->ov, b, &bad, err, sizeof(err));
+        rr->t_comm += clk_mono_secs() - t0;
+        if (rc) {
+            ring_overlap_end(rr->ov, NULL, NULL, 0);
+            rr->pending = 0;
+            if (b > 0)
+                rr->diverged = 1; /* the first buckets are applied: no checkpoint of a half step */
+            if (rc == -3)
+                return own_nonfinite(rr, bad);
+            if (rc == -2) {
+                rr->stopped = 1;
+                return -1;
+            }
+            progress_clear(&rb->bar);
+            fprintf(stderr, "workerd: %s: ring broken at global step %lld: %s; stopping%s\n", c->name,
+                    (long long)rr->step, rc == -1 ? err : "the all-reduce thread stopped",
+                    !ckpt_on(rr) ? "" : b > 0 ? " (its first layers were updated: the last checkpoint stays)"
+                                              : " (the last checkpoint is written now)");
+            rr->broken = 1;
+            return -1;
+        }
+        size_t a, e;
+        ring_bucket_range(rr->r, b, &a, &e);
+        bad = tensor_find_nonfinite(rb->grads + a, e - a);
+        if (bad >= 0) {
+            ring_overlap_end(rr->ov, NULL, NULL, 0);
+            rr->pending = 0;
+            rr->diverged = b > 0;
+            progress_clear(&rb->bar);
+            fprintf(stderr,
+                    "workerd: %s: the all-reduce at global step %lld summed a non-finite %s (%s at float %lld of "
+                    "%zu): a task diverged or sent NaN/Inf; stopping, %s\n",
+                    c->name, (long long)rr->step, (size_t)(a + bad) == np ? "loss" : "gradient",
+                    isnan(rb->grads[a + bad]) ? "NaN" : "Inf", (long long)(a + bad), np + 1,
+                    b == 0 ? "nothing applied" : "the first layers' buckets were applied (no checkpoint of them)");
+            rr->broken = 1;
+            return -1;
+        }
+        /* the average, per variable, as role_bufs_apply */
+        const float scale = 1.0f / (float)rr->n;
+        for (int k = 0; k < c->layout.n_tensors; k++) {
+            const model_tensor *t = &c->layout.tensors[k];
+            if (t->offset >= a && t->offset < e)
+                optim_apply(&c->optim, rb->params + t->offset, rb->params + t->offset, rb->grads + t->offset,
+                            scale, rb->s0 + t->offset, rb->s1 + t->offset, rr->step + 1, rr->step, t->numel);
+        }
+        rr->next_apply++;
+        if (rr->next_apply == nb) {
+            ring_overlap_end(rr->ov, NULL, NULL, 0); /* both channels are done */
+            rr->pending = 0;
+            if (params_nonfinite(rr))
+                return -1;
+            account(rr, (double)rb->grads[np] / rr->n);
+            if (next)
+                ring_overlap_begin(rr->ov, rr->step, rb->grads, 0);
+        }
+    }
+    return 0;
+}
+
+/* model_ctx's hooks (arg: the ring_run): before layer l reads its
+ * parameters, the pending step's buckets up to layer l's are applied (the
+ * last one accounts the step and begins this one's all-reduce); the loss and
+ * the layers' gradients go to the all-reduce thread. */
+static int hook_wait_params(void *arg, int layer)
+{
+    ring_run *rr = arg;
+    if (!rr->pending)
+        return 0;
+    int last = rr->c->layout.n_layers - 1;
+    /* the last layer with parameters applies every bucket (the loss's too) */
+    int upto = bucket_of(rr, rr->layer_start[layer]);
+    for (int l = layer + 1; l <= last; l++)
+        if (rr->layer_start[l] < rr->c->layout.n_params)
+            goto apply;
+    upto = ring_buckets(rr->r) - 1;
+apply:
+    if (train_stop_requested()) {
+        rr->hook_rc = 2;
+        rr->stopped = 1;
+        return 1;
+    }
+    if (apply_pending(rr, upto, 1) != 0) {
+        rr->hook_rc = 1;
+        return 1;
+    }
+    return 0;
+}
+
+static int hook_loss_done(void *arg, double loss)
+{
+    ring_run *rr = arg;
+    if (rr->pending) /* a model whose last layers read no parameters: the step before ends here */
+        if (apply_pending(rr, ring_buckets(rr->r) - 1, 1) != 0) {
+            rr->hook_rc = 1;
+            return 1;
+        }
+    return ring_overlap_loss(rr->ov, loss);
+}
+
+static void hook_grads_done(void *arg, int layer) { ring_overlap_grads(((ring_run *)arg)->ov, layer); }
 
 /* A step's gradient of this task's batch, the loss appended; 0, or -1
  * (broken) after a message. */
@@ -277,20 +417,27 @@ static int compute(ring_run *rr)
 {
     const train_config *c = rr->c;
     role_bufs *rb = &rr->rb;
+    const int64_t step = rr->step + rr->pending; /* --overlap: the step before may still be summed */
     if (!rr->ready)
-        role_bufs_gather(rb, rr->step, rb->cur);
+        role_bufs_gather(rb, step, rb->cur);
     rr->ready = 0;
     double loss;
     int fb;
     if (rr->ov) { /* the buckets go as the backward pass writes them */
-        ring_overlap_begin(rr->ov, rr->step, rb->grads, rr->local == 0 ? RING_START_SECS : 0);
-        const model_ctx ctx = {.seed = c->seed, .step = rr->step, .example0 = rb->bp.example0[rb->cur],
-                               .loss_done = ring_overlap_loss, .grads_done = ring_overlap_grads,
-                               .hook_arg = rr->ov};
+        if (!rr->pending)
+            ring_overlap_begin(rr->ov, step, rb->grads, rr->local == 0 ? RING_START_SECS : 0);
+        rr->hook_rc = 0;
+        const model_ctx ctx = {.seed = c->seed, .step = step, .example0 = rb->bp.example0[rb->cur],
+                               .wait_params = hook_wait_params, .loss_done = hook_loss_done,
+                               .grads_done = hook_grads_done, .hook_arg = rr};
         fb = model_forward_backward(rb->m, rb->params, rb->bp.x[rb->cur], rb->bp.y[rb->cur], c->batch_size, &ctx,
                                     rb->grads, &loss);
+        if (fb != 0 && rr->hook_rc) /* the step before ended the pass (said so), or a stop */
+            return -1;
         if (fb == 0) { /* the loss: its hook wrote it */
             ring_overlap_all_written(rr->ov);
+            rr->pending = 1;
+            rr->next_apply = 0;
         } else {
             ring_overlap_cancel(rr->ov);
             ring_overlap_end(rr->ov, NULL, NULL, 0);
@@ -427,6 +574,16 @@ static int ring_step(ring_run *rr)
         rr->stopped = 1;
         return -1;
     }
+    if (rr->ov) { /* the sum goes on; the next forward pass applies it (hook_wait_params) */
+        if (compute(rr) != 0)
+            return -1;
+        if (rr->step + 1 < c->train_steps) {
+            rb->cur ^= 1;
+            role_bufs_stage(rb, rr->step + 1, rb->cur);
+            rr->ready = 1;
+        }
+        return 0;
+    }
     if (compute(rr) != 0 || reduce(rr) != 0 || sum_nonfinite(rr))
         return -1;
     /* the next batch now, on its way to the device during the update;
@@ -514,8 +671,11 @@ int train_ring(const train_config *c)
     rr.t_saved = rr.t_rates = rr.rb.t_start;
     rr.saved_step = rr.chief && rr.st.step > 0 ? rr.st.step : -1;
     rr.rates_step = rr.step;
-    while (rr.step < c->train_steps && ring_step(&rr) == 0) {
+    while (rr.step + rr.pending < c->train_steps && ring_step(&rr) == 0) {
     }
+    /* --overlap: the last step's sum, applied (also on a stop: the checkpoint is of a whole step) */
+    if (rr.pending && apply_pending(&rr, ring_buckets(rr.r) - 1, 0) != 0)
+        rr.pending = 0;
     rr.rc = ring_end(&rr);
 out:
     fflush(stdout);

@@ -10,7 +10,10 @@
 - a task with --overlap and one without refuse each other's pieces at once,
   naming the flag (a piece's `edges`), and a bad `edges` argument is a 400.
 """
+import os
 import re
+import signal
+import subprocess
 import time
 
 import numpy as np
@@ -19,7 +22,7 @@ import pytest
 from conftest import BIN, binary, http
 from procs import finish
 from test_ring import Procs, check_hashes, hosts, ring_job
-from test_train import DATA, needs_data
+from test_train import DATA, load_model, needs_data
 
 
 @pytest.fixture
@@ -147,4 +150,44 @@ def test_a_diverging_task_with_overlap_stops_loudly_and_exports_nothing(procs, t
         assert "in 3 buckets" in out, out[-3000:]
         # its own gradient (checked before its bucket went), or its neighbour's piece (refused: 400)
         assert re.search(r"(is non-finite|holds a NaN|holds an Inf|summed a non-finite).*stopping", out), out[-3000:]
-    assert not __import__("os").path.exists(export), "a diverged model was exported"
+    assert not os.path.exists(export), "a diverged model was exported"
+
+
+@needs_data
+def test_a_stop_mid_run_checkpoints_a_whole_step(procs, tmp_path):
+    """With --overlap a step's last buckets are applied during the next
+    forward pass: a SIGTERM in between must still checkpoint a whole step,
+    the model a run without --overlap has at that step."""
+    args = ["--model=mlp:64,32", "--optimizer=adam", "--learning_rate=0.01", "--seed=9", "--batch_size=32",
+            "--log_every=0", "--log_param_hash"]
+    h = hosts(2)
+    logs = [open(tmp_path / f"t{i}.log", "wb") for i in range(2)]
+    ps = []
+    for i in range(2):  # output into files (the test reads the chief's while it runs)
+        p = subprocess.Popen([binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", f"--task_index={i}",
+                              f"--data_dir={DATA}", f"--logdir={tmp_path}/ov-logs-{i}", "--train_steps=100000",
+                              "--step_delay_ms=20", "--overlap", "--overlap_min_bytes=0"] + args,
+                             stdout=logs[i], stderr=subprocess.STDOUT)
+        procs.procs.append(p)  # stopped by PID at teardown
+        ps.append(p)
+    deadline = time.monotonic() + 60
+    while b"global step 8 params" not in (tmp_path / "t0.log").read_bytes():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ps), (tmp_path / "t0.log").read_text()
+        time.sleep(0.05)
+    for p in ps:
+        p.send_signal(signal.SIGTERM)
+    for p in ps:
+        assert p.wait(timeout=60) == 0
+    out = (tmp_path / "t0.log").read_text()
+    m = re.search(r"wrote checkpoint (\S+) \(global step (\d+)\)", out)
+    assert m and "stopped by a signal" in out, out[-3000:]
+    ckpt, step = m.group(1), int(m.group(2))
+    # the run without --overlap to that step
+    _, path, plain = ring_job(procs, 2, args + [f"--train_steps={step}"], tmp_path, "plain")
+    for rc, o in [finish(p) for p in plain]:
+        assert rc == 0, o[-3000:]
+    want, _ = load_model(path)
+    got, meta = load_model(ckpt)
+    assert meta["global_step"] == str(step)
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), k
