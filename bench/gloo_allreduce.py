@@ -13,7 +13,8 @@ all-reduce of M bytes moves M bytes each way at once, so it cannot take less
 than M / bw at the bandwidth bench/loopback.py measures in the same run.
 Neither side calls BLAS (the sum is a loop over floats). Targets: 318 KB
 median <= 0.5x gloo's; 64 MiB within 2x of its bytes' time at that
-bandwidth. Every process is started here on free 127.0.0.1 ports and stopped
+bandwidth (issue 20), and within 1.6x (issue 33, part 4: the ring's
+persistent stream, not built; printed beside it). Every process is started here on free 127.0.0.1 ports and stopped
 by PID; never fails on a figure.
 
     /usr/bin/python3 bench/gloo_allreduce.py [--bin=bin] [--runs=5]
@@ -123,7 +124,8 @@ def main():
         if label == "318 KB":
             target = f"ring/gloo <= 0.5: {'PASS' if r / g <= 0.5 else 'BELOW'}"
         else:
-            target = f"ring/limit <= 2: {'PASS' if r / limit <= 2 else 'BELOW'}"
+            target = (f"ring/limit <= 2: {'PASS' if r / limit <= 2 else 'BELOW'}; "
+                      f"<= 1.6: {'PASS' if r / limit <= 1.6 else 'BELOW'}")
         print(f"{label:>8} {r * 1e3:>8.2f}ms {g * 1e3:>8.2f}ms {r / g:>10.2f} {limit * 1e3:>8.2f}ms {r / limit:>11.2f}  "
               f"{target}  (ring {min(rt) * 1e3:.2f}-{max(rt) * 1e3:.2f}, gloo {min(gt) * 1e3:.2f}-{max(gt) * 1e3:.2f} ms "
               f"over {a.runs} runs; load {os.getloadavg()[0]:.2f})", flush=True)

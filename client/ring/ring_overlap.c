@@ -1,5 +1,6 @@
-/* ring_overlap.c - a ring all-reduce's buckets on a thread of their own
- * while the backward pass runs (ring_overlap.h). */
+/* ring_overlap.c - a ring all-reduce's buckets on threads of their own
+ * while the backward pass runs (ring_overlap.h): channel 0 the buckets from
+ * the last to the second, channel 1 the first. */
 #include "ring/ring_overlap.h"
 
 #include <pthread.h>

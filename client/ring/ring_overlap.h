@@ -1,8 +1,10 @@
 /* ring_overlap.h - a ring all-reduce beside the backward pass (workerd
  * --overlap with --allreduce=ring; PyTorch DDP's gradient buckets): the
- * ring's buckets (ring_options.edges) are summed on a thread of their own,
+ * ring's buckets (ring_options.edges) are summed on threads of their own,
  * the last first, each as soon as the backward pass has written all of its
- * floats, while the backward pass goes on with the layers before. The sums
+ * floats, while the backward pass goes on with the layers before; the first
+ * bucket on a thread (and ring.c on a connection) of its own, so that the
+ * next forward pass can start on it while the later ones travel. The sums
  * are the floats of ring_allreduce (ring_allreduce_bucket's order and
  * arithmetic): only when bytes move changes.
  *

@@ -77,6 +77,7 @@ typedef struct ring_run {
      * the first not applied yet), then the step is accounted; hook_rc: what
      * stopped a forward pass in its hook (1 broken, after a message; 2 a stop) */
     int pending, next_apply, hook_rc;
+    int last_param_layer; /* with ov: the last layer that has parameters */
     tfevents *tb;  /* the chief's TensorBoard events, or NULL */
     ring_state st; /* the parameters and slots, as checkpointed and published */
     int n, chief;
@@ -115,6 +116,8 @@ static int overlap_edges(ring_run *rr, size_t *edges, int cap)
     }
     for (int t = 0; t < L->n_tensors; t++) { /* a layer's tensors must lie in its range */
         int l = L->tensors[t].layer;
+        if (l > rr->last_param_layer)
+            rr->last_param_layer = l;
         size_t end = l + 1 < L->n_layers ? rr->layer_start[l + 1] : L->n_params;
         if (L->tensors[t].offset < rr->layer_start[l] || L->tensors[t].offset + L->tensors[t].numel > end) {
             printf("%s: --overlap: the model's gradients are not in layer order: the all-reduce after the backward "
@@ -378,14 +381,8 @@ static int hook_wait_params(void *arg, int layer)
     ring_run *rr = arg;
     if (!rr->pending)
         return 0;
-    int last = rr->c->layout.n_layers - 1;
     /* the last layer with parameters applies every bucket (the loss's too) */
-    int upto = bucket_of(rr, rr->layer_start[layer]);
-    for (int l = layer + 1; l <= last; l++)
-        if (rr->layer_start[l] < rr->c->layout.n_params)
-            goto apply;
-    upto = ring_buckets(rr->r) - 1;
-apply:
+    int upto = layer >= rr->last_param_layer ? ring_buckets(rr->r) - 1 : bucket_of(rr, rr->layer_start[layer]);
     if (train_stop_requested()) {
         rr->hook_rc = 2;
         rr->stopped = 1;
@@ -455,7 +452,7 @@ static int compute(ring_run *rr)
     }
     /* a diverged task says so here: its neighbour would refuse the piece
      * (400); with --overlap the all-reduce thread checks each bucket before
-     * it sends it, and reduce() says so (the buckets are being summed now) */
+     * it sends it, and apply_pending says so (the buckets are being summed now) */
     int64_t bad = rr->ov ? -1 : tensor_find_nonfinite(rb->grads, c->layout.n_params + 1);
     if (bad >= 0)
         return own_nonfinite(rr, bad);
@@ -471,15 +468,9 @@ static int reduce(ring_run *rr)
     const train_config *c = rr->c;
     char err[512];
     double t0 = clk_mono_secs();
-    int64_t bad = -1;
-    int arc = rr->ov ? ring_overlap_end(rr->ov, &bad, err, sizeof(err))
-                     : ring_allreduce(rr->r, rr->step, rr->rb.grads, rr->local == 0 ? RING_START_SECS : 0, err,
-                                      sizeof(err));
+    int arc = ring_allreduce(rr->r, rr->step, rr->rb.grads, rr->local == 0 ? RING_START_SECS : 0, err,
+                             sizeof(err));
     rr->t_comm += clk_mono_secs() - t0;
-    if (arc == -3) /* --overlap: the bucket holding it was not sent */
-        return own_nonfinite(rr, bad);
-    if (arc < -3) /* cancelled: compute() ends those */
-        snprintf(err, sizeof(err), "the all-reduce thread stopped");
     if (arc == -2) {
         rr->stopped = 1;
         return -1;
