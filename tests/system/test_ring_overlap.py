@@ -21,7 +21,7 @@ import pytest
 
 from conftest import BIN, binary, http
 from procs import finish
-from test_ring import Procs, check_hashes, hosts, ring_job
+from test_ring import Procs, check_hashes, hosts, ring_job, wait_healthz
 from test_train import DATA, load_model, needs_data
 
 
@@ -123,12 +123,7 @@ def test_the_ring_endpoint_checks_a_pieces_edges(procs):
     procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0", "--floats=10",
                  "--piece_bytes=8", "--timeout_secs=30", "--edges=3"])
     base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if http("GET", base + "/healthz", timeout=1)[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.05)
+    wait_healthz(base)
     body = np.arange(2, dtype="<f4").tobytes()
     q = "step=0&k=0&offset=0&from=1&n=2&floats=10"
     for extra, status, words in (("", 409, "--overlap"), ("&edges=1", 409, "--overlap"),
