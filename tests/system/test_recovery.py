@@ -298,7 +298,8 @@ def test_kill_a_worker_and_the_chief_in_async_training(jobs):
     at = job.step()
     chief.kill()
     chief.wait()
-    job.wait_step(at + 200)
+    # (a slow rejoin can leave fewer than 200 steps: then worker 1 goes on to the end)
+    job.wait_step(min(at + 200, steps))
     # restart the chief: it finds the variables and does not initialize them again
     chief_b = job.worker(0)
     outs = job.finish([w1b, chief_b])
