@@ -198,6 +198,14 @@ def bed_job(batch, overlap):
         psd.finish(20)
 
 
+def step_line(label, times, c, t_wire, overlap):
+    """One arm's best step beside the larger of compute c and transfer t_wire (the target <= 1.25x)."""
+    s, big = min(times), max(c, t_wire)
+    verdict = f"   target <= 1.25x: {'PASS' if s <= 1.25 * big else 'BELOW'}" if overlap == "true" else ""
+    print(f"{label} --overlap={overlap:5s} {s * 1e3:6.0f} ms ({min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}): "
+          f"{s / big:.2f}x the larger, {s / (c + t_wire):.2f}x the sum{verdict}", flush=True)
+
+
 def ring_job(batch, overlap):
     """Seconds a step of a 2-task ring job on the bed (the chief's lines)."""
     port = free_port()
@@ -227,10 +235,7 @@ def ring_part(reps, per_ex):
     print(f"compute C (workerd --local) {c * 1e3:.0f} ms, transfer T ({4 * CNN_PARAMS / 1e6:.1f} MB each way at "
           f"once) {t_wire * 1e3:.0f} ms: max {big * 1e3:.0f} ms, sum {(c + t_wire) * 1e3:.0f} ms")
     for ov in ("false", "true"):
-        s = best[ov]
-        verdict = f"   target <= 1.25x: {'PASS' if s <= 1.25 * big else 'BELOW'}" if ov == "true" else ""
-        print(f"ring step --overlap={ov:5s} {s * 1e3:6.0f} ms ({min(got[ov]) * 1e3:.0f}-{max(got[ov]) * 1e3:.0f}): "
-              f"{s / big:.2f}x the larger, {s / (c + t_wire):.2f}x the sum{verdict}", flush=True)
+        step_line("ring step", got[ov], c, t_wire, ov)
 
 
 def bed_part(reps, which=("ps", "ring")):
@@ -265,10 +270,7 @@ def bed_part(reps, which=("ps", "ring")):
               f"{GOODPUT * 8 / 1e9:.3f} Gbit/s) {t_wire * 1e3:.0f} ms: max {big * 1e3:.0f} ms, sum "
               f"{(c + t_wire) * 1e3:.0f} ms")
         for ov in ("false", "true"):
-            s = best[ov]
-            verdict = f"   target <= 1.25x: {'PASS' if s <= 1.25 * big else 'BELOW'}" if ov == "true" else ""
-            print(f"step --overlap={ov:5s} {s * 1e3:6.0f} ms ({min(got[ov]) * 1e3:.0f}-{max(got[ov]) * 1e3:.0f}): "
-                  f"{s / big:.2f}x the larger, {s / (c + t_wire):.2f}x the sum{verdict}", flush=True)
+            step_line("step", got[ov], c, t_wire, ov)
             sp = seen.get(ov, {})
             print(f"    its timeline (GET /v1/timeline, ms a step; spans overlap with --overlap): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in sorted(sp.items())))

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import BIN, binary, http
 from procs import finish
-from test_ring import Procs, check_hashes, hosts, ring_job, wait_healthz
+from test_ring import Procs, check_hashes, hosts, ring_job, ring_sum, wait_healthz
 from test_train import DATA, load_model, needs_data
 
 
@@ -32,19 +32,12 @@ def procs():
     ps.stop()
 
 
-def ring_sum(procs, tmp_path, xs, tag, extra):
-    n = len(xs)
-    h = hosts(n)
-    ps = []
-    for r in range(n):
-        xs[r].tofile(tmp_path / f"in{r}.f32")
-        ps.append(procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", f"--task_index={r}",
-                               f"--input={tmp_path}/in{r}.f32", f"--output={tmp_path}/{tag}{r}.f32",
-                               "--steps=2", "--piece_bytes=40000", "--timeout_secs=20"] + extra))
-    outs = [finish(p) for p in ps]
-    for rc, out in outs:
+def sums(procs, tmp_path, xs, name, extra):
+    """test_ring's ring_sum, every rank with extra: the results as arrays, the outputs."""
+    _, res = ring_sum(procs, tmp_path, name, xs, [extra] * len(xs))
+    for rc, out, _ in res:
         assert rc == 0, out
-    return [np.fromfile(tmp_path / f"{tag}{r}.f32", "<f4") for r in range(n)], outs
+    return [np.frombuffer(b, "<f4") for _, _, b in res], [(rc, out) for rc, out, _ in res]
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -52,10 +45,10 @@ def test_buckets_sum_to_the_same_bytes_as_the_whole_buffer(n, procs, tmp_path):
     rng = np.random.default_rng(40 + n)
     floats = 100_003
     xs = [rng.standard_normal(floats).astype("<f4") for _ in range(n)]
-    plain, _ = ring_sum(procs, tmp_path, xs, "plain", [])
+    plain, _ = sums(procs, tmp_path, xs, "plain", [])
     # edges one float in, in the middle of pieces, next to chunk ends, one float before the end
     edges = [1, 4_999, 33_334, 33_335, 50_001, 99_000, floats - 1]
-    got, outs = ring_sum(procs, tmp_path, xs, "buck", ["--edges=" + ",".join(map(str, edges))])
+    got, outs = sums(procs, tmp_path, xs, "buck", ["--edges=" + ",".join(map(str, edges))])
     want = np.sum([x.astype(np.float64) for x in xs], axis=0)
     for g in got + plain:
         assert g.tobytes() == plain[0].tobytes(), "buckets changed a sum, or workers disagree"
