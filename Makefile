@@ -44,7 +44,7 @@ SERVER_SRC = server/bufpool.c server/store.c server/sync_agg.c server/worker_sta
              server/route_params.c server/route_grads.c server/route_vars.c server/route_config.c \
              server/route_run.c server/route_placement.c server/route_sync.c server/route_timeline.c server/route_status.c \
              server/route_history.c server/route_metrics.c server/route_events.c \
-             server/route_checkpoint.c server/route_web.c server/route_rows.c server/etag.c
+             server/route_checkpoint.c server/route_web.c server/route_rows.c server/etag.c server/grad_slices.c
 # client/, a folder a concept (each with one public header; includes name the
 # folder, "model/model.h", and point down: workerd -> pipeline -> ring, shards,
 # data -> model; libps -> common)
@@ -55,7 +55,7 @@ MODEL_SRC    = client/model/model.c client/model/model_spec.c client/model/model
 DEVICE_SRC   = client/model/model_device.c
 DATA_SRC     = client/data/idx.c client/data/batcher.c client/data/langid.c
 SHARDS_SRC   = client/shards/shards.c client/shards/placement.c client/shards/heartbeat.c \
-               client/shards/step_timeline.c client/shards/overlap.c
+               client/shards/step_timeline.c client/shards/overlap.c client/shards/topk.c
 RING_SRC     = client/ring/ring.c client/ring/ring_ckpt.c client/ring/ring_overlap.c
 PIPELINE_SRC = client/pipeline/pipeline_plan.c client/pipeline/pipeline_schedule.c client/pipeline/pipeline_mailbox.c \
                client/pipeline/pipeline_ring.c client/pipeline/pipeline_link.c client/pipeline/pipeline_ps.c

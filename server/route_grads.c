@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grad_slices.h"
 #include "push_stream.h"
 #include "routes.h"
 #include "sparse_set.h"
@@ -300,6 +301,26 @@ enum MHD_Result h_grads_post(request *r)
         memmove(data - mis, data, data_len);
         data -= mis;
     }
+    /* a dense variable's gradient by ids (top-k): its dense gradient from now on */
+    blob *dense = NULL;
+    {
+        int dr = grad_slices_densify(&req_srv(r)->store, req_srv(r)->pool, &f, data, &dense, err, sizeof(err));
+        if (dr != 0) {
+            rc = http_reply_error(r, dr == -2 ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_BAD_REQUEST, "%s", err);
+            goto out;
+        }
+        if (dense) {
+            st_file_free(&f);
+            f = (st_file){0};
+            b = dense;
+            if (st_read_prefix(b->data, b->len, &hl, err, sizeof(err)) != 0 ||
+                st_parse_header(b->data + 8, hl, b->len - 8 - hl, &f, err, sizeof(err)) != 0) {
+                rc = http_reply_error(r, MHD_HTTP_INTERNAL_SERVER_ERROR, "%s", err);
+                goto out;
+            }
+            data = b->data + 8 + hl;
+        }
+    }
     grads_head h;
     {
         int status;
@@ -335,6 +356,7 @@ enum MHD_Result h_grads_post(request *r)
     rc = grads_answer(r, src, err, &h, gstep, outcome);
 out:
     blob_unref(wide);
+    blob_unref(dense);
     st_file_free(&f);
     return rc;
 }

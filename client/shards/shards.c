@@ -70,6 +70,12 @@ int shards_set_wire(shards *sh, wire_dtype d)
     return 0;
 }
 
+int shards_set_topk(shards *sh, double ratio)
+{
+    topk_free(&sh->tk);
+    return ratio > 0 ? topk_init(&sh->tk, ratio, sh->L->n_params) : 0;
+}
+
 void shards_free(shards *sh)
 {
     for (int i = 0; sh->s && i < sh->n; i++) {
@@ -81,6 +87,7 @@ void shards_free(shards *sh)
     free(sh->s);
     sh->s = NULL;
     placement_free(&sh->pl);
+    topk_free(&sh->tk);
 }
 
 int shards_create(shards *sh, const float *params, int *created, int *existing)
@@ -343,6 +350,86 @@ static int gate_piece(void *arg, int k)
     return g->sh->st.layer_ready(g->sh->st.arg, g->sh->L->tensors[pc->tensor].layer);
 }
 
+/* --topk_ratio: shard i's body (its dense gradients at dense, in piece
+ * order; wbuf's 16-bit ones) with each piece that gets smaller as its pick,
+ * "NAME:ids" (I32) and "NAME:values" (the wire's dtype: F32 or BF16; F32
+ * with fp16), the others whole; descriptors into d (2 n_p room), the bytes
+ * into b. 0, or -1 out of memory. */
+typedef struct topk_body {
+    char *names;          /* 2 n_p names of TOPK_NAME bytes */
+    tensor_shape *shapes; /* 2 n_p */
+    unsigned char *data;
+    size_t len;
+    int nd;
+} topk_body;
+#define TOPK_NAME (TENSOR_NAME_MAX + 16)
+
+static int topk_build(shards *sh, int i, const float *dense, st_desc *d, topk_body *b)
+{
+    const shard *s = &sh->s[i];
+    const size_t esize = wire_dtype_size(sh->wire);
+    const int bf16 = sh->wire == WIRE_BF16;
+    const size_t vsize = bf16 ? 2 : 4;
+    b->names = malloc((size_t)(2 * s->n_p + 1) * TOPK_NAME);
+    b->shapes = malloc(sizeof(tensor_shape) * (size_t)(2 * s->n_p + 1));
+    b->data = malloc(s->floats * esize + 8);
+    if (!b->names || !b->shapes || !b->data)
+        return -1;
+    size_t pos = 0; /* floats of the shard before this piece */
+    b->len = 0;
+    b->nd = 0;
+    for (int k = 0; k < s->n_p; k++) {
+        const place_piece *pc = &sh->pl.pieces[s->p[k]];
+        const int64_t numel = (int64_t)pc->numel;
+        int64_t kk = topk_count(&sh->tk, numel, vsize, esize);
+        if (kk > 0 && tensor_find_nonfinite(dense + pos, pc->numel) >= 0)
+            kk = 0; /* whole: the ps refuses it, as it refuses any NaN */
+        if (kk > 0) {
+            int32_t *ids = (int32_t *)(b->data + b->len);
+            float *vals = malloc(sizeof(float) * (size_t)kk);
+            if (!vals || topk_pick(&sh->tk, dense + pos, pc->offset, numel, kk, ids, vals) != 0) {
+                free(vals);
+                return -1;
+            }
+            unsigned char *v = b->data + b->len + 4 * (size_t)kk;
+            if (bf16) {
+                wire_encode(WIRE_BF16, vals, (size_t)kk, 1.0f, v);
+                for (int64_t j = 0; j < kk; j++) { /* the cast's rounding stays behind */
+                    float sent;
+                    wire_decode(WIRE_BF16, v + 2 * j, 1, 1.0f, &sent);
+                    topk_keep_rounding(&sh->tk, pc->offset, ids[j], vals[j], sent);
+                }
+            } else {
+                memcpy(v, vals, 4 * (size_t)kk);
+            }
+            free(vals);
+            b->len += (4 + vsize) * (size_t)kk;
+            for (int h = 0; h < 2; h++) {
+                char *nm = b->names + (size_t)b->nd * TOPK_NAME;
+                snprintf(nm, TOPK_NAME, "%s%s", pc->name, h ? ":values" : ":ids");
+                b->shapes[b->nd] = (tensor_shape){.ndim = 1, .dims = {kk}};
+                d[b->nd] = (st_desc){nm, h ? (bf16 ? "BF16" : "F32") : "I32", &b->shapes[b->nd]};
+                b->nd++;
+            }
+        } else {
+            const void *src = sh->wire == WIRE_F32 ? (const void *)(dense + pos) : (const void *)(s->wbuf + pos);
+            memcpy(b->data + b->len, src, pc->numel * esize);
+            b->len += pc->numel * esize;
+            topk_sent_whole(&sh->tk, pc->offset, numel);
+            d[b->nd++] = (st_desc){pc->name, wire_dtype_st(sh->wire), &pc->shape};
+        }
+        pos += pc->numel;
+    }
+    return 0;
+}
+
+static void topk_body_free(topk_body *b)
+{
+    free(b->names);
+    free(b->shapes);
+    free(b->data);
+}
+
 /* One push to every shard (ret: with each shard's variables back into
  * params, shards_push_pull). */
 static int push_all(shards *sh, const float *grads, const push_meta *m, const shard_extra *extra, float *ret,
@@ -359,7 +446,10 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
     const float *dense[sh->n];
     ps_part *parts[sh->n]; /* streaming: the pieces, last layer first, straight from grads */
     push_gate gates[sh->n];
-    const int stream = sh->st.push && sh->wire == WIRE_F32 && !extra;
+    const int tk = sh->tk.ratio > 0 && !extra;
+    const int stream = sh->st.push && sh->wire == WIRE_F32 && !extra && !tk;
+    topk_body tb[sh->n];
+    memset(tb, 0, sizeof(tb));
     memset(heads, 0, sizeof(heads));
     memset(joined, 0, sizeof(joined));
     memset(parts, 0, sizeof(parts));
@@ -376,21 +466,29 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
         const int ne = extra ? extra[i].n : 0;
         if (s->n_p == 0 && ne == 0)
             continue; /* nothing of the model there (ps 0 always holds something) */
-        st_desc d[s->n_p + ne];
+        st_desc d[2 * s->n_p + ne + 1];
+        int nd = s->n_p; /* descriptors: one a piece (--topk_ratio: two where picked) */
+        if (tk && topk_build(sh, i, dense[i], d, &tb[i]) != 0) {
+            fprintf(stderr, "workerd: out of memory building a push\n");
+            rc = PS_ENOMEM;
+            goto out;
+        }
         if (stream && !(parts[i] = malloc(sizeof(ps_part) * (size_t)(s->n_p ? s->n_p : 1)))) {
             fprintf(stderr, "workerd: out of memory building a push\n");
             rc = PS_ENOMEM;
             goto out;
         }
-        for (int k = 0; k < s->n_p; k++) {
+        for (int k = 0; k < s->n_p && !tk; k++) {
             const place_piece *pc = &sh->pl.pieces[s->p[stream ? s->n_p - 1 - k : k]];
             d[k] = (st_desc){pc->name, wire_dtype_st(sh->wire), &pc->shape};
             if (stream)
                 parts[i][k] = (ps_part){grads + pc->offset, pc->numel * 4};
         }
         gates[i] = (push_gate){sh, i};
+        if (tk)
+            nd = tb[i].nd;
         for (int k = 0; k < ne; k++)
-            d[s->n_p + k] = extra[i].d[k];
+            d[nd + k] = extra[i].d[k];
         snprintf(stp[i], sizeof(stp[i]), "%lld", (long long)s->step);
         const char *meta[14] = {"worker", worker, "step", stp[i], "loss", loss, "batch_size", batch};
         int nm = 4;
@@ -404,13 +502,17 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
         }
         char err[256];
         size_t hl;
-        if (st_header_build(d, s->n_p + ne, meta, nm, &heads[i], &hl, err, sizeof(err)) != 0) {
+        if (st_header_build(d, nd + ne, meta, nm, &heads[i], &hl, err, sizeof(err)) != 0) {
             fprintf(stderr, "workerd: %s\n", err);
             rc = PS_EINVAL;
             goto out;
         }
         const void *data = sh->wire == WIRE_F32 ? (const void *)dense[i] : (const void *)s->wbuf;
         size_t data_len = s->floats * esize;
+        if (tk) {
+            data = tb[i].data;
+            data_len = tb[i].len;
+        }
         if (ne > 0) {
             size_t total = data_len;
             for (int k = 0; k < ne; k++)
@@ -450,6 +552,8 @@ static int push_all(shards *sh, const float *grads, const push_meta *m, const sh
     }
     if ((rc = ps_push_grads_many(sh->c, r, n)) != PS_OK)
         goto out;
+    if (tk) /* taken: what the picks left is the residual now */
+        topk_commit(&sh->tk);
     for (int i = 0; i < sh->n; i++)
         sh->s[i].want = sh->s[i].step + 1;
     *outcome = r[0].outcome;
@@ -473,6 +577,7 @@ out:
         free(heads[i]);
         free(joined[i]);
         free(parts[i]);
+        topk_body_free(&tb[i]);
     }
     return rc;
 }

@@ -14,6 +14,7 @@
 #include "model/model.h"
 #include "shards/heartbeat.h"
 #include "shards/placement.h"
+#include "shards/topk.h"
 
 typedef struct shard {
     int n_p;                    /* pieces on this shard, in buffer order */
@@ -66,6 +67,7 @@ typedef struct shards {
     int64_t clean;     /* pushes since the scale last moved */
     int64_t backoffs;  /* times it was halved */
     shards_stream st;
+    topk tk; /* --topk_ratio (shards_set_topk): ratio 0 = off */
 } shards;
 
 int shards_init(shards *sh, ps_client *c, const model_layout *L, place_policy policy,
@@ -125,6 +127,11 @@ int shards_push(shards *sh, const float *grads, const push_meta *m, int64_t *ste
 #define SHARDS_SCALE_START 65536.0
 #define SHARDS_SCALE_GROWTH_STEPS 1000
 int shards_set_wire(shards *sh, wire_dtype d);
+
+/* --topk_ratio: from now on a push carries the largest ratio of each
+ * piece's gradient by ids (topk.h; ratio 0: whole again). 0, or -1 out of
+ * memory. */
+int shards_set_topk(shards *sh, double ratio);
 
 /* shards_push, one round trip: each shard answers with its variables after
  * the update (POST /v1/grads?return=params), copied into params as a pull

@@ -97,7 +97,7 @@ static int connect_ps(worker *w)
     w->pc = train_connect_ps(c, c->timeout_ms);
     if (!w->pc ||
         shards_init(&w->sh, w->pc, &c->layout, c->placement, c->partition_bytes, err, sizeof(err)) != 0 ||
-        shards_set_wire(&w->sh, (wire_dtype)c->wire) != 0) {
+        shards_set_wire(&w->sh, (wire_dtype)c->wire) != 0 || shards_set_topk(&w->sh, c->topk_ratio) != 0) {
         fprintf(stderr, "workerd: out of memory\n");
         return -1;
     }
@@ -247,7 +247,9 @@ static void prepare(worker *w)
     }
     /* --overlap: the transfers on a thread of their own (float32 only: a
      * 16-bit push is cast, and scaled, whole) */
-    if (c->overlap && c->wire == WIRE_F32 && overlap_worth_it(w) &&
+    if (c->overlap && c->topk_ratio > 0)
+        printf("%s: --overlap is off with --topk_ratio (a push picks over each whole gradient)\n", c->name);
+    if (c->overlap && c->wire == WIRE_F32 && c->topk_ratio == 0 && overlap_worth_it(w) &&
         (!(w->ov_push = ov_job_new()) || !(w->ov = overlap_new(&w->sh))))
         fprintf(stderr, "workerd: %s: no thread for --overlap: training without it\n", c->name);
     w->max_local = c->num_epochs > 0

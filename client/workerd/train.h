@@ -49,6 +49,7 @@ typedef struct train_config {
     double num_epochs;      /* leave after this many epochs of own batches; 0 = no end */
     int step_delay_ms;      /* test hook: sleep this long in each step */
     int wire;               /* --wire_dtype: a wire_dtype (WIRE_F32, WIRE_BF16, WIRE_F16) */
+    double topk_ratio;      /* --topk_ratio: 0, or the fraction of each gradient a push carries */
     int one_round_trip;     /* async/SSP: the push answers with the parameters (no pull) */
     int overlap;            /* --overlap: transfers layer by layer beside the compute (shards/overlap.h) */
     uint64_t overlap_min_bytes; /* ... where at least this many bytes lie past the model's first layer */

@@ -216,6 +216,11 @@ static int configure_ps_flags(train_config *c, const workerd_flags *f)
         return 2;
     }
     c->wire = (int)wd;
+    if (!(f->topk_ratio == 0 || (f->topk_ratio > 0 && f->topk_ratio < 1))) {
+        fprintf(stderr, "workerd: --topk_ratio must be 0 (off) or above 0 and below 1, got %g\n", (double)f->topk_ratio);
+        return 2;
+    }
+    c->topk_ratio = f->topk_ratio;
     c->one_round_trip = f->one_round_trip;
     c->overlap = f->overlap;
     c->overlap_min_bytes = f->overlap_min;
@@ -425,6 +430,13 @@ static int run_role(train_config *c, const workerd_flags *f)
         /* what moves there is not the bulk push and pull --wire_dtype casts */
         fprintf(stderr, "workerd: --wire_dtype=%s is for training with the ps (async, sync, stale-synchronous); %s "
                         "moves float32\n", wire_dtype_name((wire_dtype)c->wire),
+                f->local ? "--local" : c->data_langid ? "--data=langid" : c->pipeline_stages ? "--pipeline_stages"
+                                                                                           : "--allreduce=ring");
+        return 2;
+    }
+    if (c->topk_ratio > 0 && (f->local || c->data_langid || c->pipeline_stages || c->ring)) {
+        fprintf(stderr, "workerd: --topk_ratio is for training with the ps (async, sync, stale-synchronous); %s "
+                        "sends its tensors whole\n",
                 f->local ? "--local" : c->data_langid ? "--data=langid" : c->pipeline_stages ? "--pipeline_stages"
                                                                                            : "--allreduce=ring");
         return 2;

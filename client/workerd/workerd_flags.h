@@ -12,6 +12,7 @@ typedef struct workerd_flags {
     const char *token_file, *tls_ca, *data_dir;
     const char *data;   /* --data: fashion-mnist (default) or langid */
     const char *wire_dtype_s; /* --wire_dtype: fp32 (default), bf16, fp16 */
+    float topk_ratio;         /* --topk_ratio: 0 (off) or the fraction of each gradient pushed */
     int one_round_trip;       /* --one_round_trip (default 1) */
     int overlap;              /* --overlap (default 0) */
     uint64_t overlap_min;     /* --overlap_min_bytes (default 1 MiB) */

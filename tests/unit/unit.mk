@@ -22,6 +22,7 @@ UNIT_TESTS += test_push_in_body
 UNIT_TESTS += test_onnx_export
 UNIT_TESTS += test_sparse_table
 UNIT_TESTS += test_wire_dtype
+UNIT_TESTS += test_topk
 IDX_OBJ = $(BUILD)/client/data/idx.o
 # The fixtures the tests share (tests/unit/store_fixture.h, fake_ps.h): a
 # store on a pool of its own (with the server's objects), a fake ps (with libps)
@@ -53,6 +54,8 @@ $(BIN)/test_retry: $(BUILD)/tests/unit/test_retry.o $(FAKE_PS_OBJ) $(BUILD)/libp
 	$(LINK) $(LDLIBS_CLIENT) -lcmocka
 $(BIN)/test_while_waiting: $(BUILD)/tests/unit/test_while_waiting.o $(FAKE_PS_OBJ) $(BUILD)/libps.a
 	$(LINK) $(LDLIBS_CLIENT) -lcmocka
+$(BIN)/test_topk: $(BUILD)/tests/unit/test_topk.o $(BUILD)/client/shards/topk.o
+	$(LINK) -lm -lcmocka
 $(BIN)/test_placement: $(BUILD)/tests/unit/test_placement.o $(BUILD)/client/shards/placement.o \
                        $(BUILD)/client/model/model_spec.o $(BUILD)/common/errmsg.o
 	$(LINK) -ljansson -lm -lcmocka
