@@ -16,12 +16,19 @@ parts 2 and 3), each measured against its peer in the same run.
 3. Bandwidth: 4 sync workers and 1 ps, each on its own host of the test bed
    (deploy/netns/hosts.sh, 1 Gbit/s NICs, bench/hosts.py's ps_job), a
    transfer-bound model (mlp:1024,1024, batch 16): steps/s with bf16 against
-   fp32 (target >= 1.7x). Needs root; skipped otherwise, saying so.
+   fp32 (target >= 1.7x), and with --topk_ratio=TOPK_RATIO (fp32 and bf16
+   pulls: the pushes carry ids and values, the pulls stay dense). Needs root;
+   skipped otherwise, saying so.
+4. Top-k with error feedback (--topk_ratio, issue 33's optional part): the
+   example's sync run with sgd (784-100-10, 0.05, 2 workers x batch 50,
+   TOPK_STEPS steps), dense against --topk_ratio=TOPK_RATIO, for each of
+   WIRE_SEEDS: the mean test accuracy of each (DGC and BytePS report within
+   a point) and the push bytes (psd's /metrics) of each.
 
 Prints figures beside their targets; exit status non-zero only when a run
 broke. Environment: WIRE_REPS (3), WIRE_ROUNDTRIP_STEPS (3000), WIRE_STEPS
 (10000), WIRE_SEEDS ("1 2 3"), WIRE_CNN (0), WIRE_CNN_STEPS (550),
-WIRE_HOSTS (1), RESTPS_BIN_DIR (bin)."""
+WIRE_HOSTS (1), TOPK_RATIO (0.01), TOPK_STEPS (3000), RESTPS_BIN_DIR (bin)."""
 import os
 import re
 import subprocess
@@ -43,6 +50,8 @@ SEEDS = [int(s) for s in os.environ.get("WIRE_SEEDS", "1 2 3").split()]
 CNN = os.environ.get("WIRE_CNN", "0") == "1"
 CNN_STEPS = int(os.environ.get("WIRE_CNN_STEPS", "550"))
 HOSTS = os.environ.get("WIRE_HOSTS", "1") == "1"
+TOPK = os.environ.get("TOPK_RATIO", "0.01")
+TOPK_STEPS = int(os.environ.get("TOPK_STEPS", "3000"))
 
 
 def env():
@@ -68,6 +77,11 @@ class Psd:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
         return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in text.splitlines()
                    if ln.startswith("restps_requests_total{") and f'route="{route}"' in ln)
+
+    def bytes_in(self, route):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read().decode()
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("restps_received_bytes_total{") and f'route="{route}"' in ln)
 
     def stop(self):
         if self.p.poll() is None:
@@ -169,13 +183,42 @@ def bandwidth():
     hb.hosts("up", str(hb.MAX_PS + 4), f"--rate={hb.RATE}")
     try:
         t = {}
-        for dt in ("fp32", "bf16"):
-            t[dt], _ = hb.ps_job(4, 1, extra=(f"--wire_dtype={dt}",))
+        for dt in ("fp32", "bf16", "fp32+topk", "bf16+topk"):
+            wire = dt.split("+")[0]
+            extra = (f"--wire_dtype={wire}",) + ((f"--topk_ratio={TOPK}",) if "topk" in dt else ())
+            t[dt], _ = hb.ps_job(4, 1, extra=extra)
             print(f"{dt}: {t[dt] * 1e3:.0f} ms a step ({1 / t[dt]:.2f} steps/s)", flush=True)
         r = t["fp32"] / t["bf16"]
         print(f"bf16 {r:.2f}x fp32's steps/s (target >= 1.7x: {'PASS' if r >= 1.7 else 'BELOW'})", flush=True)
+        for dt in ("fp32+topk", "bf16+topk"):
+            print(f"{dt} (--topk_ratio={TOPK}) {t['fp32'] / t[dt]:.2f}x fp32's steps/s (no target: the pulls stay "
+                  f"dense, so at most 2x, bf16 pulls 4x)", flush=True)
     finally:
         hb.hosts("down", check=False)
+
+
+def topk_parity():
+    print(f"== top-k with error feedback: the example's sync run (784-100-10, sgd 0.05, 2 workers x batch 50, "
+          f"{TOPK_STEPS} steps), dense vs --topk_ratio={TOPK}, seeds {SEEDS} (load {os.getloadavg()[0]:.2f})",
+          flush=True)
+    args = [f"--train_steps={TOPK_STEPS}", "--sync=1", "--hidden_units=100", "--batch_size=50", "--threads=1",
+            "--optimizer=sgd", "--learning_rate=0.05"]
+    acc, sent = {}, {}
+    for seed in SEEDS:
+        for r in ("0", TOPK):
+            outs, ps = job(2, args + [f"--seed={seed}", f"--topk_ratio={r}"], keep_ps=True)
+            try:
+                sent.setdefault(r, []).append(ps.bytes_in("/v1/grads"))
+            finally:
+                ps.stop()
+            acc.setdefault(r, []).append(accuracy(outs))
+            print(f"seed {seed} topk_ratio {r}: test accuracy {acc[r][-1]:.4f}, push bytes {sent[r][-1] / 1e6:.1f} MB",
+                  flush=True)
+    mean = {r: sum(v) / len(v) for r, v in acc.items()}
+    d = (mean[TOPK] - mean["0"]) * 100
+    print(f"dense's seeds span {min(acc['0']):.4f}-{max(acc['0']):.4f}; top-k mean {mean[TOPK]:.4f} vs dense "
+          f"{mean['0']:.4f}: {d:+.2f} points (within a point: {'PASS' if abs(d) <= 1 else 'BELOW'}) with "
+          f"{sum(sent['0']) / sum(sent[TOPK]):.0f}x fewer push bytes", flush=True)
 
 
 def main():
@@ -194,6 +237,7 @@ def main():
                            "--learning_rate=0.001", "--threads=1"])
     else:
         print("the CNN's parity: WIRE_CNN=1 (sync CNN runs take ~15 min each on 2 cores)")
+    topk_parity()
     if HOSTS:
         bandwidth()
     return 0
