@@ -385,12 +385,16 @@ static int topk_build(shards *sh, int i, const float *dense, st_desc *d, topk_bo
         if (kk > 0 && tensor_find_nonfinite(dense + pos, pc->numel) >= 0)
             kk = 0; /* whole: the ps refuses it, as it refuses any NaN */
         if (kk > 0) {
-            int32_t *ids = (int32_t *)(b->data + b->len);
+            /* (picked aside: the body's bytes need not be 4-byte aligned
+             * after a 16-bit piece of an odd count) */
+            int32_t *ids = malloc(sizeof(int32_t) * (size_t)kk);
             float *vals = malloc(sizeof(float) * (size_t)kk);
-            if (!vals || topk_pick(&sh->tk, dense + pos, pc->offset, numel, kk, ids, vals) != 0) {
+            if (!ids || !vals || topk_pick(&sh->tk, dense + pos, pc->offset, numel, kk, ids, vals) != 0) {
+                free(ids);
                 free(vals);
                 return -1;
             }
+            memcpy(b->data + b->len, ids, 4 * (size_t)kk);
             unsigned char *v = b->data + b->len + 4 * (size_t)kk;
             if (bf16) {
                 wire_encode(WIRE_BF16, vals, (size_t)kk, 1.0f, v);
@@ -402,6 +406,7 @@ static int topk_build(shards *sh, int i, const float *dense, st_desc *d, topk_bo
             } else {
                 memcpy(v, vals, 4 * (size_t)kk);
             }
+            free(ids);
             free(vals);
             b->len += (4 + vsize) * (size_t)kk;
             for (int h = 0; h < 2; h++) {
