@@ -68,6 +68,19 @@ static int find_pairs(store *s, const st_file *f, pair *p, int *pair_of, char *e
     return n;
 }
 
+/* Id k of an ids tensor's bytes (I64 when wide, else I32; any alignment). */
+static int64_t id_at(const unsigned char *ids, int wide, int64_t k)
+{
+    if (wide) {
+        int64_t id;
+        memcpy(&id, ids + 8 * k, 8);
+        return id;
+    }
+    int32_t id;
+    memcpy(&id, ids + 4 * k, 4);
+    return id;
+}
+
 /* The checks of one pair (its ids in range and distinct: seen is numel
  * bits, zeroed); 0 or -1 (err). */
 static int check_pair(const st_file *f, const unsigned char *data, const pair *p, unsigned char *seen, char *err,
@@ -92,14 +105,7 @@ static int check_pair(const st_file *f, const unsigned char *data, const pair *p
     int64_t n = ti->shape.dims[0];
     const unsigned char *ids = data + ti->begin;
     for (int64_t k = 0; k < n; k++) {
-        int64_t id;
-        if (wide) {
-            memcpy(&id, ids + 8 * k, 8);
-        } else {
-            int32_t i32;
-            memcpy(&i32, ids + 4 * k, 4);
-            id = i32;
-        }
+        int64_t id = id_at(ids, wide, k);
         if (id < 0 || id >= p->numel) {
             snprintf(err, errlen, "'%s' element %lld is %lld: outside 0..%lld", ti->name, (long long)k,
                      (long long)id, (long long)(p->numel - 1));
@@ -122,14 +128,7 @@ static void scatter(const st_file *f, const unsigned char *data, const pair *p, 
     int wide = strcmp(ti->dtype, "I64") == 0, bf16 = strcmp(tv->dtype, "BF16") == 0;
     memset(dst, 0, (size_t)p->numel * 4);
     for (int64_t k = 0; k < ti->shape.dims[0]; k++) {
-        int64_t id;
-        if (wide) {
-            memcpy(&id, data + ti->begin + 8 * k, 8);
-        } else {
-            int32_t i32;
-            memcpy(&i32, data + ti->begin + 4 * k, 4);
-            id = i32;
-        }
+        int64_t id = id_at(data + ti->begin, wide, k);
         float v;
         if (bf16)
             wire_decode(WIRE_BF16, data + tv->begin + 2 * k, 1, 1.0f, &v);
@@ -143,6 +142,11 @@ int grad_slices_densify(store *s, bufpool *pool, const st_file *f, const unsigne
                         char *err, size_t errlen)
 {
     *out = NULL;
+    int any = 0; /* most pushes name no pair: nothing to allocate for them */
+    for (int k = 0; k < f->n_tensors && !any; k++)
+        any = strchr(f->tensors[k].name, ':') != NULL;
+    if (!any)
+        return 0;
     int nt = f->n_tensors ? f->n_tensors : 1;
     pair *p = malloc(sizeof(pair) * (size_t)nt);
     int *pair_of = malloc(sizeof(int) * (size_t)nt);
