@@ -9,11 +9,22 @@ import subprocess
 from conftest import SANITIZER_MARKS
 
 
+_given = set()
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 free right now (bound to port 0, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 free right now (bound to port 0, then closed),
+    never one this process handed out before: the kernel may give a port just
+    closed again, and a test that asks for several (a cluster's addresses)
+    would get the same one twice."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
+    raise RuntimeError("no fresh free port on 127.0.0.1")
 
 
 def communicate(p, timeout, what="did not finish"):
