@@ -23,6 +23,10 @@ link moves 2 (N-1)/N M each way at once; plus the compute time measured alone
 Then one worker's NIC at 1/10 of the others' (4 workers, 1 ps): the step rate
 with a backup worker (--replicas_to_aggregate=3) against the all-fast rate.
 
+Then the ring's all-reduce alone (bin/ring_allreduce, no model) of 64 MiB,
+N = 2 and 4 tasks, against its bytes' time 2 (N-1)/N x 64 MiB / R (each link
+sends that and receives as much at once); target <= 1.6x (issue 33, part 4).
+
 Needs root (network namespaces): elsewhere it says so and skips. Writes
 bench/out/hosts.md and prints it. Environment: HOSTS_STEPS (25), HOSTS_N
 ("1,2,4,8"), RESTPS_BIN_DIR (bin)."""
@@ -131,6 +135,23 @@ def ring_job(n):
     return step_secs(workers[0]), int(m.group(1)) if m else None
 
 
+def ring_alone(n, floats=16 << 20, steps=7, warmup=2):
+    """The slower task's median all-reduce of `floats` floats over n tasks (secs)."""
+    port = next(port_seq)
+    wk = ",".join(f"{addr(MAX_PS + i)}:{port}" for i in range(n))
+    tasks = [Task(MAX_PS + i, [f"{BIN}/ring_allreduce", f"--worker_hosts={wk}", f"--task_index={i}",
+                               f"--floats={floats}", f"--steps={steps}", f"--warmup={warmup}"]) for i in range(n)]
+    worst = 0.0
+    for t in tasks:
+        if t.finish(300) != 0:
+            raise RuntimeError("ring_allreduce failed:\n" + t.text()[-2000:])
+        m = re.search(r"median ([\d.]+) s over", t.text())
+        if not m:
+            raise RuntimeError("no median in:\n" + t.text()[-2000:])
+        worst = max(worst, float(m.group(1)))
+    return worst
+
+
 def cpu_times():
     """(busy, total) jiffies of every core so far (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -232,6 +253,15 @@ def run_all():
                   f"all-fast rate",
                   f"- one slow, --replicas_to_aggregate=3 (a backup worker): {1 / slow_backup:.2f} steps/s "
                   f"= {fast / slow_backup:.2f}x the all-fast rate (target >= 0.8x)"]
+    lines += ["", "The ring's all-reduce of 64 MiB alone (bin/ring_allreduce, median of 5 after 2, the slower task), "
+              "against its bytes' time 2 (N-1)/N x 64 MiB / 125 MB/s (target <= 1.6x):"]
+    for n in (2, 4):
+        if n > max(NS):
+            continue
+        (t, busy) = busy_during(ring_alone, n)
+        limit = 2 * (n - 1) / n * (64 << 20) / R
+        lines.append(f"- N = {n}: {t * 1e3:.0f} ms, bytes' time {limit * 1e3:.0f} ms: {t / limit:.2f}x "
+                     f"({'PASS' if t / limit <= 1.6 else 'BELOW'}; cores {busy * 100:.0f}% busy)")
     text = "\n".join(lines)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "hosts.md"), "w") as f:

@@ -1,7 +1,8 @@
 /* ring.c - ring all-reduce over HTTP (or HTTPS): the endpoint each worker
  * serves (libmicrohttpd, GnuTLS with a certificate), the pushes to the right
- * neighbour (libcurl, one keep-alive handle), and the reduce-scatter /
- * all-gather between them. See ring.h. */
+ * neighbour (libcurl: sender threads, each with its own keep-alive handle,
+ * taking the pieces from a queue), and the reduce-scatter / all-gather
+ * between them. See ring.h. */
 #include "ring/ring.h"
 
 #include <arpa/inet.h>
@@ -44,12 +45,53 @@
 #define RING_BODY_GRACE_SECS 10 /* then a piece's body must average 1 KiB/s (the shared layer's floor) */
 
 #define RING_CHANS 2
+/* Senders per channel, each on its own keep-alive connection to the right
+ * neighbour, taking the channel's queued pieces in order: while one awaits
+ * its piece's answer, the next piece is on the wire (with one connection the
+ * link sat idle for a round trip after every piece, the answer queued behind
+ * the neighbour's own data coming this way). */
+#define RING_TX 2
+#define RING_QUEUE 64 /* pieces queued on a channel before the all-reduce waits */
+#define RING_CANCELLED (-3) /* a send cut because another failed (never returned) */
 
-typedef struct ring_chan {
+struct ring_chan;
+
+typedef struct ring_tx {
+    struct ring *r;
+    struct ring_chan *ch;
     CURL *curl;
     char resp[512];
     size_t resp_len;
     char curl_err[CURL_ERROR_SIZE];
+    pthread_t thread;
+    int started;
+} ring_tx;
+
+/* One piece to send: step's ring step k, at `offset` floats into its chunk. */
+typedef struct ring_job {
+    int64_t step;
+    int k;
+    size_t offset, n;
+    const float *data;
+    double patience; /* retry what may pass for this long */
+} ring_job;
+
+typedef struct ring_chan {
+    /* tx[RING_TX]: the all-reduce's own connection, for a piece that has
+     * nothing to overlap with (enqueue) */
+    ring_tx tx[RING_TX + 1];
+    int work_init;
+    /* under the ring's mu */
+    pthread_cond_t work; /* a piece was queued, or the senders are to stop */
+    ring_job q[RING_QUEUE];
+    size_t head, len; /* the queue: q[head] and the len - 1 after it, cyclically */
+    int busy;         /* pieces the senders took and are sending */
+    int stop;
+    /* the first failure: -1 with err, -2 (abort), RING_CANCELLED (the
+     * all-reduce failed itself); then the queue is dropped and the sends in
+     * flight are cut. Read without the lock by the senders' progress hook. */
+    _Atomic int rc;
+    char err[512];
 } ring_chan;
 
 struct ring {
@@ -93,8 +135,8 @@ struct ring {
     pthread_mutex_t mu;
     pthread_cond_t cv;
 
-    /* the keep-alive handles the pushes go out on: channel 0 for every bucket
-     * but the first, channel 1 for the first (ring_allreduce_bucket), so the
+    /* the senders the pushes go out through: channel 0 for every bucket but
+     * the first, channel 1 for the first (ring_allreduce_bucket), so the
      * first layers' sum need not wait behind the last layers' */
     ring_chan ch[RING_CHANS];
     struct curl_slist *hdrs, *auth; /* auth: the token alone (the state fetch); NULL: none */
@@ -397,7 +439,7 @@ static enum MHD_Result ring_wrong_method(http_req *q, const char *pattern, const
 
 static size_t on_body(char *p, size_t size, size_t n, void *ctx)
 {
-    ring_chan *r = ctx;
+    ring_tx *r = ctx;
     size_t len = size * n, room = sizeof(r->resp) - 1 - r->resp_len;
     size_t k = len < room ? len : room;
     memcpy(r->resp + r->resp_len, p, k);
@@ -407,9 +449,9 @@ static size_t on_body(char *p, size_t size, size_t n, void *ctx)
 }
 
 /* The "error" of a JSON error body, or the body itself. */
-static const char *resp_error(const ring_chan *r)
+static const char *resp_error(const ring_tx *r)
 {
-    static __thread char out[sizeof(((ring_chan *)0)->resp)];
+    static __thread char out[sizeof(((ring_tx *)0)->resp)];
     json_t *j = json_loads(r->resp, 0, NULL);
     const char *e = j ? json_string_value(json_object_get(j, "error")) : NULL;
     snprintf(out, sizeof(out), "%s", e ? e : r->resp);
@@ -563,9 +605,21 @@ static int tls_refused(ring *r, int i, CURLcode cc, const char *curl_err, const 
     }
 }
 
-/* POST one piece to the right neighbour, retrying what may pass (it is not up
- * yet, a 5xx) until `deadline`. */
-static int send_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t offset, const float *data, size_t n,
+/* A sender's transfer goes on while its channel has not failed. */
+static int tx_progress(void *ctx, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal, curl_off_t ulnow)
+{
+    (void)dltotal;
+    (void)dlnow;
+    (void)ultotal;
+    (void)ulnow;
+    const ring_tx *t = ctx;
+    return atomic_load(&t->ch->rc) != 0;
+}
+
+/* POST one piece to the right neighbour on sender ch's connection, retrying
+ * what may pass (it is not up yet, a 5xx) until `deadline`. 0, -1 with err,
+ * -2 (abort), RING_CANCELLED (its channel failed meanwhile). */
+static int send_piece(ring *r, ring_tx *ch, int64_t step, int k, size_t offset, const float *data, size_t n,
                       double deadline, char *err, size_t errlen)
 {
     char url[PEER_MAX + 200];
@@ -583,6 +637,8 @@ static int send_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t offset
         curl_easy_setopt(ch->curl, CURLOPT_POSTFIELDS, (const char *)data);
         curl_easy_setopt(ch->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
         CURLcode cc = curl_easy_perform(ch->curl);
+        if (atomic_load(&ch->ch->rc) != 0)
+            return RING_CANCELLED;
         long status = 0;
         if (cc == CURLE_OK)
             curl_easy_getinfo(ch->curl, CURLINFO_RESPONSE_CODE, &status);
@@ -622,8 +678,92 @@ static int send_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t offset
     }
 }
 
-/* Wait until piece p of ring step k holds step's data. */
-static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, double patience,
+/* ---- the senders ---- */
+
+static void *tx_main(void *arg)
+{
+    ring_tx *t = arg;
+    ring *r = t->r;
+    ring_chan *ch = t->ch;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        while (!ch->stop && (ch->len == 0 || atomic_load(&ch->rc) != 0))
+            pthread_cond_wait(&ch->work, &r->mu);
+        if (ch->stop)
+            break;
+        ring_job j = ch->q[ch->head];
+        ch->head = (ch->head + 1) % RING_QUEUE;
+        ch->len--;
+        ch->busy++;
+        pthread_mutex_unlock(&r->mu);
+        char err[sizeof(ch->err)];
+        int rc = send_piece(r, t, j.step, j.k, j.offset, j.data, j.n, clk_mono_secs() + j.patience, err,
+                            sizeof(err));
+        pthread_mutex_lock(&r->mu);
+        ch->busy--;
+        if (rc && rc != RING_CANCELLED && atomic_load(&ch->rc) == 0) {
+            snprintf(ch->err, sizeof(ch->err), "%s", err);
+            atomic_store(&ch->rc, rc);
+            ch->len = 0;
+        }
+        pthread_cond_broadcast(&r->cv); /* the all-reduce waits on it: for room, the drain, a piece */
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+/* Queue a piece on ch (waiting for room while the queue is full). 0, or
+ * the channel's failure with err. The last piece of a ring step, when
+ * nothing is queued or in flight (a small buffer's one piece), goes out from
+ * here at once: a hand-off to a sender would cost two thread wake-ups and
+ * overlap nothing. */
+static int enqueue(ring *r, ring_chan *ch, int64_t step, int k, size_t offset, const float *data, size_t n,
+                   double patience, int last, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&r->mu);
+    if (last && ch->len == 0 && ch->busy == 0 && atomic_load(&ch->rc) == 0) {
+        pthread_mutex_unlock(&r->mu);
+        return send_piece(r, &ch->tx[RING_TX], step, k, offset, data, n, clk_mono_secs() + patience, err, errlen);
+    }
+    while (atomic_load(&ch->rc) == 0 && ch->len == RING_QUEUE)
+        pthread_cond_wait(&r->cv, &r->mu);
+    int rc = atomic_load(&ch->rc);
+    if (rc == 0) {
+        ch->q[(ch->head + ch->len) % RING_QUEUE] =
+            (ring_job){.step = step, .k = k, .offset = offset, .n = n, .data = data, .patience = patience};
+        ch->len++;
+        pthread_cond_signal(&ch->work);
+    } else {
+        errmsg(err, errlen, "%s", ch->err);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+/* The end of an all-reduce's sends on ch: every queued piece sent (its
+ * floats may change then), or, when it failed (rc != 0) or a send did, the
+ * queue dropped and the sends in flight cut. Returns rc when non-zero (err
+ * as the caller set it), else the channel's failure (err) or 0; the channel
+ * is ready for the next all-reduce. */
+static int drain(ring *r, ring_chan *ch, int rc, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&r->mu);
+    if (rc && atomic_load(&ch->rc) == 0)
+        atomic_store(&ch->rc, RING_CANCELLED);
+    if (atomic_load(&ch->rc) != 0)
+        ch->len = 0;
+    while (ch->len || ch->busy)
+        pthread_cond_wait(&r->cv, &r->mu);
+    if (!rc && (rc = atomic_load(&ch->rc)) != 0)
+        errmsg(err, errlen, "%s", ch->err);
+    atomic_store(&ch->rc, 0);
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+/* Wait until piece p of ring step k holds step's data (or a send on ch
+ * failed: its error). */
+static int wait_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t p, double deadline, double patience,
                       char *err, size_t errlen)
 {
     int64_t *st = slot_steps(r, step, k);
@@ -631,6 +771,10 @@ static int wait_piece(ring *r, int64_t step, int k, size_t p, double deadline, d
     pthread_mutex_lock(&r->mu);
     while (st[p] != step) {
         double t = clk_mono_secs();
+        if ((rc = atomic_load(&ch->rc)) != 0) {
+            errmsg(err, errlen, "%s", ch->err);
+            break;
+        }
         if (r->abort && r->abort()) {
             rc = -2;
             break;
@@ -681,37 +825,40 @@ int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_
     ring_chan *ch = &r->ch[b == 0 && r->n_buckets > 1];
     double patience = wait_secs > r->timeout ? wait_secs : r->timeout;
     double deadline = clk_mono_secs() + patience;
-    /* ring step 0: this worker's own chunk */
+    int rc = 0;
+    /* ring step 0: this worker's own chunk. A piece goes out while the next
+     * is summed: its floats stay as they are until drain() (this worker
+     * writes a chunk's floats again only once their sum came round the
+     * ring, which it was part of) */
     int c = r->rank;
     size_t j0, j1 = bucket_pieces(r, c, b, &j0);
-    for (size_t j = j0; j < j1; j++) {
+    for (size_t j = j0; j < j1 && !rc; j++) {
         size_t o = r->pstart[r->pbase[c] + j];
-        int rc = send_piece(r, ch, step, 0, o, buf + r->off[c] + o, piece_len(r, c, j), deadline, err, errlen);
-        if (rc)
-            return rc;
-        deadline = clk_mono_secs() + patience;
+        rc = enqueue(r, ch, step, 0, o, buf + r->off[c] + o, piece_len(r, c, j), patience, j + 1 == j1, err,
+                     errlen);
     }
-    for (int k = 0; k < r->K; k++) {
+    for (int k = 0; k < r->K && !rc; k++) {
         c = recv_chunk(r, k);
         const float *in = slot(r, step, k);
         float *own = buf + r->off[c];
         j1 = bucket_pieces(r, c, b, &j0);
         for (size_t j = j0; j < j1; j++) {
             size_t o = r->pstart[r->pbase[c] + j], m = piece_len(r, c, j);
-            int rc = wait_piece(r, step, k, j, deadline, patience, err, errlen);
-            if (rc)
-                return rc;
+            if ((rc = wait_piece(r, ch, step, k, j, deadline, patience, err, errlen)) != 0)
+                break;
             if (k < r->n - 1)
                 for (size_t i = 0; i < m; i++) /* the left partial sum + this worker's */
                     own[o + i] = in[o + i] + own[o + i];
             else
                 memcpy(own + o, in + o, m * 4);
-            if (k + 1 < r->K && (rc = send_piece(r, ch, step, k + 1, o, own + o, m,
-                                                 clk_mono_secs() + patience, err, errlen)) != 0)
-                return rc;
+            if (k + 1 < r->K &&
+                (rc = enqueue(r, ch, step, k + 1, o, own + o, m, patience, j + 1 == j1, err, errlen)) != 0)
+                break;
             deadline = clk_mono_secs() + patience;
         }
     }
+    if ((rc = drain(r, ch, rc, err, errlen)) != 0)
+        return rc;
     if (b == 0)
         atomic_fetch_add(&r->allreduces, 1);
     return 0;
@@ -1107,8 +1254,11 @@ static int new_curl(ring *r, const ring_options *o)
             return NEW_OOM;
         r->hdrs = l;
     }
-    for (int i = 0; i < RING_CHANS; i++) {
-        CURL *h = r->ch[i].curl = curl_easy_init();
+    for (int i = 0; i < RING_CHANS * (RING_TX + 1); i++) {
+        ring_tx *t = &r->ch[i / (RING_TX + 1)].tx[i % (RING_TX + 1)];
+        t->r = r;
+        t->ch = &r->ch[i / (RING_TX + 1)];
+        CURL *h = t->curl = curl_easy_init();
         if (!h)
             return NEW_OOM;
         curl_easy_setopt(h, CURLOPT_HTTPHEADER, r->hdrs);
@@ -1123,11 +1273,48 @@ static int new_curl(ring *r, const ring_options *o)
         curl_easy_setopt(h, CURLOPT_TIMEOUT_MS,
                          o->timeout_secs < 1e9 ? (long)(o->timeout_secs * 1000) + 1000 : 0L);
         curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_body);
-        curl_easy_setopt(h, CURLOPT_WRITEDATA, &r->ch[i]);
-        curl_easy_setopt(h, CURLOPT_ERRORBUFFER, r->ch[i].curl_err);
+        curl_easy_setopt(h, CURLOPT_WRITEDATA, t);
+        curl_easy_setopt(h, CURLOPT_ERRORBUFFER, t->curl_err);
+        curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, tx_progress);
+        curl_easy_setopt(h, CURLOPT_XFERINFODATA, t);
+        curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
         set_tls(r, h);
     }
+    for (int i = 0; i < RING_CHANS; i++) {
+        if (pthread_cond_init(&r->ch[i].work, NULL) != 0)
+            return NEW_OOM;
+        r->ch[i].work_init = 1;
+    }
+    if (r->n > 1) /* a ring of one sends nothing */
+        for (int i = 0; i < RING_CHANS * RING_TX; i++) {
+            ring_tx *t = &r->ch[i / RING_TX].tx[i % RING_TX];
+            if (pthread_create(&t->thread, NULL, tx_main, t) != 0)
+                return NEW_OOM;
+            t->started = 1;
+        }
     return 0;
+}
+
+/* The senders stopped and their handles freed. */
+static void free_senders(ring *r)
+{
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < RING_CHANS; i++) {
+        r->ch[i].stop = 1;
+        if (r->ch[i].work_init)
+            pthread_cond_broadcast(&r->ch[i].work);
+    }
+    pthread_mutex_unlock(&r->mu);
+    for (int i = 0; i < RING_CHANS * (RING_TX + 1); i++) {
+        ring_tx *t = &r->ch[i / (RING_TX + 1)].tx[i % (RING_TX + 1)];
+        if (t->started)
+            pthread_join(t->thread, NULL);
+        if (t->curl)
+            curl_easy_cleanup(t->curl);
+    }
+    for (int i = 0; i < RING_CHANS; i++)
+        if (r->ch[i].work_init)
+            pthread_cond_destroy(&r->ch[i].work);
 }
 
 /* The endpoint, served on peers[rank]'s port. 0, NEW_FAILED (err) or
@@ -1237,10 +1424,8 @@ void ring_free(ring *r)
         if (atomic_load(&r->mismatch))
             sleep_ms(RING_MISMATCH_LINGER_MS);
     }
+    free_senders(r);
     http_server_free(r->srv); /* every connection closed, the tracker stopped */
-    for (int i = 0; i < RING_CHANS; i++)
-        if (r->ch[i].curl)
-            curl_easy_cleanup(r->ch[i].curl);
     curl_slist_free_all(r->hdrs);
     curl_slist_free_all(r->auth);
     free(r->slots);
