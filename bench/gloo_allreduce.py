@@ -13,8 +13,10 @@ all-reduce of M bytes moves M bytes each way at once, so it cannot take less
 than M / bw at the bandwidth bench/loopback.py measures in the same run.
 Neither side calls BLAS (the sum is a loop over floats). Targets: 318 KB
 median <= 0.5x gloo's; 64 MiB within 2x of its bytes' time at that
-bandwidth (issue 20), and within 1.6x (issue 33, part 4: the ring's
-persistent stream, not built; printed beside it). Every process is started here on free 127.0.0.1 ports and stopped
+bandwidth (issue 20), and within 1.6x (issue 33, part 4; printed beside it:
+on loopback the "wire" is the cores' own copying, which the two tasks share,
+so the figure that holds the ring to a link is bench/hosts.py's, on the test
+bed). Every process is started here on free 127.0.0.1 ports and stopped
 by PID; never fails on a figure.
 
     /usr/bin/python3 bench/gloo_allreduce.py [--bin=bin] [--runs=5]

@@ -8,7 +8,8 @@
  * with one fully summed chunk, an all-gather (N-1 steps: receive, copy, pass
  * on) hands the sums round. Chunks travel in pieces (--ring_piece_bytes), and
  * a piece is passed on as soon as it is added, so sending and receiving
- * overlap. Each chunk is summed along one path in one order, and everyone
+ * overlap; pieces go out through sender threads with a connection each, so
+ * the next one is on the wire while a piece awaits its answer. Each chunk is summed along one path in one order, and everyone
  * copies the result, so all workers end with bit-identical buffers. Each
  * worker sends 2(N-1)/N of the buffer per all-reduce, whatever N is.
  *
