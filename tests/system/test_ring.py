@@ -604,6 +604,60 @@ def test_a_neighbour_refusing_the_token_stops_the_ring_at_once_naming_it(procs, 
         srv.server_close()
 
 
+def test_a_piece_refused_while_others_are_in_flight_stops_the_all_reduce_at_once_naming_it(procs):
+    # worker 1's address: a server that takes worker 0's first pieces (204)
+    # and refuses the rest (409), and never sends any: worker 0 queues ~100
+    # pieces on its senders and then waits for its left neighbour (that same
+    # server); the refusal must end the all-reduce at once, not after the
+    # 30 s timeout, and the pieces still queued must not go out
+    import http.server
+    import threading
+
+    seen = []
+
+    class Half(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen.append(time.time())
+            if len(seen) <= 5:
+                self.send_response(204)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            b = b'{"error": "not this piece"}\n'
+            self.send_response(409)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b)))
+            self.end_headers()
+            self.wfile.write(b)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Half)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        peer1 = f"127.0.0.1:{srv.server_address[1]}"
+        h = f"127.0.0.1:{free_port()},{peer1}"
+        t0 = time.time()
+        rc, out = finish(procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0",
+                                      "--floats=200000", "--piece_bytes=4000", "--timeout_secs=30"]), timeout=60)
+        secs = time.time() - t0
+        assert rc != 0, out
+        lines = [ln for ln in out.splitlines() if ln.startswith("ring_allreduce: ")]
+        assert len(lines) == 1, out[-3000:]
+        assert f"worker 1 ({peer1}) refused a piece: HTTP 409: not this piece" in lines[0], out[-3000:]
+        assert secs < 10, (secs, out[-3000:])
+        # 100 pieces of 1,000 floats in worker 0's chunk: after the first
+        # refusal at most the other sender's piece, and one it may retry, came
+        assert 6 <= len(seen) <= 8, len(seen)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 # --- HTTPS on the ring (workerd --ring_tls_cert/--ring_tls_key, trusting --tls_ca) ---
 # A CA, another CA, and certificates for 127.0.0.1 made with Debian's openssl
 # (an implementation apart from the ring's GnuTLS server and its libcurl client).
