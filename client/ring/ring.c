@@ -696,7 +696,7 @@ static void *tx_main(void *arg)
         ch->len--;
         ch->busy++;
         pthread_mutex_unlock(&r->mu);
-        char err[sizeof(ch->err)];
+        char err[sizeof(ch->err)] = ""; /* (-2, abort, says nothing) */
         int rc = send_piece(r, t, j.step, j.k, j.offset, j.data, j.n, clk_mono_secs() + j.patience, err,
                             sizeof(err));
         pthread_mutex_lock(&r->mu);
