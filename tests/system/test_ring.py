@@ -23,6 +23,7 @@
   priority string (or one without TLS 1.2/1.3) exits 2 with the reason; the
   first lines and /v1/status say https.
 """
+import contextlib
 import json
 import os
 import re
@@ -558,31 +559,57 @@ def test_a_task_with_another_token_or_none_fails_at_once_naming_the_chief(procs,
         c.wait()
 
 
-@needs_data
-def test_a_neighbour_refusing_the_token_stops_the_ring_at_once_naming_it(procs, tmp_path):
-    # worker 1's address: a server that refuses every request as a ring task
-    # with another token does (reading the body first)
+def answer(handler, status, body=b"", headers=()):
+    """An http.server handler's whole answer: status, headers, a JSON body (or none)."""
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k, v)
+    if body:
+        handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@contextlib.contextmanager
+def fake_neighbour(on_post):
+    """A server on a free 127.0.0.1 port standing in for a ring task: each POST's
+    body is read, then on_post(handler, n) answers it (n: the POSTs so far,
+    this one included); yields its "host:port"."""
     import http.server
     import threading
 
-    class Refuse(http.server.BaseHTTPRequestHandler):
+    count = [0]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            b = b'{"error": "missing or wrong bearer token for POST /v1/ring/chunk"}\n'
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(b)))
-            self.end_headers()
-            self.wfile.write(b)
+            count[0] += 1
+            on_post(self, count[0])
 
         def log_message(self, *a):
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        peer1 = f"127.0.0.1:{srv.server_address[1]}"
+        yield f"127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@needs_data
+def test_a_neighbour_refusing_the_token_stops_the_ring_at_once_naming_it(procs, tmp_path):
+    # worker 1's address: a server that refuses every request as a ring task
+    # with another token does (reading the body first)
+    def refuse(h, n):
+        answer(h, 401, b'{"error": "missing or wrong bearer token for POST /v1/ring/chunk"}\n',
+               [("WWW-Authenticate", "Bearer")])
+
+    with fake_neighbour(refuse) as peer1:
         h = f"127.0.0.1:{free_port()},{peer1}"
         argv = [binary("workerd"), "--allreduce=ring", f"--worker_hosts={h}", "--task_index=0",
                 f"--data_dir={DATA}", "--logdir=", "--train_steps=20", "--batch_size=20", "--log_every=0"]
@@ -599,9 +626,6 @@ def test_a_neighbour_refusing_the_token_stops_the_ring_at_once_naming_it(procs, 
                              rf"{re.escape(words)}: start every task with the same --auth_token_file", lines[0]), \
                 out[-3000:]
             assert secs < 30, secs
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 def test_a_piece_refused_while_others_are_in_flight_stops_the_all_reduce_at_once_naming_it(procs):
@@ -610,36 +634,16 @@ def test_a_piece_refused_while_others_are_in_flight_stops_the_all_reduce_at_once
     # pieces on its senders and then waits for its left neighbour (that same
     # server); the refusal must end the all-reduce at once, not after the
     # 30 s timeout, and the pieces still queued must not go out
-    import http.server
-    import threading
-
     seen = []
 
-    class Half(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def half(h, n):
+        seen.append(n)
+        if n <= 5:
+            answer(h, 204)
+        else:
+            answer(h, 409, b'{"error": "not this piece"}\n')
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            seen.append(time.time())
-            if len(seen) <= 5:
-                self.send_response(204)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            b = b'{"error": "not this piece"}\n'
-            self.send_response(409)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(b)))
-            self.end_headers()
-            self.wfile.write(b)
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Half)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        peer1 = f"127.0.0.1:{srv.server_address[1]}"
+    with fake_neighbour(half) as peer1:
         h = f"127.0.0.1:{free_port()},{peer1}"
         t0 = time.time()
         rc, out = finish(procs.start([binary("ring_allreduce"), f"--worker_hosts={h}", "--task_index=0",
@@ -653,9 +657,6 @@ def test_a_piece_refused_while_others_are_in_flight_stops_the_all_reduce_at_once
         # 100 pieces of 1,000 floats in worker 0's chunk: after the first
         # refusal at most the other sender's piece, and one it may retry, came
         assert 6 <= len(seen) <= 8, len(seen)
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 # --- HTTPS on the ring (workerd --ring_tls_cert/--ring_tls_key, trusting --tls_ca) ---
