@@ -693,7 +693,8 @@ static void *tx_main(void *arg)
             break;
         ring_job j = ch->q[ch->head];
         ch->head = (ch->head + 1) % RING_QUEUE;
-        ch->len--;
+        if (ch->len-- == RING_QUEUE)
+            pthread_cond_broadcast(&r->cv); /* room for an enqueue that waits */
         ch->busy++;
         pthread_mutex_unlock(&r->mu);
         char err[sizeof(ch->err)] = ""; /* (-2, abort, says nothing) */
@@ -762,12 +763,16 @@ static int drain(ring *r, ring_chan *ch, int rc, char *err, size_t errlen)
 }
 
 /* Wait until piece p of ring step k holds step's data (or a send on ch
- * failed: its error). */
+ * failed: its error). The left neighbour's patience counts from the end of
+ * this worker's own sends (as when each send blocked): past the deadline
+ * with pieces still queued or in flight, the wait goes on for theirs (a
+ * sender ends by its own deadline), so a right neighbour that cannot be
+ * reached is named as such, not the left one that waits for this worker. */
 static int wait_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t p, double deadline, double patience,
                       char *err, size_t errlen)
 {
     int64_t *st = slot_steps(r, step, k);
-    int rc = 0;
+    int rc = 0, held = 0; /* held: the deadline passed while this worker's sends went on */
     pthread_mutex_lock(&r->mu);
     while (st[p] != step) {
         double t = clk_mono_secs();
@@ -779,7 +784,13 @@ static int wait_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t p, dou
             rc = -2;
             break;
         }
-        if (t >= deadline) {
+        if (ch->len || ch->busy) {
+            held |= t >= deadline;
+        } else if (held) { /* they ended (a sender's broadcast woke this wait) */
+            held = 0;
+            deadline = t + patience;
+        }
+        if (t >= deadline && !held) {
             int left = ring_mod(r->rank - 1, r->n);
             errmsg(err, errlen,
                    "nothing from worker %d (%s), the left neighbour, for %.0f s (step %lld, ring step %d): "
@@ -789,7 +800,7 @@ static int wait_piece(ring *r, ring_chan *ch, int64_t step, int k, size_t p, dou
             break;
         }
         /* wake at least every 200 ms to see abort() */
-        double until = deadline < t + 0.2 ? deadline : t + 0.2;
+        double until = deadline < t + 0.2 && !held ? deadline : t + 0.2;
         double add = until - t; /* at most 0.2 s: whole milliseconds, rounded up */
         struct timespec ts = clk_mono_after_ms(add > 0 ? (int64_t)(add * 1000.0 + 0.999) : 0);
         pthread_cond_timedwait(&r->cv, &r->mu, &ts);
@@ -837,6 +848,7 @@ int ring_allreduce_bucket(ring *r, int64_t step, float *buf, int b, double wait_
         rc = enqueue(r, ch, step, 0, o, buf + r->off[c] + o, piece_len(r, c, j), patience, j + 1 == j1, err,
                      errlen);
     }
+    deadline = clk_mono_secs() + patience; /* (enqueue may have waited for room) */
     for (int k = 0; k < r->K && !rc; k++) {
         c = recv_chunk(r, k);
         const float *in = slot(r, step, k);
