@@ -616,10 +616,10 @@ static int tx_progress(void *ctx, curl_off_t dltotal, curl_off_t dlnow, curl_off
     return atomic_load(&t->ch->rc) != 0;
 }
 
-/* POST one piece to the right neighbour on sender ch's connection, retrying
+/* POST one piece to the right neighbour on sender t's connection, retrying
  * what may pass (it is not up yet, a 5xx) until `deadline`. 0, -1 with err,
  * -2 (abort), RING_CANCELLED (its channel failed meanwhile). */
-static int send_piece(ring *r, ring_tx *ch, int64_t step, int k, size_t offset, const float *data, size_t n,
+static int send_piece(ring *r, ring_tx *t, int64_t step, int k, size_t offset, const float *data, size_t n,
                       double deadline, char *err, size_t errlen)
 {
     char url[PEER_MAX + 200];
@@ -630,18 +630,18 @@ static int send_piece(ring *r, ring_tx *ch, int64_t step, int k, size_t offset, 
     int right = ring_mod(r->rank + 1, r->n);
     long wait = 20;
     for (;;) {
-        ch->resp_len = 0;
-        ch->resp[0] = '\0';
-        ch->curl_err[0] = '\0';
-        curl_easy_setopt(ch->curl, CURLOPT_URL, url);
-        curl_easy_setopt(ch->curl, CURLOPT_POSTFIELDS, (const char *)data);
-        curl_easy_setopt(ch->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
-        CURLcode cc = curl_easy_perform(ch->curl);
-        if (atomic_load(&ch->ch->rc) != 0)
+        t->resp_len = 0;
+        t->resp[0] = '\0';
+        t->curl_err[0] = '\0';
+        curl_easy_setopt(t->curl, CURLOPT_URL, url);
+        curl_easy_setopt(t->curl, CURLOPT_POSTFIELDS, (const char *)data);
+        curl_easy_setopt(t->curl, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)(n * 4));
+        CURLcode cc = curl_easy_perform(t->curl);
+        if (atomic_load(&t->ch->rc) != 0)
             return RING_CANCELLED;
         long status = 0;
         if (cc == CURLE_OK)
-            curl_easy_getinfo(ch->curl, CURLINFO_RESPONSE_CODE, &status);
+            curl_easy_getinfo(t->curl, CURLINFO_RESPONSE_CODE, &status);
         if (cc == CURLE_OK && status >= 200 && status < 300) {
             atomic_fetch_add(&r->bytes_sent, (uint64_t)n * 4);
             return 0;
@@ -653,13 +653,13 @@ static int send_piece(ring *r, ring_tx *ch, int64_t step, int k, size_t offset, 
         }
         if (cc == CURLE_OK && status >= 400 && status < 500) {
             errmsg(err, errlen, "worker %d (%s) refused a piece: HTTP %ld: %s", right, r->peer[right],
-                   status, resp_error(ch));
+                   status, resp_error(t));
             return -1;
         }
         if (cc != CURLE_OK) {
             char who[PEER_MAX + 64];
             snprintf(who, sizeof(who), "worker %d (%s), the right neighbour", right, r->peer[right]);
-            if (tls_refused(r, right, cc, ch->curl_err, who, err, errlen))
+            if (tls_refused(r, right, cc, t->curl_err, who, err, errlen))
                 return -1;
         }
         if (r->abort && r->abort())
@@ -667,10 +667,10 @@ static int send_piece(ring *r, ring_tx *ch, int64_t step, int k, size_t offset, 
         if (clk_mono_secs() + (double)wait / 1000 > deadline) {
             if (cc != CURLE_OK)
                 errmsg(err, errlen, "cannot reach worker %d (%s), the right neighbour: %s: it died or was stopped",
-                       right, r->peer[right], ch->curl_err[0] ? ch->curl_err : curl_easy_strerror(cc));
+                       right, r->peer[right], t->curl_err[0] ? t->curl_err : curl_easy_strerror(cc));
             else
                 errmsg(err, errlen, "worker %d (%s), the right neighbour, answers HTTP %ld: %s", right,
-                       r->peer[right], status, resp_error(ch));
+                       r->peer[right], status, resp_error(t));
             return -1;
         }
         sleep_ms(wait);
